@@ -1,0 +1,10 @@
+// The register_* functions that module.cpp calls, one per binding file.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+namespace mok::mxfp8::bindings {
+
+void register_build_info(pybind11::module_& m);  // version(), build_info()
+
+}  // namespace mok::mxfp8::bindings

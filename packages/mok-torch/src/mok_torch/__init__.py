@@ -1,0 +1,45 @@
+"""mok: a deterministic mixture-of-experts training layer for PyTorch.
+
+    import mok_torch as mok
+    y = mok.moe(x, top_experts, router_weights, routed=(Wg, Wu, Wd), config=mok.MoKConfig())
+    layer = mok.MoELayer(hidden_size, intermediate_size, num_experts, topk)
+
+See DESIGN.md §9 for the whole API and §2 for what "deterministic" promises.
+"""
+
+from __future__ import annotations
+
+from .autograd import moe
+from .backends import available_backends, compiled_packages, register_backend, resolve_backend
+from .config import MoKConfig, default_minibatch_size
+from .functional import backward, build_schedule, forward, recompute_forward_context
+from .layer import MoELayer, route, stable_topk
+from .types import ForwardContext, Grads, Schedule
+from .workspace import Workspace, clear_workspace_cache, create_workspace, get_workspace
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ForwardContext",
+    "Grads",
+    "MoELayer",
+    "MoKConfig",
+    "Schedule",
+    "Workspace",
+    "__version__",
+    "available_backends",
+    "backward",
+    "build_schedule",
+    "clear_workspace_cache",
+    "compiled_packages",
+    "create_workspace",
+    "default_minibatch_size",
+    "forward",
+    "get_workspace",
+    "moe",
+    "recompute_forward_context",
+    "register_backend",
+    "resolve_backend",
+    "route",
+    "stable_topk",
+]

@@ -1,0 +1,206 @@
+"""The reference backend: the MoE layer in plain PyTorch, on any device.
+
+It is the executable statement of DESIGN.md: the schedule table of §4, the transfer
+directions of §5, the ring of §6 and the fixed reduction orders of §2, with torch
+collectives for transport. It reads sizes on the host and is slow; it is always available
+and every other backend is tested against its contract.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...config import MoKConfig
+from ...types import ForwardContext, Grads, Schedule
+from ...workspace import Workspace
+from . import transport
+from .experts import (
+    BF16,
+    ExpertWeights,
+    accumulate_wgrads,
+    combine_epilogue,
+    down,
+    gate_up,
+    row_backward,
+    swiglu,
+)
+from .ring import Block, plan_ring, replays_in_backward
+from .schedule import build_schedule as _build_schedule
+
+Weights3 = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _shared_weights(shared: Weights3 | None) -> ExpertWeights | None:
+    if shared is None:
+        return None
+    wg, wu, wd = shared
+    return ExpertWeights.from_weights(wg[None], wu[None], wd[None])
+
+
+def _wgrad(acc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return acc.to(dtype).contiguous()
+
+
+class ReferenceBackend:
+    name = "reference"
+
+    def unavailable_reason(self, precision: str, device: torch.device) -> str | None:
+        if precision != "bf16":
+            return f"the reference backend implements precision 'bf16' only, not {precision!r}"
+        return None
+
+    def build_schedule(self, ws: Workspace, cfg: MoKConfig, top_experts_TK: torch.Tensor) -> Schedule:
+        return _build_schedule(ws, top_experts_TK)
+
+    def _routed_pass(
+        self,
+        cfg: MoKConfig,
+        sched: Schedule,
+        x_TH: torch.Tensor,
+        weights: ExpertWeights,
+        *,
+        outputs: bool,
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Forward over the routed rows: (output rows [C, H] or None, ring x, ring a, ring b)."""
+        ws = sched.workspace
+        inner = weights.intermediate_size
+        plan = plan_ring(cfg, ws, sched, inner)
+        x_C = transport.pull(sched, x_TH)
+        out_C = x_TH.new_zeros(ws.capacity, ws.hidden_size) if outputs else None
+        ring_x = x_TH.new_empty(plan.ring_rows, ws.hidden_size)
+        ring_a = x_TH.new_empty(plan.ring_rows, inner)
+        ring_b = x_TH.new_empty(plan.ring_rows, inner)
+        macrobatches = plan.macrobatches()
+        # Last to first: the ring ends holding macrobatch 0. Without outputs, only it is needed.
+        for lo, hi in reversed(macrobatches) if outputs else macrobatches[:1]:
+            for mlo, mhi in plan.minibatches(lo, hi):
+                ring_x[mlo - lo : mhi - lo] = x_C[mlo:mhi]
+                block = Block(plan.offsets, mlo, mhi, x_TH.device)
+                w = weights.select(block.first, block.last)
+                a, b = gate_up(block.gather(ring_x, lo), w)
+                block.scatter(a, ring_a, lo)
+                block.scatter(b, ring_b, lo)
+                if out_C is not None:
+                    block.scatter(down(swiglu(a, b, cfg.swiglu_limit), w), out_C)
+        return out_C, ring_x, ring_a, ring_b
+
+    def forward(
+        self,
+        cfg: MoKConfig,
+        ws: Workspace,
+        sched: Schedule,
+        x_TH: torch.Tensor,
+        router_weights_TK: torch.Tensor,
+        routed: Weights3,
+        shared: Weights3 | None,
+    ) -> tuple[torch.Tensor, ForwardContext]:
+        T, K = sched.num_tokens, sched.topk
+        out_C, ring_x, ring_a, ring_b = self._routed_pass(
+            cfg, sched, x_TH, ExpertWeights.from_weights(*routed), outputs=True
+        )
+        assert out_C is not None
+        rows_TKH = transport.push(sched, out_C).view(T, K, ws.hidden_size)
+        shared_w = _shared_weights(shared)
+        ys_TH = shared_a = shared_b = None
+        if shared_w is not None:
+            shared_a, shared_b = gate_up(x_TH[None], shared_w)
+            ys_TH = down(swiglu(shared_a, shared_b, cfg.swiglu_limit), shared_w)[0]
+            shared_a, shared_b = shared_a[0], shared_b[0]
+        y_TH = combine_epilogue(ys_TH, rows_TKH, router_weights_TK.float())
+        ctx = ForwardContext(sched, self.name, ring_x, ring_a, ring_b, shared_a, shared_b)
+        return y_TH, ctx
+
+    def recompute_forward_context(
+        self,
+        cfg: MoKConfig,
+        ws: Workspace,
+        sched: Schedule,
+        x_TH: torch.Tensor,
+        routed: Weights3,
+        shared: Weights3 | None,
+    ) -> ForwardContext:
+        _, ring_x, ring_a, ring_b = self._routed_pass(
+            cfg, sched, x_TH, ExpertWeights.from_weights(*routed), outputs=False
+        )
+        shared_w = _shared_weights(shared)
+        shared_a = shared_b = None
+        if shared_w is not None:
+            shared_a, shared_b = gate_up(x_TH[None], shared_w)
+            shared_a, shared_b = shared_a[0], shared_b[0]
+        return ForwardContext(sched, self.name, ring_x, ring_a, ring_b, shared_a, shared_b)
+
+    def backward(
+        self,
+        cfg: MoKConfig,
+        ws: Workspace,
+        sched: Schedule,
+        ctx: ForwardContext,
+        dy_TH: torch.Tensor,
+        x_TH: torch.Tensor,
+        router_weights_TK: torch.Tensor,
+        routed: Weights3,
+        shared: Weights3 | None,
+        wgrad_dtype: torch.dtype,
+    ) -> Grads:
+        T, K, H = sched.num_tokens, sched.topk, ws.hidden_size
+        El = ws.num_local_experts
+        weights = ExpertWeights.from_weights(*routed)
+        inner = weights.intermediate_size
+        plan = plan_ring(cfg, ws, sched, inner)
+        dy_C = transport.pull(sched, dy_TH)
+        w_C = transport.pull(sched, router_weights_TK.float().reshape(-1), per_route=True)
+        # Replay re-pulls x for the macrobatches the ring no longer holds.
+        x_C = transport.pull(sched, x_TH) if replays_in_backward(cfg, ws) else None
+        dx_C = dy_TH.new_zeros(ws.capacity, H)
+        dw_C = torch.zeros(ws.capacity, dtype=torch.float32, device=dy_TH.device)
+        # fp32 weight-gradient partials, carried across every minibatch and macrobatch.
+        d_gate_up = torch.zeros(El, 2 * inner, H, dtype=torch.float32, device=dy_TH.device)
+        d_down = torch.zeros(El, H, inner, dtype=torch.float32, device=dy_TH.device)
+        for m, (lo, hi) in enumerate(plan.macrobatches()):  # first to last
+            for mlo, mhi in plan.minibatches(lo, hi):
+                block = Block(plan.offsets, mlo, mhi, dy_TH.device)
+                w = weights.select(block.first, block.last)
+                if m == 0:
+                    xs = block.gather(ctx.x_routed_MH, lo)
+                    a, b = block.gather(ctx.a_MI, lo), block.gather(ctx.b_MI, lo)
+                else:
+                    assert x_C is not None
+                    xs = block.gather(x_C)
+                    a, b = gate_up(xs, w)
+                dys, ws_ = block.gather(dy_C), block.gather(w_C)
+                rg = row_backward(xs, a, b, dys, ws_, w, cfg.swiglu_limit)
+                block.scatter(rg.dx, dx_C)
+                block.scatter(rg.d_w, dw_C)
+                accumulate_wgrads(
+                    xs, dys, ws_, rg, d_gate_up[block.first : block.last], d_down[block.first : block.last]
+                )
+        dxr_TKH = transport.push(sched, dx_C).view(T, K, H)
+        d_router = transport.push(sched, dw_C).view(T, K).to(router_weights_TK.dtype)
+
+        shared_w = _shared_weights(shared)
+        dxs_TH = None
+        d_shared = None
+        if shared_w is not None:
+            assert ctx.shared_a_TIs is not None and ctx.shared_b_TIs is not None
+            x1, dy1 = x_TH[None], dy_TH[None]
+            rg = row_backward(x1, ctx.shared_a_TIs[None], ctx.shared_b_TIs[None], dy1, None, shared_w, cfg.swiglu_limit)
+            inner_s = shared_w.intermediate_size
+            ds_gate_up = torch.zeros(1, 2 * inner_s, H, dtype=torch.float32, device=dy_TH.device)
+            ds_down = torch.zeros(1, H, inner_s, dtype=torch.float32, device=dy_TH.device)
+            accumulate_wgrads(x1, dy1, None, rg, ds_gate_up, ds_down)
+            dxs_TH = rg.dx[0]
+            d_shared = (
+                _wgrad(ds_gate_up[0, :inner_s], wgrad_dtype),
+                _wgrad(ds_gate_up[0, inner_s:], wgrad_dtype),
+                _wgrad(ds_down[0], wgrad_dtype),
+            )
+        dx_TH = combine_epilogue(dxs_TH, dxr_TKH, None)
+        d_routed = (
+            _wgrad(d_gate_up[:, :inner], wgrad_dtype),
+            _wgrad(d_gate_up[:, inner:], wgrad_dtype),
+            _wgrad(d_down, wgrad_dtype),
+        )
+        return Grads(dx_TH, d_router, d_routed, d_shared)
+
+
+__all__ = ["BF16", "ReferenceBackend"]

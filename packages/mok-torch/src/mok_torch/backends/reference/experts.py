@@ -1,0 +1,155 @@
+"""The expert math of DESIGN.md §1 on groups of row segments, in the reference arithmetic.
+
+Shape letters: n experts in a chunk, L rows per expert (padded), H hidden, I inner size.
+Rows are processed as [n, L, ...] blocks: the rows of each expert in the chunk, padded
+with zero rows. A zero row contributes exact zeros to every sum and never lands anywhere,
+so the padding cannot change a bit (an fp32 accumulator that starts at +0 never becomes
+-0, and adding +-0 to it leaves it unchanged).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .arith import seq_matmul, seq_row_outer_sum, seq_sum_last, sigmoid, to_bf16_values
+
+BF16 = torch.bfloat16
+
+
+@dataclass
+class ExpertWeights:
+    """The weights of a group of experts, as float32 tensors holding bf16 values.
+
+    gate_up_T_EH2I: [E, H, 2I] (forward gate+up: x @ [Wg; Wu]^T)
+    down_T_EIH: [E, I, H] (forward down: h @ Wd^T)
+    down_EHI: [E, H, I] (backward: g = dy @ Wd)
+    gate_up_E2IH: [E, 2I, H] (backward: dx = [d_a, d_b] @ [Wg; Wu])
+    """
+
+    gate_up_T_EH2I: torch.Tensor
+    down_T_EIH: torch.Tensor
+    down_EHI: torch.Tensor
+    gate_up_E2IH: torch.Tensor
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.down_EHI.shape[2]
+
+    @staticmethod
+    def from_weights(wg_EIH: torch.Tensor, wu_EIH: torch.Tensor, wd_EHI: torch.Tensor) -> ExpertWeights:
+        gate_up = torch.cat([wg_EIH, wu_EIH], dim=1).float()
+        down = wd_EHI.float()
+        return ExpertWeights(
+            gate_up_T_EH2I=gate_up.transpose(1, 2).contiguous(),
+            down_T_EIH=down.transpose(1, 2).contiguous(),
+            down_EHI=down,
+            gate_up_E2IH=gate_up,
+        )
+
+    def select(self, first: int, last: int) -> ExpertWeights:
+        return ExpertWeights(
+            self.gate_up_T_EH2I[first:last],
+            self.down_T_EIH[first:last],
+            self.down_EHI[first:last],
+            self.gate_up_E2IH[first:last],
+        )
+
+
+def gate_up(x_nLH: torch.Tensor, w: ExpertWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pre-activations a = x @ Wg^T, b = x @ Wu^T (bf16)."""
+    acc = seq_matmul(x_nLH.float(), w.gate_up_T_EH2I)
+    inner = w.intermediate_size
+    return acc[..., :inner].to(BF16), acc[..., inner:].to(BF16)
+
+
+def _clamped(a: torch.Tensor, b: torch.Tensor, limit: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    af, bf = a.float(), b.float()
+    if limit is not None:
+        af = af.clamp(max=limit)
+        bf = bf.clamp(-limit, limit)
+    return af, bf
+
+
+def swiglu(a: torch.Tensor, b: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """h = silu(a) * b (with the optional clamp), rounded to bf16."""
+    af, bf = _clamped(a, b, limit)
+    return ((af * sigmoid(af)) * bf).to(BF16)
+
+
+def down(h_nLI: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
+    """Expert output rows h @ Wd^T (bf16)."""
+    return seq_matmul(h_nLI.float(), w.down_T_EIH).to(BF16)
+
+
+@dataclass
+class RowGrads:
+    h: torch.Tensor  # [n, L, I] bf16, recomputed as in forward
+    d_w: torch.Tensor  # [n, L] fp32, router-weight gradient <g, h>
+    d_ab: torch.Tensor  # [n, L, 2I] bf16: d_a then d_b
+    dx: torch.Tensor  # [n, L, H] bf16: d_a @ Wg + d_b @ Wu
+
+
+def row_backward(
+    x_nLH: torch.Tensor,
+    a_nLI: torch.Tensor,
+    b_nLI: torch.Tensor,
+    dy_nLH: torch.Tensor,
+    w_nL: torch.Tensor | None,
+    w: ExpertWeights,
+    limit: float | None,
+) -> RowGrads:
+    """Per-row backward of DESIGN.md §1 (w_nL None means weight 1: the shared expert)."""
+    g = seq_matmul(dy_nLH.float(), w.down_EHI)  # unweighted down-projection input gradient
+    af, bf = _clamped(a_nLI, b_nLI, limit)
+    s = sigmoid(af)
+    silu = af * s
+    h = (silu * bf).to(BF16)
+    d_w = seq_sum_last(g * h.float())  # no division by w: exact at w = 0
+    d_h = g if w_nL is None else w_nL[..., None] * g
+    d_silu = s * (1.0 + af * (1.0 - s))
+    d_a = (d_h * bf) * d_silu
+    d_b = d_h * silu
+    if limit is not None:
+        # The clamp passes gradient only where it did not bite.
+        d_a = torch.where(a_nLI.float() <= limit, d_a, torch.zeros_like(d_a))
+        d_b = torch.where(b_nLI.float().abs() <= limit, d_b, torch.zeros_like(d_b))
+    d_ab = torch.cat([d_a, d_b], dim=-1).to(BF16)
+    dx = seq_matmul(d_ab.float(), w.gate_up_E2IH).to(BF16)
+    return RowGrads(h=h, d_w=d_w, d_ab=d_ab, dx=dx)
+
+
+def accumulate_wgrads(
+    x_nLH: torch.Tensor,
+    dy_nLH: torch.Tensor,
+    w_nL: torch.Tensor | None,
+    rg: RowGrads,
+    d_gate_up_n2IH: torch.Tensor,
+    d_down_nHI: torch.Tensor,
+) -> None:
+    """Add this block's rows to the fp32 weight-gradient accumulators, rows in order.
+
+    dWd += (w dy)^T h, d[Wg; Wu] += [d_a, d_b]^T x. `w dy` is rounded to bf16, as the
+    kernels feed it to the tensor cores.
+    """
+    wdy = dy_nLH.float() if w_nL is None else to_bf16_values(w_nL[..., None] * dy_nLH.float())
+    seq_row_outer_sum(wdy, rg.h.float(), d_down_nHI)
+    seq_row_outer_sum(rg.d_ab.float(), x_nLH.float(), d_gate_up_n2IH)
+
+
+def combine_epilogue(
+    base_TH: torch.Tensor | None, rows_TKH: torch.Tensor, weights_TK: torch.Tensor | None
+) -> torch.Tensor:
+    """base + sum_k w[t,k] * rows[t,k] in fp32, k ascending, rounded to bf16 once.
+
+    Each product is rounded before its add (w is fp32, so w*row is not exact).
+    """
+    T, K, H = rows_TKH.shape
+    acc = torch.zeros(T, H, dtype=torch.float32, device=rows_TKH.device) if base_TH is None else base_TH.float()
+    for k in range(K):
+        term = rows_TKH[:, k].float()
+        if weights_TK is not None:
+            term = weights_TK[:, k : k + 1] * term
+        acc = acc + term
+    return acc.to(BF16)

@@ -1,0 +1,132 @@
+"""The schedule table (DESIGN.md §4), built with integer tensor ops only.
+
+`table_from_routes` is the definition every other builder (the C++ CPU one, the CUDA
+kernels) is tested against bitwise. It needs no host synchronisation: counts come from
+searches in a stable sort, offsets from prefix sums, rows from one scatter.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from ...types import Schedule
+from ...workspace import Workspace
+
+
+class Table(NamedTuple):
+    row_src_rank_C: torch.Tensor  # int32, -1 = padding
+    row_route_C: torch.Tensor  # int32, t*K + k, -1 = padding
+    expert_offsets_El1: torch.Tensor  # int32
+    expert_counts_El: torch.Tensor  # int32
+    recv_counts_R: torch.Tensor  # int64
+
+
+def table_from_routes(
+    routes_RTK: torch.Tensor,
+    tokens_per_rank_R: torch.Tensor,
+    *,
+    rank: int,
+    num_local_experts: int,
+    alignment: int,
+    capacity: int,
+) -> Table:
+    """Schedule table of `rank` from every rank's routes.
+
+    routes_RTK: [R, Tmax, K] global expert ids; rows t >= tokens_per_rank_R[s] are ignored.
+    Rows of each local expert are in (source rank, t, k) order; each expert's segment starts
+    at a multiple of `alignment`; rows past the last segment and padding rows are -1.
+    """
+    R, Tmax, K = routes_RTK.shape
+    El = num_local_experts
+    dev = routes_RTK.device
+    n = R * Tmax * K
+    experts = routes_RTK.reshape(-1).to(torch.int64)
+    src = torch.arange(R, device=dev).repeat_interleave(Tmax * K)
+    route = torch.arange(Tmax * K, device=dev).repeat(R)
+    valid = (route // K) < tokens_per_rank_R.to(dev, torch.int64)[src]
+    local = experts - rank * El
+    mine = valid & (local >= 0) & (local < El)
+    # Routes to other ranks sort after every local expert (key El).
+    key = torch.where(mine, local, torch.full_like(local, El))
+    order = torch.sort(key, stable=True).indices
+    key_sorted = key[order]
+    group_start = torch.searchsorted(key_sorted, torch.arange(El + 1, device=dev))
+    counts = group_start[1:] - group_start[:-1]
+    aligned = (counts + alignment - 1) // alignment * alignment
+    offsets = torch.zeros(El + 1, dtype=torch.int64, device=dev)
+    offsets[1:] = torch.cumsum(aligned, 0)
+    pos_in_expert = torch.arange(n, device=dev) - group_start[key_sorted.clamp(max=El - 1)]
+    dest = torch.where(
+        key_sorted < El,
+        offsets[key_sorted.clamp(max=El - 1)] + pos_in_expert,
+        torch.full_like(key_sorted, capacity),  # a spare slot, dropped below
+    )
+    row_src = torch.full((capacity + 1,), -1, dtype=torch.int32, device=dev)
+    row_route = torch.full((capacity + 1,), -1, dtype=torch.int32, device=dev)
+    row_src[dest] = src[order].to(torch.int32)
+    row_route[dest] = route[order].to(torch.int32)
+    row_src[capacity] = -1
+    row_route[capacity] = -1
+    recv_counts = mine.reshape(R, Tmax * K).sum(1)
+    return Table(
+        row_src[:capacity],
+        row_route[:capacity],
+        offsets.to(torch.int32),
+        counts.to(torch.int32),
+        recv_counts,
+    )
+
+
+def send_side(
+    top_experts_TK: torch.Tensor, num_local_experts: int, world_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(send_order, send_counts): this rank's routes sorted by (expert, t, k), and per-rank counts."""
+    keys = top_experts_TK.reshape(-1).to(torch.int64)
+    order = torch.sort(keys, stable=True).indices
+    bounds = torch.arange(world_size + 1, device=keys.device) * num_local_experts
+    edges = torch.searchsorted(keys[order], bounds)
+    return order, edges[1:] - edges[:-1]
+
+
+def _all_gather_routes(ws: Workspace, top_experts_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    T, K = top_experts_TK.shape
+    if ws.world_size == 1:
+        return top_experts_TK.reshape(1, T, K), torch.tensor([T], device=ws.device)
+    tokens = torch.tensor([T], dtype=torch.int64, device=ws.device)
+    tokens_all = [torch.empty_like(tokens) for _ in range(ws.world_size)]
+    dist.all_gather(tokens_all, tokens, group=ws.group)
+    padded = torch.full((ws.max_tokens, K), -1, dtype=torch.int32, device=ws.device)
+    padded[:T] = top_experts_TK
+    routes_all = [torch.empty_like(padded) for _ in range(ws.world_size)]
+    dist.all_gather(routes_all, padded, group=ws.group)
+    return torch.stack(routes_all), torch.cat(tokens_all)
+
+
+def build_schedule(ws: Workspace, top_experts_TK: torch.Tensor) -> Schedule:
+    top_experts_TK = top_experts_TK.to(torch.int32).contiguous()
+    routes_RTK, tokens_R = _all_gather_routes(ws, top_experts_TK)
+    table = table_from_routes(
+        routes_RTK,
+        tokens_R,
+        rank=ws.rank,
+        num_local_experts=ws.num_local_experts,
+        alignment=ws.expert_alignment,
+        capacity=ws.capacity,
+    )
+    send_order, send_counts = send_side(top_experts_TK, ws.num_local_experts, ws.world_size)
+    return Schedule(
+        workspace=ws,
+        backend="reference",
+        top_experts_TK=top_experts_TK,
+        tokens_per_rank_R=tokens_R,
+        row_src_rank_C=table.row_src_rank_C,
+        row_route_C=table.row_route_C,
+        expert_offsets_El1=table.expert_offsets_El1,
+        expert_counts_El=table.expert_counts_El,
+        recv_counts_R=table.recv_counts_R,
+        send_order_TK=send_order,
+        send_counts_R=send_counts,
+    )

@@ -1,0 +1,63 @@
+"""The `mok` command: `mok demo`, `mok info`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _info(_: list[str]) -> int:
+    import torch
+
+    import mok_torch as mok
+    from mok_torch.backends import entry_point_errors
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    info = {
+        "mok_torch": mok.__version__,
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "backends": {p: mok.available_backends(p, device) for p in ("bf16", "mxfp8")},
+        "auto": {p: _auto(p, device) for p in ("bf16", "mxfp8")},
+        "compiled_packages": mok.compiled_packages(),
+        "entry_point_errors": entry_point_errors(),
+    }
+    print(json.dumps(info, indent=2))
+    return 0
+
+
+def _auto(precision: str, device: str) -> str:
+    import mok_torch as mok
+
+    try:
+        return mok.resolve_backend(mok.MoKConfig(precision=precision), device).name
+    except ValueError as exc:
+        return f"none ({exc})"
+
+
+COMMANDS = {
+    "demo": ("train a small MoE model twice and check the runs agree bitwise", "mok_torch.demo:main"),
+    "info": ("versions, compiled packages and the backends available here", None),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        parser = argparse.ArgumentParser(prog="mok")
+        sub = parser.add_subparsers(dest="command", required=True)
+        for name, (help_text, _) in COMMANDS.items():
+            sub.add_parser(name, help=help_text)
+        parser.parse_args(argv)  # prints usage / the error and exits
+        return 2
+    command, rest = argv[0], argv[1:]
+    if command == "info":
+        return _info(rest)
+    from mok_torch.demo import main as demo_main
+
+    return demo_main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

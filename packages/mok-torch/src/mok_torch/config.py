@@ -1,0 +1,146 @@
+"""MoKConfig: the knobs of a mok layer call.
+
+None of these knobs changes a single bit of the results (DESIGN.md §2): they trade memory
+for speed or pick an implementation. The determinism tests run every knob at several values
+and compare bitwise.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+PRECISIONS = ("bf16", "mxfp8")
+BACKENDS = ("auto", "reference", "cpu", "cuda")
+
+# Hopper SM count, used by the minibatch heuristic when no device reports its own.
+DEFAULT_NUM_SMS = 132
+# GEMM tile the heuristic plans waves with (the wgmma kernels' CTA tile).
+HEURISTIC_TILE_M = 128
+HEURISTIC_TILE_N = 128
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+def _check_int(name: str, value: object, *, minimum: int, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"MoKConfig.{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"MoKConfig.{name} must be >= {minimum}, got {value}")
+
+
+@dataclass(frozen=True)
+class MoKConfig:
+    """Configuration of a mok MoE layer call.
+
+    Args:
+        precision: "bf16" or "mxfp8" (expert GEMM operands; activations stay bf16).
+        backend: "auto" (fastest available for the device), "reference" (pure PyTorch,
+            always available), "cpu" or "cuda" (compiled packages).
+        fwd_num_comm_sms / bwd_num_comm_sms: CTAs the fused GPU kernels give to
+            communication in the forward / backward pass (even, >= 2).
+        minibatch_size: routed rows per minibatch, the overlap granularity (a multiple of
+            `expert_alignment`); None picks "two full waves of GEMM tiles".
+        macrobatch_size: rows of the ring buffer that holds routed activations (a multiple of
+            `minibatch_size`); None keeps all rows (no replay in backward).
+        expert_alignment: each expert's row segment starts at a multiple of this (a power
+            of two; the GEMM tile height on the GPU).
+        swiglu_limit: optional clamp `a <= limit`, `-limit <= b <= limit` (gpt-oss style).
+        timeout_s: how long a wait on another rank may take before it raises.
+    """
+
+    precision: str = "bf16"
+    backend: str = "auto"
+    fwd_num_comm_sms: int = 16
+    bwd_num_comm_sms: int = 16
+    minibatch_size: int | None = None
+    macrobatch_size: int | None = None
+    expert_alignment: int = 128
+    swiglu_limit: float | None = None
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"MoKConfig.precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"MoKConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
+        for name in ("fwd_num_comm_sms", "bwd_num_comm_sms"):
+            value = getattr(self, name)
+            _check_int(name, value, minimum=2)
+            if value % 2:
+                raise ValueError(f"MoKConfig.{name} must be even, got {value}")
+        _check_int("expert_alignment", self.expert_alignment, minimum=1)
+        if not _is_power_of_two(self.expert_alignment) or self.expert_alignment > 1024:
+            raise ValueError(f"MoKConfig.expert_alignment must be a power of two <= 1024, got {self.expert_alignment}")
+        for name in ("minibatch_size", "macrobatch_size"):
+            value = getattr(self, name)
+            _check_int(name, value, minimum=1, allow_none=True)
+            if value is not None and value % self.expert_alignment:
+                raise ValueError(
+                    f"MoKConfig.{name} ({value}) must be a multiple of expert_alignment ({self.expert_alignment})"
+                )
+        if (
+            self.minibatch_size is not None
+            and self.macrobatch_size is not None
+            and self.macrobatch_size % self.minibatch_size
+        ):
+            raise ValueError(
+                f"MoKConfig.macrobatch_size ({self.macrobatch_size}) must be a multiple of "
+                f"minibatch_size ({self.minibatch_size})"
+            )
+        if self.swiglu_limit is not None:
+            if isinstance(self.swiglu_limit, bool) or not isinstance(self.swiglu_limit, (int, float)):
+                raise TypeError(
+                    f"MoKConfig.swiglu_limit must be a float or None, got {type(self.swiglu_limit).__name__}"
+                )
+            if not (math.isfinite(self.swiglu_limit) and self.swiglu_limit > 0):
+                raise ValueError(f"MoKConfig.swiglu_limit must be finite and > 0, got {self.swiglu_limit}")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)):
+            raise TypeError(f"MoKConfig.timeout_s must be a number, got {type(self.timeout_s).__name__}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"MoKConfig.timeout_s must be > 0, got {self.timeout_s}")
+
+    def replace(self, **changes: object) -> MoKConfig:
+        """A copy with some fields changed (validated again)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        unknown = set(changes) - set(values)
+        if unknown:
+            raise TypeError(f"MoKConfig has no field(s) {sorted(unknown)}")
+        values.update(changes)
+        return MoKConfig(**values)  # type: ignore[arg-type]
+
+
+def default_minibatch_size(
+    hidden_size: int,
+    intermediate_size: int,
+    expert_alignment: int,
+    num_sms: int = DEFAULT_NUM_SMS,
+) -> int:
+    """Rows per minibatch so that each expert GEMM of a minibatch fills two waves of tiles.
+
+    The GEMM with the fewest output tiles per row block (gate+up has 2I columns, down has H)
+    sets the count; the result is rounded up to the expert alignment.
+    """
+    tiles_per_row_block = min(
+        math.ceil(2 * intermediate_size / HEURISTIC_TILE_N), math.ceil(hidden_size / HEURISTIC_TILE_N)
+    )
+    row_blocks = math.ceil(2 * num_sms / max(tiles_per_row_block, 1))
+    rows = row_blocks * HEURISTIC_TILE_M
+    return math.ceil(rows / expert_alignment) * expert_alignment
+
+
+def resolve_batching(cfg: MoKConfig, hidden_size: int, intermediate_size: int, num_sms: int) -> tuple[int, int | None]:
+    """(minibatch rows, macrobatch rows or None) that a layer call uses for `cfg`."""
+    align = cfg.expert_alignment
+    minibatch = cfg.minibatch_size or default_minibatch_size(hidden_size, intermediate_size, align, num_sms)
+    macrobatch = cfg.macrobatch_size
+    if macrobatch is not None and cfg.minibatch_size is None:
+        # The heuristic's minibatch must tile the ring exactly: take its largest aligned divisor.
+        minibatch = min(minibatch, macrobatch)
+        while macrobatch % minibatch:
+            minibatch -= align
+    return minibatch, macrobatch

@@ -1,0 +1,202 @@
+"""The functional API of DESIGN.md §9: schedule, forward, backward, recompute.
+
+Shape letters: T tokens on this rank, H hidden, K top-k, E experts, El local experts, I
+routed inner size, Is shared inner size.
+
+These calls take bf16 activations and weights, check every argument, and run on the
+backend `config.backend` resolves to. `mok_torch.moe` wraps them in autograd.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .backends import resolve_backend
+from .config import MoKConfig
+from .types import ForwardContext, Grads, Schedule
+from .validation import FLOAT_DTYPES, INDEX_DTYPES, check_expert_ids, check_tensor, check_weights
+from .workspace import Workspace
+
+BF16 = (torch.bfloat16,)
+Weights3 = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _check_config(cfg: object, ws: object) -> None:
+    if not isinstance(cfg, MoKConfig):
+        raise TypeError(f"cfg must be a MoKConfig, got {type(cfg).__name__}")
+    if not isinstance(ws, Workspace):
+        raise TypeError(f"ws must be a Workspace (from get_workspace), got {type(ws).__name__}")
+    if cfg.expert_alignment != ws.expert_alignment:
+        raise ValueError(
+            f"cfg.expert_alignment ({cfg.expert_alignment}) differs from the workspace's "
+            f"({ws.expert_alignment}): get the workspace with the same config"
+        )
+
+
+def _check_schedule(sched: object, ws: Workspace) -> Schedule:
+    if not isinstance(sched, Schedule):
+        raise TypeError(f"sched must be a Schedule (from build_schedule), got {type(sched).__name__}")
+    if sched.workspace is not ws:
+        raise ValueError("sched was built for another workspace")
+    return sched
+
+
+def _check_layer_args(
+    ws: Workspace,
+    sched: Schedule,
+    x: object,
+    router_weights: object | None,
+    routed: object,
+    shared: object | None,
+) -> tuple[int, int | None]:
+    """Checks x, router weights and weights; returns (I, Is or None)."""
+    T, H, K, El = sched.num_tokens, ws.hidden_size, ws.topk, ws.num_local_experts
+    check_tensor("x", x, dtypes=BF16, shape=[("T", T), ("H", H)], device=ws.device)
+    if router_weights is not None:
+        check_tensor(
+            "router_weights", router_weights, dtypes=FLOAT_DTYPES, shape=[("T", T), ("K", K)], device=ws.device
+        )
+    if not isinstance(routed, (tuple, list)) or len(routed) != 3:
+        raise TypeError(
+            f"routed must be a tuple (gate [El, I, H], up [El, I, H], down [El, H, I]), got {type(routed).__name__}"
+        )
+    wg = check_tensor(
+        "routed[0] (gate)", routed[0], dtypes=BF16, shape=[("El", El), ("I", None), ("H", H)], device=ws.device
+    )
+    inner = wg.shape[1]
+    if inner == 0:
+        raise ValueError("routed[0] (gate): the intermediate size I must be >= 1")
+    check_weights(
+        "routed",
+        routed,
+        [
+            [("El", El), ("I", inner), ("H", H)],
+            [("El", El), ("I", inner), ("H", H)],
+            [("El", El), ("H", H), ("I", inner)],
+        ],
+        dtypes=BF16,
+        device=ws.device,
+    )
+    shared_inner = None
+    if shared is not None:
+        if not isinstance(shared, (tuple, list)) or len(shared) != 3:
+            raise TypeError(
+                f"shared must be None or a tuple (gate [Is, H], up [Is, H], down [H, Is]), got {type(shared).__name__}"
+            )
+        sg = check_tensor("shared[0] (gate)", shared[0], dtypes=BF16, shape=[("Is", None), ("H", H)], device=ws.device)
+        shared_inner = sg.shape[0]
+        if shared_inner == 0:
+            raise ValueError("shared[0] (gate): the shared inner size Is must be >= 1 (pass shared=None for none)")
+        check_weights(
+            "shared",
+            shared,
+            [[("Is", shared_inner), ("H", H)], [("Is", shared_inner), ("H", H)], [("H", H), ("Is", shared_inner)]],
+            dtypes=BF16,
+            device=ws.device,
+        )
+    return inner, shared_inner
+
+
+def build_schedule(ws: Workspace, cfg: MoKConfig, top_experts: torch.Tensor) -> Schedule:
+    """The schedule table for this rank's routes `top_experts` [T, K] (global expert ids).
+
+    Collective: every rank of the workspace's group must call it. A user may pass any
+    `top_experts` (router replay); ids are checked to lie in [0, E).
+    """
+    _check_config(cfg, ws)
+    te = check_tensor(
+        "top_experts", top_experts, dtypes=INDEX_DTYPES, shape=[("T", None), ("K", ws.topk)], device=ws.device
+    )
+    if te.shape[0] > ws.max_tokens:
+        raise ValueError(
+            f"top_experts has {te.shape[0]} tokens, more than the workspace's max_tokens ({ws.max_tokens})"
+        )
+    check_expert_ids("top_experts", te, ws.num_experts)
+    backend = resolve_backend(cfg, ws.device)
+    return backend.build_schedule(ws, cfg, te)
+
+
+def forward(
+    cfg: MoKConfig,
+    ws: Workspace,
+    sched: Schedule,
+    x: torch.Tensor,
+    router_weights: torch.Tensor,
+    routed: Weights3,
+    shared: Weights3 | None = None,
+) -> tuple[torch.Tensor, ForwardContext]:
+    """y [T, H] (bf16) and the context backward needs.
+
+    x: [T, H] bf16; router_weights: [T, K] float; routed: (Wg, Wu [El, I, H], Wd [El, H, I])
+    bf16; shared: (Wg_s, Wu_s [Is, H], Wd_s [H, Is]) bf16 or None.
+    """
+    _check_config(cfg, ws)
+    sched = _check_schedule(sched, ws)
+    _check_layer_args(ws, sched, x, router_weights, routed, shared)
+    backend = resolve_backend(cfg, ws.device)
+    return backend.forward(cfg, ws, sched, x, router_weights, tuple(routed), None if shared is None else tuple(shared))
+
+
+def recompute_forward_context(
+    cfg: MoKConfig,
+    ws: Workspace,
+    sched: Schedule,
+    x: torch.Tensor,
+    routed: Weights3,
+    shared: Weights3 | None = None,
+) -> ForwardContext:
+    """The context `forward` would return, without computing y (activation checkpointing)."""
+    _check_config(cfg, ws)
+    sched = _check_schedule(sched, ws)
+    _check_layer_args(ws, sched, x, None, routed, shared)
+    backend = resolve_backend(cfg, ws.device)
+    return backend.recompute_forward_context(
+        cfg, ws, sched, x, tuple(routed), None if shared is None else tuple(shared)
+    )
+
+
+def backward(
+    cfg: MoKConfig,
+    ws: Workspace,
+    sched: Schedule,
+    ctx: ForwardContext,
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    router_weights: torch.Tensor,
+    routed: Weights3,
+    shared: Weights3 | None = None,
+    *,
+    wgrad_dtype: torch.dtype = torch.bfloat16,
+) -> Grads:
+    """Gradients of one layer call given dy [T, H] (bf16).
+
+    Weight gradients are accumulated in fp32 and returned in `wgrad_dtype` (bf16 or fp32);
+    d_router_weights has the dtype of router_weights.
+    """
+    _check_config(cfg, ws)
+    sched = _check_schedule(sched, ws)
+    _check_layer_args(ws, sched, x, router_weights, routed, shared)
+    check_tensor("dy", dy, dtypes=BF16, shape=[("T", sched.num_tokens), ("H", ws.hidden_size)], device=ws.device)
+    if not isinstance(ctx, ForwardContext):
+        raise TypeError(f"ctx must be the ForwardContext of forward(), got {type(ctx).__name__}")
+    if ctx.schedule is not sched:
+        raise ValueError("ctx was made by forward() with another schedule")
+    if (ctx.shared_a_TIs is None) != (shared is None):
+        raise ValueError("shared must be given to backward() exactly when it was given to forward()")
+    if wgrad_dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"wgrad_dtype must be torch.bfloat16 or torch.float32, got {wgrad_dtype}")
+    backend = resolve_backend(cfg, ws.device)
+    if backend.name != ctx.backend:
+        raise ValueError(f"ctx was made by backend {ctx.backend!r}, but cfg resolves to {backend.name!r}")
+    return backend.backward(
+        cfg,
+        ws,
+        sched,
+        ctx,
+        dy,
+        x,
+        router_weights,
+        tuple(routed),
+        None if shared is None else tuple(shared),
+        wgrad_dtype,
+    )

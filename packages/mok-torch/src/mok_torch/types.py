@@ -1,0 +1,99 @@
+"""The values that pass between the calls of the functional API.
+
+Shape letters: T tokens on this rank, K top-k, H hidden size, I routed inner size, Is shared
+inner size, E experts in all, El local experts, R ranks, C schedule capacity (rows),
+M rows of macrobatch 0 (the saved context).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+from .workspace import Workspace
+
+
+@dataclass(frozen=True, eq=False)
+class Schedule:
+    """The schedule table of DESIGN.md §4 for one call, plus what the source side needs.
+
+    Expert side (the rows this rank's experts process, on the device):
+        row_src_rank_C: source rank of each row, -1 for padding rows.
+        row_route_C: route index t*K + k on the source rank, -1 for padding rows.
+        expert_offsets_El1: start row of each local expert's segment (a multiple of the
+            expert alignment); the last entry is the number of rows in use.
+        expert_counts_El: real (non-padding) rows of each local expert.
+        recv_counts_R: real rows that come from each source rank.
+    Source side (this rank's own routes):
+        top_experts_TK: the routes, as given (int32).
+        send_order_TK: this rank's route indices t*K + k in the order the expert ranks list
+            them, i.e. sorted by (expert, t, k).
+        send_counts_R: routes from this rank to each rank's experts.
+        tokens_per_rank_R: T of every rank of the group.
+
+    Rows of one expert are in global token order (source rank, t, k), so the same expert
+    sees the same rows in the same order at every expert-parallel size.
+    """
+
+    workspace: Workspace
+    backend: str
+    top_experts_TK: torch.Tensor
+    tokens_per_rank_R: torch.Tensor
+    row_src_rank_C: torch.Tensor
+    row_route_C: torch.Tensor
+    expert_offsets_El1: torch.Tensor
+    expert_counts_El: torch.Tensor
+    recv_counts_R: torch.Tensor
+    send_order_TK: torch.Tensor
+    send_counts_R: torch.Tensor
+    # Index arrays a backend derives from the table, computed once per schedule.
+    aux: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.top_experts_TK.shape[0]
+
+    @property
+    def topk(self) -> int:
+        return self.top_experts_TK.shape[1]
+
+
+@dataclass(frozen=True, eq=False)
+class ForwardContext:
+    """What the forward pass keeps for the backward pass (DESIGN.md §1, §6).
+
+    Only macrobatch 0 of the routed rows is kept (the ring ends holding it); the backward
+    pass replays the others. Nothing of size rows x H is kept beyond `x_routed_MH`.
+
+        x_routed_MH: routed input rows of macrobatch 0 (bf16).
+        a_MI, b_MI: gate and up pre-activations of those rows (bf16).
+        shared_a_TIs, shared_b_TIs: the shared expert's pre-activations (None without one).
+    """
+
+    schedule: Schedule
+    backend: str
+    x_routed_MH: torch.Tensor
+    a_MI: torch.Tensor
+    b_MI: torch.Tensor
+    shared_a_TIs: torch.Tensor | None
+    shared_b_TIs: torch.Tensor | None
+
+    def saved_bytes(self) -> int:
+        """Bytes of saved activations this context holds."""
+        tensors = [self.x_routed_MH, self.a_MI, self.b_MI, self.shared_a_TIs, self.shared_b_TIs]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class Grads(NamedTuple):
+    """Gradients of one layer call.
+
+    dx: [T, H]; d_router_weights: [T, K]; d_routed: (dWg, dWu, dWd) of this rank's experts;
+    d_shared: (dWg_s, dWu_s, dWd_s) or None.
+    """
+
+    dx: torch.Tensor
+    d_router_weights: torch.Tensor
+    d_routed: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    d_shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None

@@ -1,0 +1,80 @@
+"""Argument checks of the public API.
+
+Every call checks its tensors before any backend sees them and raises TypeError (wrong type
+or dtype) or ValueError (wrong shape, device, layout or value) with a message that names the
+argument, so bad input can never reach a kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _dtype_names(dtypes: Sequence[torch.dtype]) -> str:
+    return " or ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def check_tensor(
+    name: str,
+    t: object,
+    *,
+    dtypes: Sequence[torch.dtype],
+    shape: Sequence[tuple[str, int | None]],
+    device: torch.device | None = None,
+    contiguous: bool = True,
+) -> torch.Tensor:
+    """Check type, dtype, shape (named dims; None = any size), device and contiguity."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype {_dtype_names(dtypes)}, got {str(t.dtype).replace('torch.', '')}")
+    letters = ", ".join(letter for letter, _ in shape)
+    if t.dim() != len(shape):
+        raise ValueError(f"{name} must have shape [{letters}] ({len(shape)} dims), got {list(t.shape)}")
+    for axis, (letter, size) in enumerate(shape):
+        if size is not None and t.shape[axis] != size:
+            want = ", ".join(str(s) if s is not None else letter for letter, s in shape)
+            raise ValueError(f"{name} must have shape [{letters}] = [{want}], got {list(t.shape)} ({letter} differs)")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous())")
+    return t
+
+
+def check_expert_ids(name: str, top_experts: torch.Tensor, num_experts: int) -> None:
+    """Every id in [0, num_experts). Reads one flag on the host."""
+    if top_experts.numel() == 0:
+        return
+    bad = (top_experts < 0) | (top_experts >= num_experts)
+    if bool(bad.any()):
+        where = bad.nonzero()[0].tolist()
+        value = int(top_experts[tuple(where)])
+        raise ValueError(
+            f"{name} holds expert id {value} at position {where}, outside [0, {num_experts}) (E = {num_experts})"
+        )
+
+
+def check_weights(
+    name: str,
+    weights: object,
+    shapes: Sequence[Sequence[tuple[str, int | None]]],
+    *,
+    dtypes: Sequence[torch.dtype],
+    device: torch.device,
+) -> tuple[torch.Tensor, ...]:
+    """A tuple of weight tensors of the given named shapes."""
+    if not isinstance(weights, (tuple, list)) or len(weights) != len(shapes):
+        raise TypeError(
+            f"{name} must be a tuple of {len(shapes)} tensors (gate, up, down), got {type(weights).__name__}"
+        )
+    parts = ("gate", "up", "down")
+    return tuple(
+        check_tensor(f"{name}[{i}] ({parts[i]})", w, dtypes=dtypes, shape=s, device=device)
+        for i, (w, s) in enumerate(zip(weights, shapes, strict=True))
+    )

@@ -1,0 +1,179 @@
+"""Workspaces: the per-(group, device, shape) state a layer call runs in.
+
+A workspace fixes what every rank of the expert-parallel group must agree on before any
+data moves: the group, the largest token count a rank may bring (`max_tokens`), the hidden
+size, top-k, the number of experts and the expert alignment. From these follows the
+worst-case capacity of the schedule table (DESIGN.md §4), so no call can overflow it and
+no token is ever dropped. Backends keep their buffers in `Workspace.state`.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .config import DEFAULT_NUM_SMS, MoKConfig
+
+
+def align_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def group_rank_and_size(group: Any) -> tuple[int, int]:
+    """(rank, size) of an expert-parallel group; None means a single-rank group."""
+    if group is None:
+        return 0, 1
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("group: a process group was given but torch.distributed is not initialized")
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _device_num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return DEFAULT_NUM_SMS
+
+
+@dataclass(eq=False)
+class Workspace:
+    """State shared by the schedule, forward and backward calls of one layer shape.
+
+    Attributes:
+        group: the expert-parallel process group (None = one rank).
+        rank, world_size: this rank's index in the group and the group size R.
+        device: where tensors of this workspace live.
+        max_tokens: the most tokens any rank brings to one call (T_r <= max_tokens).
+        hidden_size, topk, num_experts: H, K and E (global expert count).
+        num_local_experts: El = E / R; rank r owns experts [r*El, (r+1)*El).
+        expert_alignment: segment alignment of the schedule table, in rows.
+        capacity: rows of the schedule table: every route of every rank to this rank's
+            experts plus the worst-case alignment padding.
+        num_sms: multiprocessors of the device (the minibatch heuristic plans waves with it).
+        state: per-backend buffers, keyed by backend name.
+    """
+
+    group: Any
+    rank: int
+    world_size: int
+    device: torch.device
+    max_tokens: int
+    hidden_size: int
+    topk: int
+    num_experts: int
+    num_local_experts: int
+    expert_alignment: int
+    capacity: int
+    num_sms: int
+    state: dict[str, Any] = field(default_factory=dict)
+
+    def owner_of(self, expert: int) -> int:
+        return expert // self.num_local_experts
+
+
+def _check_positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+def create_workspace(
+    config: MoKConfig,
+    group: Any,
+    *,
+    device: torch.device | str | int,
+    max_tokens: int,
+    hidden_size: int,
+    topk: int,
+    num_experts: int,
+) -> Workspace:
+    """A new workspace (not cached). See `get_workspace`."""
+    if not isinstance(config, MoKConfig):
+        raise TypeError(f"config must be a MoKConfig, got {type(config).__name__}")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    _check_positive_int("max_tokens", max_tokens)
+    _check_positive_int("hidden_size", hidden_size)
+    _check_positive_int("topk", topk)
+    _check_positive_int("num_experts", num_experts)
+    if topk > num_experts:
+        raise ValueError(f"topk ({topk}) must be <= num_experts ({num_experts})")
+    rank, world = group_rank_and_size(group)
+    if num_experts % world:
+        raise ValueError(f"num_experts ({num_experts}) must be divisible by the expert-parallel group size ({world})")
+    if group is not None and world > 1:
+        backend = str(dist.get_backend(group)).lower()
+        if device.type == "cpu" and "gloo" not in backend:
+            raise ValueError(f"group: CPU tensors need a gloo process group, got backend {backend!r}")
+        if device.type == "cuda" and "nccl" not in backend:
+            raise ValueError(f"group: CUDA tensors need an NCCL process group, got backend {backend!r}")
+    local = num_experts // world
+    align = config.expert_alignment
+    capacity = align_up(world * max_tokens * topk + local * (align - 1), align)
+    return Workspace(
+        group=group,
+        rank=rank,
+        world_size=world,
+        device=device,
+        max_tokens=max_tokens,
+        hidden_size=hidden_size,
+        topk=topk,
+        num_experts=num_experts,
+        num_local_experts=local,
+        expert_alignment=align,
+        capacity=capacity,
+        num_sms=_device_num_sms(device),
+    )
+
+
+_CACHE: dict[tuple, Workspace] = {}
+_CACHE_LOCK = threading.Lock()
+
+
+def get_workspace(
+    config: MoKConfig,
+    group: Any,
+    *,
+    device: torch.device | str | int,
+    max_tokens: int,
+    hidden_size: int,
+    topk: int,
+    num_experts: int,
+) -> Workspace:
+    """The cached workspace for (group, device, max_tokens, H, K, E, expert alignment).
+
+    Every rank of `group` must call this with the same arguments. `group=None` means one
+    rank (no expert parallelism).
+    """
+    if not isinstance(config, MoKConfig):
+        raise TypeError(f"config must be a MoKConfig, got {type(config).__name__}")
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    key = (id(group), dev, max_tokens, hidden_size, topk, num_experts, config.expert_alignment)
+    with _CACHE_LOCK:
+        ws = _CACHE.get(key)
+        if ws is None or ws.group is not group:
+            ws = create_workspace(
+                config,
+                group,
+                device=dev,
+                max_tokens=max_tokens,
+                hidden_size=hidden_size,
+                topk=topk,
+                num_experts=num_experts,
+            )
+            _CACHE[key] = ws
+    return ws
+
+
+def clear_workspace_cache() -> None:
+    """Drop every cached workspace (and the buffers backends keep in them)."""
+    with _CACHE_LOCK:
+        _CACHE.clear()

@@ -1,0 +1,117 @@
+"""Shared test machinery: the backend and device under test, tolerances, and layer runners."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import mok_torch as mok
+from mok_torch.testing import LayerInputs
+
+# The backend the suite tests (nox parametrises it) and the device it runs on.
+BACKEND = os.environ.get("MOK_TEST_BACKEND", "reference")
+DEVICE = os.environ.get("MOK_TEST_DEVICE", "cpu")
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Relative L2 error and cosine similarity bounds against the float64 loop."""
+
+    rel_l2: float
+    min_cosine: float
+
+
+# One table for every precision; outputs and gradients share it.
+TOLERANCES = {"bf16": Tolerance(rel_l2=1e-2, min_cosine=0.9999)}
+
+
+def config(**kw: Any) -> mok.MoKConfig:
+    kw.setdefault("backend", BACKEND)
+    return mok.MoKConfig(**kw)
+
+
+def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double().cpu(), want.double().cpu()
+    denom = want.norm().item()
+    return (got - want).norm().item() / denom if denom > 0 else (got - want).norm().item()
+
+
+def cosine(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double().cpu().flatten(), want.double().cpu().flatten()
+    if want.norm() == 0 and got.norm() == 0:
+        return 1.0
+    return torch.nn.functional.cosine_similarity(got, want, dim=0).item()
+
+
+def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, precision: str = "bf16") -> None:
+    tol = TOLERANCES[precision]
+    assert got.shape == want.shape, f"{name}: shape {list(got.shape)} != {list(want.shape)}"
+    assert torch.isfinite(got.float()).all(), f"{name}: non-finite values"
+    err, cos = rel_l2(got, want), cosine(got, want)
+    assert err <= tol.rel_l2 and cos >= tol.min_cosine, (
+        f"{name}: rel_l2 {err:.3e} (<= {tol.rel_l2}), cosine {cos:.6f} (>= {tol.min_cosine})"
+    )
+
+
+def run_functional(
+    inp: LayerInputs,
+    cfg: mok.MoKConfig,
+    *,
+    group: Any = None,
+    rank: int = 0,
+    world: int = 1,
+    tokens: slice = slice(None),
+    max_tokens: int | None = None,
+    device: str | torch.device = DEVICE,
+    wgrad_dtype: torch.dtype = torch.bfloat16,
+) -> dict[str, torch.Tensor]:
+    """forward + backward through the functional API for this rank's token slice; CPU results."""
+    dev = torch.device(device)
+    x = inp.x_TH[tokens].contiguous().to(dev)
+    top = inp.top_experts_TK[tokens].contiguous().to(dev)
+    w = inp.router_weights_TK[tokens].contiguous().to(dev)
+    dy = inp.dy_TH[tokens].contiguous().to(dev)
+    routed = tuple(t.to(dev) for t in inp.local_routed(rank, world))
+    shared = None if inp.shared is None else tuple(t.to(dev) for t in inp.shared)
+    E, K, H = inp.routed[0].shape[0], top.shape[1], x.shape[1]
+    ws = mok.get_workspace(
+        cfg, group, device=dev, max_tokens=max_tokens or max(x.shape[0], 1), hidden_size=H, topk=K, num_experts=E
+    )
+    sched = mok.build_schedule(ws, cfg, top)
+    y, ctx = mok.forward(cfg, ws, sched, x, w, routed, shared)
+    asked = BACKEND if cfg.backend == "auto" else cfg.backend
+    assert ctx.backend == asked, f"asked for backend {asked!r}, ran {ctx.backend!r}"
+    g = mok.backward(cfg, ws, sched, ctx, dy, x, w, routed, shared, wgrad_dtype=wgrad_dtype)
+    out = {
+        "y": y,
+        "dx": g.dx,
+        "d_router_weights": g.d_router_weights,
+        "dWg": g.d_routed[0],
+        "dWu": g.d_routed[1],
+        "dWd": g.d_routed[2],
+        "saved_rows": torch.tensor(ctx.x_routed_MH.shape[0]),
+    }
+    if g.d_shared is not None:
+        out.update(dWg_s=g.d_shared[0], dWu_s=g.d_shared[1], dWd_s=g.d_shared[2])
+    return {k: v.detach().cpu() for k, v in out.items()}
+
+
+# What the determinism contract covers across configurations and EP sizes (DESIGN.md §2).
+CONTRACT_KEYS = ("y", "dx", "d_router_weights", "dWg", "dWu", "dWd")
+
+
+def assert_bitwise(
+    a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], keys: tuple[str, ...] = CONTRACT_KEYS, what: str = ""
+) -> None:
+    for k in keys:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, (
+            f"{what}{k}: {a[k].dtype}{list(a[k].shape)} vs {b[k].dtype}{list(b[k].shape)}"
+        )
+        if not torch.equal(a[k], b[k]):
+            diff = (a[k].float() - b[k].float()).abs()
+            raise AssertionError(
+                f"{what}{k} differs bitwise: {int((diff > 0).sum())} elements, max |diff| {diff.max().item():.3e}"
+            )

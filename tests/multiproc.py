@@ -1,0 +1,53 @@
+"""Run a function on R ranks in separate processes (gloo on CPU, NCCL on GPUs).
+
+The function runs as fn(rank, world, group, *args) and returns a picklable result; the
+parent gets the list of results in rank order.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import socket
+import tempfile
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+# Multicast/NVLS stays off on every GPU machine we use (see GPU.md).
+_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, device: str, target: str, args: tuple, outdir: str) -> None:
+    os.environ.update(_SAFE_ENV, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    backend = "nccl" if device == "cuda" else "gloo"
+    kw = {"device_id": torch.device("cuda", rank)} if device == "cuda" else {}
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=180), **kw)
+    try:
+        module, name = target.rsplit(".", 1)
+        fn = getattr(importlib.import_module(module), name)
+        result = fn(rank, world, dist.group.WORLD, *args)
+        torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world: int, target: str, *args: Any, device: str = "cpu") -> list[Any]:
+    """Results of `target` ("module.function") on ranks 0..world-1."""
+    if device == "cuda" and torch.cuda.device_count() < world:
+        raise RuntimeError(f"{world} ranks need {world} GPUs, found {torch.cuda.device_count()}")
+    with tempfile.TemporaryDirectory() as outdir:
+        mp.spawn(_worker, args=(world, _free_port(), device, target, args, outdir), nprocs=world, join=True)
+        return [torch.load(os.path.join(outdir, f"rank{r}.pt")) for r in range(world)]

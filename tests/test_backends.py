@@ -1,0 +1,85 @@
+"""The backend registry: the requested backend runs, missing ones say why, entry points load."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from helpers import BACKEND, DEVICE, config, run_functional
+
+import mok_torch as mok
+from mok_torch.backends import BackendRegistry, ReferenceBackend
+from mok_torch.testing import make_inputs
+
+
+def test_requested_backend_ran():
+    inp = make_inputs(6, 16, 8, 4, 2, seed=0)
+    run_functional(inp, config(expert_alignment=8))  # asserts ctx.backend == BACKEND inside
+    assert mok.resolve_backend(config(), DEVICE).name == BACKEND
+
+
+def test_reference_is_always_available():
+    assert "reference" in mok.available_backends("bf16", "cpu")
+    assert mok.resolve_backend(mok.MoKConfig(backend="reference"), "cpu").name == "reference"
+
+
+def test_auto_picks_an_available_backend():
+    name = mok.resolve_backend(mok.MoKConfig(), DEVICE).name
+    assert name in mok.available_backends("bf16", DEVICE)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
+def test_missing_backend_says_why():
+    with pytest.raises(ValueError, match=r"config\.backend='cuda'"):
+        mok.resolve_backend(mok.MoKConfig(backend="cuda"), "cpu")
+
+
+def test_unsupported_precision_says_why():
+    with pytest.raises(ValueError, match="reference backend implements precision 'bf16' only"):
+        mok.resolve_backend(mok.MoKConfig(backend="reference", precision="mxfp8"), "cpu")
+
+
+class _FakeEntryPoint:
+    def __init__(self, name, obj):
+        self.name, self.value, self._obj = name, f"fake:{name}", obj
+
+    def load(self):
+        if isinstance(self._obj, Exception):
+            raise self._obj
+        return self._obj
+
+
+class _EchoBackend(ReferenceBackend):
+    name = "echo"
+
+
+def test_entry_points_register_backends_and_packages():
+    info = {"package": "mok-fake", "version": "9", "devices": ["cpu"]}
+    eps = [
+        _FakeEntryPoint("echo", _EchoBackend()),
+        _FakeEntryPoint("fake", lambda: info),
+        _FakeEntryPoint("broken", ImportError("no such module")),
+        _FakeEntryPoint("odd", lambda: 42),
+    ]
+    calls = []
+    registry = BackendRegistry([ReferenceBackend()], entry_points=lambda: calls.append(1) or eps)
+    assert calls == []  # lazy: nothing is read before first use
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert set(registry.backends) == {"reference", "echo"}
+    assert registry.packages == {"fake": info}
+    assert "ImportError" in registry.errors["broken"] and "neither a backend" in registry.errors["odd"]
+    assert len(caught) == 2
+    registry.backends  # noqa: B018 - second use reads nothing again
+    assert calls == [1]
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register(_EchoBackend())
+    with pytest.raises(TypeError, match="Backend protocol"):
+        registry.register(object())
+
+
+def test_installed_compiled_packages_describe_themselves():
+    for name, info in mok.compiled_packages().items():
+        assert {"package", "version", "devices", "build"} <= set(info), name
+        assert "cpu" in info["devices"]
