@@ -16,7 +16,6 @@ spawns two CPU processes that talk over gloo.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import math
 import os
 import socket
@@ -110,7 +109,7 @@ def batch(chain: torch.Tensor, shape: DemoShape, seed: int, step: int, rank: int
 @dataclass
 class RunResult:
     losses: list[float]
-    weights_digest: str
+    weights: dict[str, torch.Tensor]  # this rank's final parameters
     tokens_per_s: float
 
 
@@ -169,19 +168,17 @@ def train(
     elapsed = time.perf_counter() - start
     if progress is not None:
         progress.close()
-    digest = hashlib.sha256()
-    for name, p in sorted(model.named_parameters()):
-        digest.update(name.encode())
-        digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return RunResult(losses, digest.hexdigest(), global_tokens * steps / elapsed)
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return RunResult(losses, weights, global_tokens * steps / elapsed)
 
 
-def _digests_of_all_ranks(digest: str, group: Any) -> list[str]:
-    if group is None:
-        return [digest]
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, digest, group=group)
-    return out
+def _same_weights_on_all_ranks(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], group: Any) -> bool:
+    """Every parameter of run A equals run B's bitwise, on every rank."""
+    same = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    flag = torch.tensor([0 if same else 1], device=next(iter(a.values())).device)
+    if group is not None:
+        dist.all_reduce(flag, group=group)
+    return int(flag.item()) == 0
 
 
 def run_demo(args: argparse.Namespace, group: Any, device: torch.device) -> bool:
@@ -212,11 +209,7 @@ def run_demo(args: argparse.Namespace, group: Any, device: torch.device) -> bool
         show_progress=lead,
     )
     same_losses = a.losses == b.losses
-    digests_a, digests_b = (
-        _digests_of_all_ranks(a.weights_digest, group),
-        _digests_of_all_ranks(b.weights_digest, group),
-    )
-    same_weights = digests_a == digests_b
+    same_weights = _same_weights_on_all_ranks(a.weights, b.weights, group)
     if lead:
         print(f"loss: {a.losses[0]:.4f} -> {a.losses[-1]:.4f} (chance level {math.log(shape.vocab):.4f})")
         print(f"throughput: run A {a.tokens_per_s:,.0f} tokens/s, run B {b.tokens_per_s:,.0f} tokens/s")
