@@ -14,7 +14,7 @@ from .backends import available_backends, compiled_packages, register_backend, r
 from .config import MoKConfig, default_minibatch_size
 from .functional import backward, build_schedule, forward, recompute_forward_context
 from .layer import MoELayer, route, stable_topk
-from .types import ForwardContext, Grads, Schedule
+from .structs import ForwardContext, Grads, Schedule
 from .workspace import Workspace, clear_workspace_cache, create_workspace, get_workspace
 
 __version__ = "0.1.0"

@@ -9,74 +9,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.autograd.function import once_differentiable
 
-from . import functional
+from . import ops
 from .config import MoKConfig
 from .validation import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
-from .workspace import get_workspace, group_rank_and_size
+from .workspace import group_rank_and_size
 
 Weights3 = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 _MAX_TOKENS_ROUNDING = 128  # agreed max_tokens is rounded up so workspaces are reused
-
-
-def _bf16(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.bfloat16).contiguous()
-
-
-class _MoEFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        x_TH: torch.Tensor,
-        router_weights_TK: torch.Tensor,
-        wg: torch.Tensor,
-        wu: torch.Tensor,
-        wd: torch.Tensor,
-        wg_s: torch.Tensor | None,
-        wu_s: torch.Tensor | None,
-        wd_s: torch.Tensor | None,
-        cfg: MoKConfig,
-        ws: Any,
-        sched: Any,
-    ) -> torch.Tensor:
-        routed = (_bf16(wg), _bf16(wu), _bf16(wd))
-        shared = None if wg_s is None else (_bf16(wg_s), _bf16(wu_s), _bf16(wd_s))  # type: ignore[arg-type]
-        y, fctx = functional.forward(cfg, ws, sched, _bf16(x_TH), router_weights_TK.contiguous(), routed, shared)
-        # Weights are saved as given (no extra copy); bf16 copies are made again in backward.
-        ctx.save_for_backward(x_TH, router_weights_TK, wg, wu, wd, wg_s, wu_s, wd_s)
-        ctx.fctx, ctx.cfg, ctx.ws, ctx.sched = fctx, cfg, ws, sched
-        return y.to(x_TH.dtype)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, dy_TH: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        x, w, wg, wu, wd, wg_s, wu_s, wd_s = ctx.saved_tensors
-        routed = (_bf16(wg), _bf16(wu), _bf16(wd))
-        shared = None if wg_s is None else (_bf16(wg_s), _bf16(wu_s), _bf16(wd_s))
-        grads = functional.backward(
-            ctx.cfg,
-            ctx.ws,
-            ctx.sched,
-            ctx.fctx,
-            _bf16(dy_TH),
-            _bf16(x),
-            w.contiguous(),
-            routed,
-            shared,
-            wgrad_dtype=torch.float32 if wg.dtype == torch.float32 else torch.bfloat16,
-        )
-        ctx.fctx = None  # free the saved context as soon as it is used
-        d_shared: tuple[torch.Tensor | None, ...] = (None, None, None) if grads.d_shared is None else grads.d_shared
-        return (
-            grads.dx.to(x.dtype),
-            grads.d_router_weights.to(w.dtype),
-            *grads.d_routed,
-            *d_shared,
-            None,
-            None,
-            None,
-        )
 
 
 def agree_max_tokens(num_tokens: int, group: Any, device: torch.device) -> int:
@@ -100,6 +40,7 @@ def moe(
     group: Any = None,
     *,
     max_tokens: int | None = None,
+    _group_name: str | None = None,
 ) -> torch.Tensor:
     """y[t] = S(x[t]) + sum_k router_weights[t,k] * E_{top_experts[t,k]}(x[t]), differentiable.
 
@@ -145,22 +86,17 @@ def moe(
         raise TypeError(f"shared must be None or a tuple (gate, up, down), got {type(shared).__name__}")
     _, world = group_rank_and_size(group)
     num_experts = routed[0].shape[0] * world
-    if max_tokens is None:
-        max_tokens = agree_max_tokens(T, group, x.device)
-    ws = get_workspace(
-        cfg,
-        group,
-        device=x.device,
-        max_tokens=max_tokens,
-        hidden_size=H,
-        topk=top_experts.shape[1],
-        num_experts=num_experts,
-    )
-    sched = functional.build_schedule(ws, cfg, top_experts.contiguous())
     for name, weights in (("routed", routed), ("shared", shared)):
         if weights is not None:
             for i, w in enumerate(weights):
                 if not isinstance(w, torch.Tensor) or w.dtype not in FLOAT_DTYPES:
                     raise TypeError(f"{name}[{i}] must be a float tensor, got {getattr(w, 'dtype', type(w).__name__)}")
+    if max_tokens is None:
+        if world > 1 and torch.compiler.is_compiling():
+            raise ValueError("max_tokens: under torch.compile with an expert-parallel group, pass max_tokens")
+        max_tokens = agree_max_tokens(T, group, x.device)
+    name = ops.group_name(group) if _group_name is None else _group_name
+    schedule = torch.ops.mok.build_schedule(top_experts.contiguous(), name, max_tokens, H, num_experts, cfg.key)
     s = (None, None, None) if shared is None else tuple(shared)
-    return _MoEFunction.apply(x, router_weights, *routed, *s, cfg, ws, sched)
+    outputs = torch.ops.mok.forward(x, router_weights, *routed, *s, schedule, top_experts, name, max_tokens, cfg.key)
+    return outputs[0]

@@ -7,8 +7,10 @@ and compare bitwise.
 
 from __future__ import annotations
 
+import functools
+import json
 import math
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 
 PRECISIONS = ("bf16", "mxfp8")
 BACKENDS = ("auto", "reference", "cpu", "cuda")
@@ -103,6 +105,18 @@ class MoKConfig:
             raise TypeError(f"MoKConfig.timeout_s must be a number, got {type(self.timeout_s).__name__}")
         if not self.timeout_s > 0:
             raise ValueError(f"MoKConfig.timeout_s must be > 0, got {self.timeout_s}")
+        # A string that names this config exactly: custom ops take it instead of the object.
+        object.__setattr__(self, "_key", json.dumps(asdict(self), sort_keys=True))
+
+    @property
+    def key(self) -> str:
+        """A JSON string equal for equal configs; `MoKConfig.from_key` inverts it."""
+        return self._key  # type: ignore[attr-defined,no-any-return]
+
+    @staticmethod
+    @functools.lru_cache(maxsize=256)
+    def from_key(key: str) -> MoKConfig:
+        return MoKConfig(**json.loads(key))
 
     def replace(self, **changes: object) -> MoKConfig:
         """A copy with some fields changed (validated again)."""

@@ -13,7 +13,7 @@ import torch
 
 from .backends import resolve_backend
 from .config import MoKConfig
-from .types import ForwardContext, Grads, Schedule
+from .structs import ForwardContext, Grads, Schedule
 from .validation import FLOAT_DTYPES, INDEX_DTYPES, check_expert_ids, check_tensor, check_weights
 from .workspace import Workspace
 

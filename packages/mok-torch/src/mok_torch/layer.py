@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import ops
 from .autograd import moe
 from .config import MoKConfig
 from .validation import INDEX_DTYPES, check_tensor
@@ -112,6 +113,7 @@ class MoELayer(nn.Module):
         self.num_experts, self.topk = num_experts, topk
         self.shared_intermediate_size = shared_intermediate_size
         self.group, self.config = group, MoKConfig() if config is None else config
+        self._group_name = ops.group_name(group)  # resolved once, so compiled code never touches the group
         self.score_func, self.norm_topk_prob, self.max_tokens = score_func, norm_topk_prob, max_tokens
         self.num_local_experts = num_experts // world
         self.expert_offset = rank * self.num_local_experts
@@ -193,6 +195,7 @@ class MoELayer(nn.Module):
             config=self.config,
             group=self.group,
             max_tokens=self.max_tokens,
+            _group_name=self._group_name,
         )
         return y_TH.reshape(x.shape)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ...config import MoKConfig
-from ...types import ForwardContext, Grads, Schedule
+from ...structs import ForwardContext, Grads, Schedule
 from ...workspace import Workspace
 from . import transport
 from .experts import (
@@ -38,7 +38,8 @@ def _shared_weights(shared: Weights3 | None) -> ExpertWeights | None:
 
 
 def _wgrad(acc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return acc.to(dtype).contiguous()
+    """A fresh contiguous tensor: gate and up come from one accumulator and must not share storage."""
+    return acc.to(dtype, memory_format=torch.contiguous_format, copy=True)
 
 
 class ReferenceBackend:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ...config import MoKConfig, resolve_batching
-from ...types import Schedule
+from ...structs import Schedule
 from ...workspace import Workspace
 
 

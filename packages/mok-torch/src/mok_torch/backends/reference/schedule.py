@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ...types import Schedule
+from ...structs import Schedule
 from ...workspace import Workspace
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ...types import Schedule
+from ...structs import Schedule
 
 
 def _received_rows(sched: Schedule) -> torch.Tensor:

@@ -1,0 +1,291 @@
+"""The layer's launches as `torch.library` custom ops, so `torch.compile(fullgraph=True)` works.
+
+`mok::build_schedule`, `mok::forward` and `mok::backward` mirror the functional API. They
+take the values that define a workspace (group name, max_tokens, H, E, config key) rather
+than Python objects, find the cached workspace inside, and return tensors of shapes the
+fake implementations know in advance — except the saved context, whose row count (the rows
+of macrobatch 0) depends on the routing and is a dynamic size for the compiler. None of the
+ops mutates its inputs. Autograd is registered on `mok::forward`; its backward calls
+`mok::backward`.
+
+Shape letters: T tokens, H hidden, K top-k, E experts, El local experts, R ranks, C
+schedule capacity, M saved rows, I / Is inner sizes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import functional
+from .config import MoKConfig
+from .structs import ForwardContext, Schedule
+from .workspace import Workspace, align_up, get_workspace
+
+BF16 = torch.bfloat16
+# The Schedule fields that travel between the ops, in this order.
+SCHEDULE_FIELDS = (
+    "tokens_per_rank_R",
+    "row_src_rank_C",
+    "row_route_C",
+    "expert_offsets_El1",
+    "expert_counts_El",
+    "recv_counts_R",
+    "send_order_TK",
+    "send_counts_R",
+)
+
+
+def group_name(group: Any) -> str:
+    """The name custom ops use for a process group ("" = no group, one rank)."""
+    return "" if group is None else group.group_name
+
+
+def _group(name: str) -> Any:
+    return None if not name else dist.distributed_c10d._resolve_process_group(name)
+
+
+def _world(name: str) -> int:
+    return 1 if not name else dist.get_world_size(_group(name))
+
+
+def _workspace(
+    device: torch.device, name: str, max_tokens: int, hidden_size: int, topk: int, num_experts: int, cfg: MoKConfig
+) -> Workspace:
+    return get_workspace(
+        cfg,
+        _group(name),
+        device=device,
+        max_tokens=max_tokens,
+        hidden_size=hidden_size,
+        topk=topk,
+        num_experts=num_experts,
+    )
+
+
+def _schedule(ws: Workspace, top_experts: torch.Tensor, tensors: list[torch.Tensor], backend: str) -> Schedule:
+    fields = dict(zip(SCHEDULE_FIELDS, tensors, strict=True))
+    return Schedule(workspace=ws, backend=backend, top_experts_TK=top_experts.to(torch.int32).contiguous(), **fields)
+
+
+def _bf16(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.to(BF16).contiguous()
+
+
+def _three(a: torch.Tensor | None, b: torch.Tensor | None, c: torch.Tensor | None) -> Any:
+    return None if a is None else (_bf16(a), _bf16(b), _bf16(c))
+
+
+# ---------------------------------------------------------------------------- schedule
+
+
+@torch.library.custom_op("mok::build_schedule", mutates_args=())
+def build_schedule_op(
+    top_experts: torch.Tensor, group: str, max_tokens: int, hidden_size: int, num_experts: int, config: str
+) -> list[torch.Tensor]:
+    """The schedule tensors (SCHEDULE_FIELDS) for this rank's routes [T, K]. Collective."""
+    cfg = MoKConfig.from_key(config)
+    ws = _workspace(top_experts.device, group, max_tokens, hidden_size, top_experts.shape[1], num_experts, cfg)
+    sched = functional.build_schedule(ws, cfg, top_experts.contiguous())
+    return [getattr(sched, f).clone() for f in SCHEDULE_FIELDS]
+
+
+@build_schedule_op.register_fake
+def _(
+    top_experts: torch.Tensor, group: str, max_tokens: int, hidden_size: int, num_experts: int, config: str
+) -> list[torch.Tensor]:
+    cfg = MoKConfig.from_key(config)
+    T, K = top_experts.shape
+    R = _world(group)
+    El = num_experts // R
+    A = cfg.expert_alignment
+    C = align_up(R * max_tokens * K + El * (A - 1), A)
+    new = top_experts.new_empty
+    i32, i64 = torch.int32, torch.int64
+    return [
+        new(R, dtype=i64),
+        new(C, dtype=i32),
+        new(C, dtype=i32),
+        new(El + 1, dtype=i32),
+        new(El, dtype=i32),
+        new(R, dtype=i64),
+        new(T * K, dtype=i64),
+        new(R, dtype=i64),
+    ]
+
+
+# ---------------------------------------------------------------------------- forward
+
+
+@torch.library.custom_op("mok::forward", mutates_args=())
+def forward_op(
+    x: torch.Tensor,
+    router_weights: torch.Tensor,
+    wg: torch.Tensor,
+    wu: torch.Tensor,
+    wd: torch.Tensor,
+    wg_s: torch.Tensor | None,
+    wu_s: torch.Tensor | None,
+    wd_s: torch.Tensor | None,
+    schedule: list[torch.Tensor],
+    top_experts: torch.Tensor,
+    group: str,
+    max_tokens: int,
+    config: str,
+) -> list[torch.Tensor]:
+    """[y (x's dtype), x_routed, a, b, shared_a, shared_b]; absent shared parts are empty."""
+    cfg = MoKConfig.from_key(config)
+    H = x.shape[1]
+    ws = _workspace(x.device, group, max_tokens, H, top_experts.shape[1], wg.shape[0] * _world(group), cfg)
+    backend = functional.resolve_backend(cfg, ws.device).name
+    sched = _schedule(ws, top_experts, schedule, backend)
+    y, ctx = functional.forward(
+        cfg, ws, sched, _bf16(x), router_weights.contiguous(), _three(wg, wu, wd), _three(wg_s, wu_s, wd_s)
+    )
+    empty = x.new_empty(0, dtype=BF16)
+    shared_a = empty if ctx.shared_a_TIs is None else ctx.shared_a_TIs.clone()
+    shared_b = empty.clone() if ctx.shared_b_TIs is None else ctx.shared_b_TIs.clone()
+    return [y.to(x.dtype), ctx.x_routed_MH.clone(), ctx.a_MI.clone(), ctx.b_MI.clone(), shared_a, shared_b]
+
+
+@forward_op.register_fake
+def _(
+    x: torch.Tensor,
+    router_weights: torch.Tensor,
+    wg: torch.Tensor,
+    wu: torch.Tensor,
+    wd: torch.Tensor,
+    wg_s: torch.Tensor | None,
+    wu_s: torch.Tensor | None,
+    wd_s: torch.Tensor | None,
+    schedule: list[torch.Tensor],
+    top_experts: torch.Tensor,
+    group: str,
+    max_tokens: int,
+    config: str,
+) -> list[torch.Tensor]:
+    T, H = x.shape
+    inner = wg.shape[1]
+    rows = torch.library.get_ctx().new_dynamic_size()  # rows of macrobatch 0: data dependent
+    if wg_s is None:
+        shared = [x.new_empty(0, dtype=BF16), x.new_empty(0, dtype=BF16)]
+    else:
+        shared = [x.new_empty(T, wg_s.shape[0], dtype=BF16), x.new_empty(T, wg_s.shape[0], dtype=BF16)]
+    return [
+        x.new_empty(T, H),
+        x.new_empty(rows, H, dtype=BF16),
+        x.new_empty(rows, inner, dtype=BF16),
+        x.new_empty(rows, inner, dtype=BF16),
+        *shared,
+    ]
+
+
+# ---------------------------------------------------------------------------- backward
+
+
+def _wgrad_dtype(w: torch.Tensor) -> torch.dtype:
+    """fp32 parameters get the fp32 accumulator itself; others its bf16 rounding."""
+    return torch.float32 if w.dtype == torch.float32 else BF16
+
+
+@torch.library.custom_op("mok::backward", mutates_args=())
+def backward_op(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    router_weights: torch.Tensor,
+    wg: torch.Tensor,
+    wu: torch.Tensor,
+    wd: torch.Tensor,
+    wg_s: torch.Tensor | None,
+    wu_s: torch.Tensor | None,
+    wd_s: torch.Tensor | None,
+    schedule: list[torch.Tensor],
+    top_experts: torch.Tensor,
+    context: list[torch.Tensor],
+    group: str,
+    max_tokens: int,
+    config: str,
+) -> list[torch.Tensor]:
+    """[dx, d_router_weights, dWg, dWu, dWd, dWg_s, dWu_s, dWd_s] (absent shared parts empty)."""
+    cfg = MoKConfig.from_key(config)
+    H = x.shape[1]
+    ws = _workspace(x.device, group, max_tokens, H, top_experts.shape[1], wg.shape[0] * _world(group), cfg)
+    backend = functional.resolve_backend(cfg, ws.device).name
+    sched = _schedule(ws, top_experts, schedule, backend)
+    x_routed, a, b, shared_a, shared_b = context
+    has_shared = wg_s is not None
+    ctx = ForwardContext(
+        sched, backend, x_routed, a, b, shared_a if has_shared else None, shared_b if has_shared else None
+    )
+    grads = functional.backward(
+        cfg,
+        ws,
+        sched,
+        ctx,
+        _bf16(dy),  # type: ignore[arg-type]
+        _bf16(x),  # type: ignore[arg-type]
+        router_weights.contiguous(),
+        _three(wg, wu, wd),
+        _three(wg_s, wu_s, wd_s),
+        wgrad_dtype=_wgrad_dtype(wg),
+    )
+    shared = list(grads.d_shared) if grads.d_shared is not None else [x.new_empty(0, dtype=BF16) for _ in range(3)]
+    return [grads.dx.to(x.dtype), grads.d_router_weights, *grads.d_routed, *shared]
+
+
+@backward_op.register_fake
+def _(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    router_weights: torch.Tensor,
+    wg: torch.Tensor,
+    wu: torch.Tensor,
+    wd: torch.Tensor,
+    wg_s: torch.Tensor | None,
+    wu_s: torch.Tensor | None,
+    wd_s: torch.Tensor | None,
+    schedule: list[torch.Tensor],
+    top_experts: torch.Tensor,
+    context: list[torch.Tensor],
+    group: str,
+    max_tokens: int,
+    config: str,
+) -> list[torch.Tensor]:
+    dt = _wgrad_dtype(wg)
+    if wg_s is None or wu_s is None or wd_s is None:
+        shared = [x.new_empty(0, dtype=BF16) for _ in range(3)]
+    else:
+        shared = [w.new_empty(w.shape, dtype=dt) for w in (wg_s, wu_s, wd_s)]
+    return [
+        x.new_empty(x.shape),
+        router_weights.new_empty(router_weights.shape),
+        *(w.new_empty(w.shape, dtype=dt) for w in (wg, wu, wd)),
+        *shared,
+    ]
+
+
+# ---------------------------------------------------------------------------- autograd
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: list[torch.Tensor]) -> None:
+    x, w, wg, wu, wd, wg_s, wu_s, wd_s, schedule, top, group, max_tokens, config = inputs
+    ctx.num_schedule = len(schedule)
+    ctx.meta = (group, max_tokens, config)
+    ctx.save_for_backward(x, w, wg, wu, wd, wg_s, wu_s, wd_s, top, *schedule, *output[1:])
+
+
+def _backward(ctx: Any, grads: list[torch.Tensor | None]) -> tuple[Any, ...]:
+    x, w, wg, wu, wd, wg_s, wu_s, wd_s, top, *rest = ctx.saved_tensors
+    schedule, context = rest[: ctx.num_schedule], rest[ctx.num_schedule :]
+    dy = grads[0] if grads[0] is not None else torch.zeros_like(x)
+    out = torch.ops.mok.backward(dy, x, w, wg, wu, wd, wg_s, wu_s, wd_s, schedule, top, context, *ctx.meta)
+    dx, dw, dwg, dwu, dwd, dwg_s, dwu_s, dwd_s = out
+    if wg_s is None:
+        dwg_s = dwu_s = dwd_s = None
+    # One entry per input, and a list for the list input (the schedule).
+    return dx, dw, dwg, dwu, dwd, dwg_s, dwu_s, dwd_s, [None] * ctx.num_schedule, None, None, None, None
+
+
+torch.library.register_autograd("mok::forward", _backward, setup_context=_setup_context)
