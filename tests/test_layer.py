@@ -96,3 +96,43 @@ def test_repr_and_parameters():
         "shared_up_proj",
         "shared_down_proj",
     }
+
+
+class _TwoMoE(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        cfg = config(expert_alignment=8)
+        self.a = mok.MoELayer(32, 16, 8, 2, config=cfg, device=DEVICE)
+        self.b = mok.MoELayer(32, 16, 8, 2, config=cfg, score_func="sigmoid", device=DEVICE)
+
+    def forward(self, x):
+        h = x + self.a(x)
+        return h + self.b(h) + self.b(h * 0.5)  # layer b is called twice per forward
+
+
+def test_record_and_replay_whole_model():
+    model = _TwoMoE()
+    x = torch.randn(12, 32, device=DEVICE)
+    with mok.record_routing(model) as record:
+        y = model(x)
+    assert [len(record["a"]), len(record["b"])] == [1, 2]
+    with mok.replay_routing(model, record):
+        assert torch.equal(model(x), y)  # same weights, same choice: same bits
+    with torch.no_grad():  # the router drifts (as it does between a rollout and training)
+        for layer in (model.a, model.b):
+            layer.router.weight.add_(torch.randn_like(layer.router.weight))
+    model(x)
+    assert not torch.equal(model.a.last_top_experts, record["a"][0])
+    model.zero_grad()
+    with mok.replay_routing(model, record):
+        out = model(x)
+        assert torch.equal(model.a.last_top_experts, record["a"][0])
+        assert torch.equal(model.b.last_top_experts, record["b"][1])
+    out.sum().backward()
+    assert model.a.router.weight.grad.abs().sum() > 0 and model.b.router.weight.grad.abs().sum() > 0
+    assert model.a._replay is None  # the context cleaned up
+    with pytest.raises(ValueError, match="called more often"), mok.replay_routing(model, {"a": [], "b": []}):
+        model(x)
+    with pytest.raises(ValueError, match="no routing for layer"), mok.replay_routing(model, {"a": record["a"]}):
+        pass

@@ -14,6 +14,7 @@ from .backends import available_backends, compiled_packages, register_backend, r
 from .config import MoKConfig, default_minibatch_size
 from .functional import backward, build_schedule, forward, recompute_forward_context
 from .layer import MoELayer, route, stable_topk
+from .replay import RoutingRecord, record_routing, replay_routing
 from .structs import ForwardContext, Grads, Schedule
 from .workspace import Workspace, clear_workspace_cache, create_workspace, get_workspace
 
@@ -24,6 +25,7 @@ __all__ = [
     "Grads",
     "MoELayer",
     "MoKConfig",
+    "RoutingRecord",
     "Schedule",
     "Workspace",
     "__version__",
@@ -38,7 +40,9 @@ __all__ = [
     "get_workspace",
     "moe",
     "recompute_forward_context",
+    "record_routing",
     "register_backend",
+    "replay_routing",
     "resolve_backend",
     "route",
     "stable_topk",

@@ -132,6 +132,8 @@ class MoELayer(nn.Module):
             self.register_parameter("shared_up_proj", None)
             self.register_parameter("shared_down_proj", None)
         self.last_top_experts: torch.Tensor | None = None
+        # Choices queued by mok_torch.replay_routing, consumed one per call.
+        self._replay: list[torch.Tensor] | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -166,6 +168,10 @@ class MoELayer(nn.Module):
             raise ValueError(f"x must have shape [..., H] with H = {self.hidden_size}, got {list(x.shape)}")
         lead = x.shape[:-1]
         x_TH = x.reshape(-1, self.hidden_size)
+        if top_experts is None and self._replay is not None:
+            if not self._replay:
+                raise ValueError("replay_routing: this layer was called more often than the record has calls")
+            top_experts = self._replay.pop(0).to(x.device)
         top_TK = None
         if top_experts is not None:
             check_tensor(
