@@ -44,7 +44,7 @@ def group_name(group: Any) -> str:
 
 
 def _group(name: str) -> Any:
-    return None if not name else dist.distributed_c10d._resolve_process_group(name)
+    return None if not name else dist.distributed_c10d._resolve_process_group(name)  # type: ignore[arg-type]
 
 
 def _world(name: str) -> int:
@@ -67,15 +67,18 @@ def _workspace(
 
 def _schedule(ws: Workspace, top_experts: torch.Tensor, tensors: list[torch.Tensor], backend: str) -> Schedule:
     fields = dict(zip(SCHEDULE_FIELDS, tensors, strict=True))
-    return Schedule(workspace=ws, backend=backend, top_experts_TK=top_experts.to(torch.int32).contiguous(), **fields)
+    top = top_experts.to(torch.int32).contiguous()
+    return Schedule(workspace=ws, backend=backend, top_experts_TK=top, **fields)  # type: ignore[arg-type]
 
 
-def _bf16(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.to(BF16).contiguous()
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(BF16).contiguous()
 
 
 def _three(a: torch.Tensor | None, b: torch.Tensor | None, c: torch.Tensor | None) -> Any:
-    return None if a is None else (_bf16(a), _bf16(b), _bf16(c))
+    if a is None or b is None or c is None:
+        return None
+    return (_bf16(a), _bf16(b), _bf16(c))
 
 
 # ---------------------------------------------------------------------------- schedule
@@ -224,8 +227,8 @@ def backward_op(
         ws,
         sched,
         ctx,
-        _bf16(dy),  # type: ignore[arg-type]
-        _bf16(x),  # type: ignore[arg-type]
+        _bf16(dy),
+        _bf16(x),
         router_weights.contiguous(),
         _three(wg, wu, wd),
         _three(wg_s, wu_s, wd_s),
