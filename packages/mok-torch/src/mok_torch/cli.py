@@ -1,4 +1,4 @@
-"""The `mok` command: `mok demo`, `mok info`."""
+"""The `mok` command: `mok demo`, `mok info`, `mok bench`."""
 
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ def _auto(precision: str, device: str) -> str:
 COMMANDS = {
     "demo": ("train a small MoE model twice and check the runs agree bitwise", "mok_torch.demo:main"),
     "info": ("versions, compiled packages and the backends available here", None),
+    "bench": ("the layer benchmark against baselines (torchrun for several GPUs)", "mok_torch.bench:main"),
 }
 
 
@@ -54,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command == "info":
         return _info(rest)
+    if command == "bench":
+        from mok_torch.bench import main as bench_main
+
+        return bench_main(rest)
     from mok_torch.demo import main as demo_main
 
     return demo_main(rest)

@@ -44,6 +44,7 @@ def _wgrad(acc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 class ReferenceBackend:
     name = "reference"
+    reference_experts = True  # the expert GEMMs are sequential elementwise loops
 
     def unavailable_reason(self, precision: str, device: torch.device) -> str | None:
         if precision != "bf16":

@@ -1,0 +1,117 @@
+#!/usr/bin/env python3
+"""Regenerate the README's performance table from the committed benchmark results.
+
+    python benchmarks/readme_table.py            # rewrite README.md in place
+    python benchmarks/readme_table.py --check    # exit 1 if README.md is out of date
+
+Reads every JSON that `mok bench` wrote under benchmarks/results/, keeps the latest result
+per (device, EP size, precision, shape, routing, provider) and writes the table between
+the markers `<!-- bench-table:start -->` and `<!-- bench-table:end -->`. Only GPU runs
+that are not `--quick` smoke runs count, unless `--all-runs`. Numbers are never typed by
+hand: edit the results, then run this.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from mok_torch.bench.report import markdown_table
+
+ROOT = Path(__file__).resolve().parent.parent
+START = "<!-- bench-table:start -->"
+END = "<!-- bench-table:end -->"
+SCHEMA = "mok-bench-layer/1"
+LEADING = (("device", "_device"), ("EP", "_world"), ("precision", "_precision"))
+
+
+def load_runs(results: Path, all_runs: bool) -> list[tuple[dict[str, Any], Path]]:
+    """(report, path) of every benchmark JSON under `results`, oldest first."""
+    runs = []
+    for path in sorted(results.rglob("*.json")):
+        try:
+            report = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise SystemExit(f"readme_table: cannot read {path}: {exc}") from exc
+        if not isinstance(report, dict) or report.get("schema") != SCHEMA:
+            continue
+        if not all_runs and (report["device"]["type"] != "cuda" or report["config"].get("quick")):
+            continue
+        runs.append((report, path))
+    runs.sort(key=lambda rp: (rp[0]["created"], rp[1].name))
+    return runs
+
+
+def latest_rows(runs: list[tuple[dict[str, Any], Path]]) -> tuple[list[dict[str, Any]], list[Path]]:
+    """The latest row per key, sorted, and the files they come from."""
+    latest: dict[tuple, tuple[dict[str, Any], Path]] = {}
+    for report, path in runs:
+        for row in report["results"]:
+            extended = dict(
+                row,
+                _device=report["device"]["name"],
+                _world=report["world_size"],
+                _precision=row.get("precision", report["config"]["precision"]),
+            )
+            key = (
+                extended["_device"],
+                extended["_world"],
+                extended["_precision"],
+                row["shape"]["name"],
+                row["routing"],
+                row["provider"],
+            )
+            latest[key] = (extended, path)
+    keys = sorted(latest)
+    rows = [latest[k][0] for k in keys]
+    sources = sorted({latest[k][1] for k in keys}, key=lambda p: p.name)
+    return rows, sources
+
+
+def render(rows: list[dict[str, Any]], sources: list[Path], root: Path) -> str:
+    if not rows:
+        return "_No GPU benchmark results are committed yet._"
+    names = []
+    for p in sources:
+        try:
+            names.append(f"`{p.resolve().relative_to(root)}`")
+        except ValueError:
+            names.append(f"`{p.name}`")
+    return markdown_table(rows, LEADING) + "\n\nFrom " + ", ".join(names) + "."
+
+
+def rewrite(text: str, table: str) -> str:
+    start, end = text.find(START), text.find(END)
+    if start < 0 or end < start:
+        raise SystemExit(f"readme_table: the README has no {START} ... {END} markers")
+    return text[: start + len(START)] + "\n" + table + "\n" + text[end:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--readme", type=Path, default=ROOT / "README.md")
+    p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--all-runs", action="store_true", help="include CPU and --quick runs")
+    p.add_argument("--check", action="store_true", help="change nothing; exit 1 if the README is out of date")
+    args = p.parse_args(argv)
+    rows, sources = latest_rows(load_runs(args.results, args.all_runs))
+    old = args.readme.read_text()
+    new = rewrite(old, render(rows, sources, args.readme.resolve().parent))
+    if args.check:
+        if new != old:
+            print(f"{args.readme} is out of date: run python benchmarks/readme_table.py", file=sys.stderr)
+            return 1
+        return 0
+    if new != old:
+        args.readme.write_text(new)
+        print(f"rewrote the performance table of {args.readme} ({len(rows)} rows)")
+    else:
+        print(f"{args.readme} is up to date ({len(rows)} rows)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from .launch import main
+
+sys.exit(main())

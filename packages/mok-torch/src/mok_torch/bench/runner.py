@@ -1,0 +1,271 @@
+"""The layer benchmark: every (shape, routing, provider) case, every figure, in one run.
+
+For each shape the runner makes this rank's weights, x and dy once; for each routing the
+routes; for each provider it measures, in order (each a collective when R > 1):
+
+1. the forward and forward+backward times (median of --iters after --warmup; the forward
+   is the whole call, schedule or split sizes included; forward+backward is the forward
+   and `y.backward(dy)` timed together);
+2. the peak device memory of each pass (max_memory_allocated over what was allocated before);
+3. the activation bytes kept for backward;
+4. determinism: forward+backward twice from the same inputs, outputs and every gradient
+   compared with torch.equal.
+
+Then TFLOP/s (seed counting), the fraction of the floor and the speedup over torch-a2a.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from ..workspace import clear_workspace_cache
+from . import floors
+from .ceilings import Ceilings, describe_error
+from .inputs import LayerCall, make_call, make_weights, route_counts
+from .providers import Forward, Provider, Settings
+from .shapes import Shape
+from .timing import Ranks, all_ranks, gather_floats, median, reduce_max, synchronize, time_ms
+
+PASSES = ("forward", "forward+backward")
+BASELINE = "torch-a2a"
+# Past this many forward flops per rank a CPU run takes minutes per call (the real shapes
+# have ~1000x more): skipped unless --allow-slow.
+CPU_MAX_FLOPS = 6 * 2**28
+
+
+@dataclass(frozen=True)
+class Options:
+    shapes: str
+    precision: str
+    providers: list[str]
+    backends: list[str]
+    routings: list[str]
+    passes: tuple[str, ...]
+    iters: int
+    warmup: int
+    quick: bool
+    allow_slow: bool
+    out: str
+    plot: bool = True
+    argv: list[str] = field(default_factory=list)
+
+    def asdict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("argv")
+        return d
+
+
+def _empty_row(shape: Shape, routing: str, provider: Provider, ranks: Ranks) -> dict[str, Any]:
+    return {
+        "shape": shape.describe(),
+        "routing": routing,
+        "provider": provider.name,
+        "backend": provider.backend(ranks),
+        "precision": provider.precision,
+        "status": "ok",
+        "reason": None,
+        "ms": {},
+        "times_ms": {},
+        "tflops": {},
+        "floor": {},
+        "floor_fraction": {},
+        "speedup_vs_torch_a2a": {},
+        "peak_mib": {},
+        "saved_mib": None,
+        "saved_method": None,
+        "deterministic": None,
+    }
+
+
+def peak_mib(ranks: Ranks, run: Callable[[], object], call: LayerCall) -> float | None:
+    """Peak device memory of `run()` above what was allocated before it (max over ranks)."""
+    if not ranks.cuda:
+        return None
+    call.drop_grads()
+    synchronize(ranks)
+    torch.cuda.reset_peak_memory_stats(ranks.device)
+    base = torch.cuda.memory_allocated(ranks.device)
+    out = run()
+    synchronize(ranks)
+    peak = torch.cuda.max_memory_allocated(ranks.device) - base
+    del out
+    return reduce_max(ranks, [peak / 2**20])[0]
+
+
+def bitwise_repeatable(ranks: Ranks, forward: Forward, call: LayerCall) -> bool:
+    """Two forward+backward runs from the same inputs give the same bits, on every rank.
+
+    The first run's output and gradients are kept; the second's are compared in place (one
+    extra copy of the weight gradients, not two).
+    """
+
+    def once() -> torch.Tensor:
+        call.drop_grads()
+        y = forward()
+        y.backward(call.dy_TH)
+        return y.detach()
+
+    first = [once().clone(), *(None if g is None else g.clone() for g in call.grads())]
+    second = [once(), *call.grads()]
+    same = all(
+        (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+        for a, b in zip(first, second, strict=True)
+    )
+    del first, second
+    call.drop_grads()
+    return all_ranks(ranks, same)
+
+
+def measure(
+    provider: Provider,
+    call: LayerCall,
+    ranks: Ranks,
+    opts: Options,
+    settings: Settings,
+    layer_floors: dict[str, dict[str, floors.Floor]],
+) -> dict[str, Any]:
+    """Every figure of one (shape, routing, provider) case."""
+    row = _empty_row(call.shape, call.routing, provider, ranks)
+    try:
+        forward = provider.prepare(call, ranks, settings)
+
+        def forward_backward() -> None:
+            forward().backward(call.dy_TH)
+
+        runs = {"forward": forward, "forward+backward": forward_backward}
+        for p in opts.passes:
+            times = time_ms(ranks, runs[p], iters=opts.iters, warmup=opts.warmup, before=call.drop_grads)
+            ms = median(times)
+            row["times_ms"][p] = times
+            row["ms"][p] = ms
+            row["tflops"][p] = floors.pass_flops(call.shape, p) / (ms * 1e-3) / 1e12
+            floor = layer_floors[provider.precision][p]
+            row["floor"][p] = floor.asdict()
+            row["floor_fraction"][p] = None if floor.ms is None else floor.ms / ms
+            row["peak_mib"][p] = peak_mib(ranks, runs[p], call)
+        call.drop_grads()
+        saved, method = provider.saved_bytes(call, forward, ranks)
+        if saved is not None:
+            row["saved_mib"] = reduce_max(ranks, [saved / 2**20])[0]
+        row["saved_method"] = method
+        row["deterministic"] = bitwise_repeatable(ranks, forward, call)
+    except Exception as exc:  # a provider that fails is reported, the run goes on
+        row.update(status="error", reason=describe_error(exc))
+    finally:
+        call.drop_grads()
+        _free(ranks)
+    if not all_ranks(ranks, row["status"] == "ok") and row["status"] == "ok":
+        row.update(status="error", reason="failed on another rank")
+    return row
+
+
+def _free(ranks: Ranks) -> None:
+    gc.collect()
+    if ranks.cuda:
+        torch.cuda.empty_cache()
+
+
+def add_speedups(rows: list[dict[str, Any]]) -> None:
+    """speedup[pass] = torch-a2a's time / the provider's, within one (shape, routing)."""
+    base = next((r for r in rows if r["provider"] == BASELINE and r["status"] == "ok"), None)
+    if base is None:
+        return
+    for row in rows:
+        if row["status"] != "ok":
+            continue
+        for p, ms in row["ms"].items():
+            if p in base["ms"]:
+                row["speedup_vs_torch_a2a"][p] = base["ms"][p] / ms
+
+
+def case_floors(
+    call: LayerCall, ranks: Ranks, ceilings: Ceilings, precisions: set[str]
+) -> dict[str, dict[str, floors.Floor]]:
+    """Floors per provider precision and pass, from every rank's routes (collective)."""
+    routes, tokens = route_counts(call, ranks.world)
+    per_rank = gather_floats(ranks, routes + tokens)
+    routes_RR = [r[: ranks.world] for r in per_rank]
+    pairs_RR = [r[ranks.world :] for r in per_rank]
+    return {
+        precision: floors.layer_floors(
+            call.shape,
+            routes_RR,
+            pairs_RR,
+            matmul_tflops=ceilings.matmul(precision),
+            hbm_gbps=ceilings.hbm.value,
+            nvlink_gbps=ceilings.nvlink.value,
+        )
+        for precision in precisions
+    }
+
+
+def skip_reasons(shape: Shape, providers: list[Provider], ranks: Ranks, settings: Settings) -> list[str | None]:
+    """Why each provider cannot run `shape` (None: it can), agreed by every rank.
+
+    Every rank must take the same branch: a rank that skipped alone would leave the others
+    waiting in a collective.
+    """
+    too_big = None
+    if not ranks.cuda and not settings.allow_slow and floors.forward_flops(shape) > CPU_MAX_FLOPS:
+        too_big = "too big for a CPU run (use --allow-slow)"
+    reasons = [shape.skip or p.unavailable(shape, ranks, settings) or too_big for p in providers]
+    skipped_somewhere = reduce_max(ranks, [0.0 if r is None else 1.0 for r in reasons])
+    return [
+        r if r is not None or flag == 0.0 else "unavailable on another rank"
+        for r, flag in zip(reasons, skipped_somewhere, strict=True)
+    ]
+
+
+def skipped_row(shape: Shape, routing: str, provider: Provider, ranks: Ranks, reason: str) -> dict[str, Any]:
+    row = _empty_row(shape, routing, provider, ranks)
+    row.update(status="skipped", reason=reason)
+    return row
+
+
+def run_cases(
+    shapes: list[Shape],
+    providers: list[Provider],
+    ranks: Ranks,
+    opts: Options,
+    ceilings: Ceilings,
+    progress: Any = None,
+) -> list[dict[str, Any]]:
+    """Rows of every (shape, routing, provider), in that order."""
+    settings = Settings(allow_slow=opts.allow_slow)
+    precisions = {p.precision for p in providers}
+    rows: list[dict[str, Any]] = []
+    for shape in shapes:
+        reasons = skip_reasons(shape, providers, ranks, settings)
+        if all(r is not None for r in reasons):  # nothing to run: make no inputs
+            for routing in opts.routings:
+                for provider, reason in zip(providers, reasons, strict=True):
+                    rows.append(skipped_row(shape, routing, provider, ranks, str(reason)))
+                    if progress is not None:
+                        progress.update()
+            continue
+        weights = make_weights(shape, ranks)
+        for routing in opts.routings:
+            call = make_call(shape, routing, weights, ranks)
+            layer_floors = case_floors(call, ranks, ceilings, precisions)
+            case_rows = []
+            for provider, reason in zip(providers, reasons, strict=True):
+                if progress is not None:
+                    progress.set_postfix_str(f"{shape.name} {routing} {provider.name}")
+                if reason is not None:
+                    case_rows.append(skipped_row(shape, routing, provider, ranks, reason))
+                else:
+                    case_rows.append(measure(provider, call, ranks, opts, settings, layer_floors))
+                if progress is not None:
+                    progress.update()
+            add_speedups(case_rows)
+            rows += case_rows
+            del call
+        del weights
+        clear_workspace_cache()
+        _free(ranks)
+    return rows

@@ -1,0 +1,114 @@
+"""Timing and the few cross-rank reductions the benchmark needs.
+
+Every timed iteration starts from an idle device with every rank lined up (synchronize,
+then a barrier when R > 1), so one iteration's time is the whole call as a training step
+sees it: host work such as reading split sizes, kernel launches and waits on other ranks.
+A GPU iteration is timed with CUDA events around the call; a CPU one with perf_counter.
+With several ranks an iteration takes as long as its slowest rank: the per-iteration
+maximum over ranks is what gets reported (its median over iterations).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """Where this process runs: its device, the expert-parallel group (None = one rank)."""
+
+    device: torch.device
+    group: Any
+    rank: int
+    world: int
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def lead(self) -> bool:
+        return self.rank == 0
+
+
+def synchronize(ranks: Ranks) -> None:
+    if ranks.cuda:
+        torch.cuda.synchronize(ranks.device)
+
+
+def line_up(ranks: Ranks) -> None:
+    """Idle device, every rank at the same point."""
+    synchronize(ranks)
+    if ranks.world > 1:
+        dist.barrier(group=ranks.group)
+        synchronize(ranks)
+
+
+def gather_floats(ranks: Ranks, values: Sequence[float]) -> list[list[float]]:
+    """values of every rank (each rank passes as many), rank order."""
+    local = torch.tensor(list(values), dtype=torch.float64, device=ranks.device)
+    if ranks.world == 1:
+        return [local.tolist()]
+    out = [torch.empty_like(local) for _ in range(ranks.world)]
+    dist.all_gather(out, local, group=ranks.group)
+    return [t.tolist() for t in out]
+
+
+def reduce_max(ranks: Ranks, values: Sequence[float]) -> list[float]:
+    """Element-wise maximum over ranks."""
+    per_rank = gather_floats(ranks, values)
+    return [max(column) for column in zip(*per_rank, strict=True)]
+
+
+def all_ranks(ranks: Ranks, flag: bool) -> bool:
+    """True when `flag` holds on every rank."""
+    return min(reduce_max(ranks, [0.0 if flag else 1.0])) == 0.0
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def time_ms(
+    ranks: Ranks,
+    fn: Callable[[], Any],
+    *,
+    iters: int,
+    warmup: int,
+    before: Callable[[], None] | None = None,
+) -> list[float]:
+    """Per-iteration times in ms of `fn()` (maximum over ranks), after `warmup` untimed calls.
+
+    `before()` runs ahead of every call, untimed (e.g. dropping last iteration's gradients).
+    """
+    for _ in range(warmup):
+        if before is not None:
+            before()
+        fn()
+    times: list[float] = []
+    events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+    for _ in range(iters):
+        if before is not None:
+            before()
+        line_up(ranks)
+        if ranks.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            events.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    if ranks.cuda:
+        synchronize(ranks)
+        times = [start.elapsed_time(end) for start, end in events]
+    return reduce_max(ranks, times)

@@ -1,0 +1,244 @@
+"""The layer benchmark (`mok bench`): the quick run's JSON, the baselines against mok, EP 2,
+and the README table generator. CPU only and fast: the benchmark's speed is not tested."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_close
+from multiproc import run_ranks
+
+from mok_torch import MoKConfig, resolve_backend
+from mok_torch.bench import floors, launch
+from mok_torch.bench.inputs import LayerCall, make_call, make_weights
+from mok_torch.bench.providers import MokProvider, Settings, TorchA2AProvider, TorchLoopProvider
+from mok_torch.bench.shapes import Shape, resolve_shapes
+from mok_torch.bench.timing import Ranks
+from mok_torch.cli import main as mok_main
+
+ROOT = Path(__file__).resolve().parent.parent
+CPU = Ranks(torch.device("cpu"), None, 0, 1)
+SETTINGS = Settings(allow_slow=False)
+FAST = ["--iters", "2", "--warmup", "1"]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One intra-op thread: on a busy 2-core machine OpenMP barriers make tiny ops take ms."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _report(out: Path) -> dict:
+    files = sorted(out.glob("*.json"))
+    assert len(files) == 1, files
+    return json.loads(files[0].read_text())
+
+
+def test_quick_run_writes_the_report(tmp_path):
+    assert mok_main(["bench", "--quick", *FAST, "--out", str(tmp_path)]) == 0
+    report = _report(tmp_path)
+    name = sorted(tmp_path.glob("*.json"))[0].name
+    assert name.endswith("_cpu_layer-ep1-quick.json") and name[:4].isdigit()
+    assert (tmp_path / name).with_suffix(".png").exists()
+    assert report["world_size"] == 1 and report["device"]["type"] == "cpu"
+    assert report["versions"]["torch"] == torch.__version__
+    assert report["command"].startswith("mok bench --quick")
+    assert set(report["ceilings"]) == {"bf16_matmul", "fp8_matmul", "hbm", "nvlink"}
+    assert all(c["value"] is None and c["skipped"] for c in report["ceilings"].values())
+    rows = report["results"]
+    assert {(r["shape"]["name"], r["provider"]) for r in rows} == {
+        (s, p) for s in ("quick", "quick-shared") for p in ("mok", "torch-a2a", "torch-loop")
+    }
+    for r in rows:
+        assert r["status"] == "ok", r["reason"]
+        for p in ("forward", "forward+backward"):
+            assert r["ms"][p] > 0 and r["tflops"][p] > 0
+            assert len(r["times_ms"][p]) == 2 and min(r["times_ms"][p]) > 0
+            assert r["floor_fraction"][p] is None and r["peak_mib"][p] is None  # no ceilings, no CUDA
+            assert r["floor"][p]["flops"] > 0 and r["floor"][p]["hbm_bytes"] > 0
+            assert r["floor"][p]["nvlink_bytes"] == 0
+        assert r["saved_mib"] > 0 and r["deterministic"] is True
+        assert r["speedup_vs_torch_a2a"]["forward"] > 0
+    mok = next(r for r in rows if r["provider"] == "mok")
+    assert mok["backend"] == resolve_backend(MoKConfig(), "cpu").name
+    assert mok["saved_method"].startswith("mok ForwardContext")
+
+
+def test_skips_are_reported_with_a_reason(tmp_path):
+    # One rank: three seed slices cannot be routed; the reference backend is too slow for the
+    # fourth, and the CPU for every real shape; the optional libraries are not installed here.
+    argv = ["--shapes", "seed,mixtral-8x7b", "--providers", "mok,torch-a2a,deepep,sonicmoe", "--backend", "reference"]
+    assert launch.main([*argv, "--no-plot", *FAST, "--out", str(tmp_path)]) == 0
+    rows = _report(tmp_path)["results"]
+    assert len(rows) == 5 * 4 and all(r["status"] == "skipped" for r in rows)
+    by = {(r["shape"]["name"], r["provider"]): r["reason"] for r in rows}
+    assert "fewer than K=8" in by[("kimi-k2.7-code", "mok")]
+    assert by[("deepseek-v4-pro", "mok")].startswith("reference backend: its experts run the reference arithmetic")
+    assert by[("mixtral-8x7b", "torch-a2a")] == "too big for a CPU run (use --allow-slow)"
+    assert by[("deepseek-v4-pro", "deepep")].startswith("not importable")
+
+
+def test_shapes():
+    seed = {s.name: s for s in resolve_shapes("seed", 2)}
+    assert (seed["kimi-k2.7-code"].experts, seed["kimi-k2.7-code"].local_experts) == (12, 6)
+    assert seed["qwen3.5-397b-a17b"].shared_inner == 1024 and seed["glm-5.2"].tokens == 2048
+    public = {s.name: s for s in resolve_shapes("public", 1)}
+    assert public["deepseek-v3"].shared_inner == 2048 and public["qwen3-30b-a3b"].shared_inner == 0
+    assert public["mixtral-8x7b"].tokens == 8192
+    assert resolve_shapes("mixtral-8x7b", 3)[0].skip is not None  # 8 experts over 3 ranks
+    (custom,) = resolve_shapes("H=64,I=32,E=8,K=2,T=5,Is=16", 2)
+    assert (custom.hidden, custom.local_experts, custom.tokens, custom.shared_inner) == (64, 4, 5, 16)
+    assert len(resolve_shapes("all", 1)) == 7
+    with pytest.raises(ValueError, match="unknown shape"):
+        resolve_shapes("nope", 1)
+
+
+def test_flops_and_floors():
+    # The seed's count: torch-a2a's kimi-k2.7-code slice at 6.41 / 13.97 ms is 253 / 349 TFLOP/s.
+    kimi = resolve_shapes("kimi-k2.7-code", 2)[0]
+    assert round(floors.pass_flops(kimi, "forward") / 6.41e-3 / 1e12) == 253
+    assert round(floors.pass_flops(kimi, "forward+backward") / 13.97e-3 / 1e12) == 349
+    # Two ranks, one expert each: rank 0 keeps 2 routes and sends 1 token; rank 1 keeps 3.
+    shape = Shape("t", "custom", 4, 2, 2, 1, 3, 0, 2)
+    routes = pairs = [[2.0, 1.0], [0.0, 3.0]]
+    fwd1, bwd1 = floors.rank_traffic(shape, routes, pairs, 1)
+    assert fwd1.flops == 6 * 4 * 2 * 4 and bwd1.flops == 2 * fwd1.flops  # 4 rows land on rank 1
+    assert fwd1.nvlink_bytes == 2 * 4 * 1 and bwd1.nvlink_bytes == fwd1.nvlink_bytes  # one token crosses
+    weights, context = 2 * 3 * 4 * 2, 2 * 4 * (4 + 2 * 2)
+    assert fwd1.hbm_bytes == 2 * 2 * 3 * 4 + weights + context + 8 * 3
+    assert bwd1.hbm_bytes == 2 * 2 * 3 * 4 + 2 * weights + context + 4 * 3
+    got = floors.layer_floors(shape, routes, pairs, matmul_tflops=1e-9, hbm_gbps=1e3, nvlink_gbps=1e3)
+    assert got["forward"].rank == 1 and got["forward"].bound == "matmul"
+    assert got["forward"].ms == pytest.approx(fwd1.flops / 1e3 * 1e3)
+    none = floors.layer_floors(shape, routes, pairs, matmul_tflops=None, hbm_gbps=None, nvlink_gbps=None)
+    assert none["forward+backward"].ms is None
+
+
+def _forward_backward(forward, call: LayerCall) -> dict[str, torch.Tensor]:
+    call.drop_grads()
+    y = forward()
+    y.backward(call.dy_TH)
+    names = ["dx", "d_router_weights", "dWg", "dWu", "dWd", "dWg_s", "dWu_s", "dWd_s"]
+    out = {"y": y.detach()}
+    out.update({n: g for n, g in zip(names, call.grads(), strict=False) if g is not None})
+    call.drop_grads()
+    return out
+
+
+@pytest.mark.parametrize("routing", ["balanced", "worst"])
+@pytest.mark.parametrize("shared", [0, 24])
+def test_baselines_match_mok(routing, shared):
+    """torch-a2a and torch-loop compute the layer mok computes (bf16 tolerance), gradients too.
+
+    `worst` leaves most experts empty: torch-a2a then pads them with zero rows.
+    """
+    shape = Shape("t", "custom", 48, 40, 8, 3, 37, shared, 1)
+    call = make_call(shape, routing, make_weights(shape, CPU), CPU)
+    want = _forward_backward(MokProvider("mok", "reference", "bf16").prepare(call, CPU, SETTINGS), call)
+    for provider in (TorchA2AProvider(compiled=False), TorchLoopProvider()):
+        got = _forward_backward(provider.prepare(call, CPU, SETTINGS), call)
+        assert set(got) == set(want)
+        for key in want:
+            assert_close(f"{provider.name} {key}", got[key], want[key])
+
+
+def bench_rank(rank: int, world: int, group, out: str) -> dict:
+    """One rank of a 2-rank quick bench, and torch-a2a against mok over the group."""
+    ranks = Ranks(torch.device("cpu"), group, rank, world)
+    opts, _ = launch.options_from(
+        ["--quick", "--shapes", "quick-shared", "--routing", "skewed,worst", "--no-plot", *FAST, "--out", out]
+    )
+    report = json.dumps(launch.bench(opts, ranks))  # plain text: results come back through torch.load
+    shape = resolve_shapes("H=48,I=40,E=8,K=3,T=29,Is=24", world)[0]
+    call = make_call(shape, "skewed", make_weights(shape, ranks), ranks)
+    mok_out = _forward_backward(MokProvider("mok", "reference", "bf16").prepare(call, ranks, SETTINGS), call)
+    a2a_out = _forward_backward(TorchA2AProvider(compiled=False).prepare(call, ranks, SETTINGS), call)
+    return {"report": report, "mok": mok_out, "torch-a2a": a2a_out}
+
+
+@pytest.mark.multiprocess
+def test_two_ranks_on_gloo(tmp_path):
+    per_rank = run_ranks(2, "test_bench.bench_rank", str(tmp_path))
+    written = _report(tmp_path)  # rank 0 writes, alone
+    assert written["world_size"] == 2 and "ep2" in sorted(tmp_path.glob("*.json"))[0].name
+    rows = {(r["routing"], r["provider"]): r for r in written["results"]}
+    for routing in ("skewed", "worst"):
+        for provider in ("mok", "torch-a2a"):
+            r = rows[(routing, provider)]
+            assert r["status"] == "ok", r["reason"]
+            assert r["ms"]["forward+backward"] > 0 and r["deterministic"] is True
+            assert r["floor"]["forward"]["nvlink_bytes"] > 0  # tokens cross between the ranks
+        assert rows[(routing, "torch-loop")]["status"] == "skipped"
+    # every rank got the same report figures (medians are maxima over ranks)
+    assert json.loads(per_rank[0]["report"])["results"] == json.loads(per_rank[1]["report"])["results"]
+    for res in per_rank:
+        for key, want in res["mok"].items():
+            assert_close(f"EP 2 torch-a2a {key}", res["torch-a2a"][key], want)
+
+
+def _synthetic_report(created: str, ms: float) -> dict:
+    row = {
+        "shape": {"name": "deepseek-v4-pro"},
+        "routing": "balanced",
+        "provider": "torch-a2a",
+        "backend": None,
+        "precision": "bf16",
+        "status": "ok",
+        "reason": None,
+        "ms": {"forward": ms, "forward+backward": 2 * ms},
+        "tflops": {"forward": 328.0, "forward+backward": 398.0},
+        "floor_fraction": {"forward": 0.41, "forward+backward": 0.52},
+        "speedup_vs_torch_a2a": {"forward": 1.0, "forward+backward": 1.0},
+        "peak_mib": {"forward": 900.0, "forward+backward": 1800.0},
+        "saved_mib": 350.0,
+        "deterministic": False,
+    }
+    skipped = dict(row, provider="deepep", status="skipped", reason="not importable (deep_ep: ModuleNotFoundError)")
+    return {
+        "schema": "mok-bench-layer/1",
+        "created": created,
+        "device": {"type": "cuda", "name": "NVIDIA H200"},
+        "world_size": 2,
+        "config": {"precision": "bf16", "quick": False},
+        "results": [row, skipped],
+    }
+
+
+def test_readme_table_is_generated_and_idempotent(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    readme = tmp_path / "README.md"
+    shutil.copy(ROOT / "README.md", readme)
+    (results / "old.json").write_text(json.dumps(_synthetic_report("2026-12-01T10:00:00+00:00", 9.99)))
+    (results / "new.json").write_text(json.dumps(_synthetic_report("2026-12-02T10:00:00+00:00", 5.78)))
+    cpu = _synthetic_report("2026-12-03T10:00:00+00:00", 1.0)
+    cpu["device"] = {"type": "cpu", "name": "x86_64"}
+    (results / "cpu.json").write_text(json.dumps(cpu))
+    script = [sys.executable, str(ROOT / "benchmarks" / "readme_table.py"), "--readme", str(readme)]
+    script += ["--results", str(results)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    subprocess.run(script, check=True, capture_output=True, env=env)
+    text = readme.read_text()
+    table = text[text.index("<!-- bench-table:start -->") : text.index("<!-- bench-table:end -->")]
+    assert "| NVIDIA H200 | 2 | bf16 | deepseek-v4-pro | balanced | torch-a2a | 5.78 | 11.6 |" in table
+    assert "9.99" not in table and "x86_64" not in table  # the latest GPU run only
+    assert "| deepep | skipped: not importable" in table and "results/new.json`" in table
+    assert text.replace(table, "") == (ROOT / "README.md").read_text().replace(_between_markers(ROOT / "README.md"), "")
+    subprocess.run(script, check=True, capture_output=True, env=env)
+    assert readme.read_text() == text
+    assert subprocess.run([*script, "--check"], capture_output=True, env=env).returncode == 0
+
+
+def _between_markers(path: Path) -> str:
+    text = path.read_text()
+    return text[text.index("<!-- bench-table:start -->") : text.index("<!-- bench-table:end -->")]
