@@ -20,7 +20,7 @@ PYPROJECT = nox.project.load_toml(ROOT / "pyproject.toml")
 TORCH = os.environ.get("MOK_TORCH_SPEC", "torch==2.13.0")
 COMPILED = ["packages/mok-core", "packages/mok-bf16", "packages/mok-mxfp8"]
 # Backends the CPU suite runs against; native ones join as they land.
-CPU_BACKENDS = ["reference"]
+CPU_BACKENDS = ["reference", "cpu"]
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = False

@@ -10,18 +10,41 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ._C import build_info, cuda_device_count, cuda_device_properties, version
+from ._C import (
+    ShmSegment,
+    barrier,
+    build_info,
+    build_send_side,
+    build_table,
+    combine,
+    cuda_device_count,
+    cuda_device_properties,
+    plan_ring,
+    pull_rows,
+    push_rows,
+    schedule_capacity,
+    version,
+)
 
 __version__: str = version()
 
 __all__ = [
+    "ShmSegment",
     "__version__",
     "backend_info",
+    "barrier",
     "build_info",
+    "build_send_side",
+    "build_table",
     "cmake_dir",
+    "combine",
     "cuda_device_count",
     "cuda_device_properties",
     "include_dir",
+    "plan_ring",
+    "pull_rows",
+    "push_rows",
+    "schedule_capacity",
     "version",
 ]
 

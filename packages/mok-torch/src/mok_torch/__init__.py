@@ -12,7 +12,7 @@ from __future__ import annotations
 from .autograd import moe
 from .backends import available_backends, compiled_packages, register_backend, resolve_backend
 from .config import MoKConfig, default_minibatch_size
-from .functional import backward, build_schedule, forward, recompute_forward_context
+from .functional import backward, build_schedule, check_errors, forward, recompute_forward_context
 from .layer import MoELayer, route, stable_topk
 from .replay import RoutingRecord, record_routing, replay_routing
 from .structs import ForwardContext, Grads, Schedule
@@ -32,6 +32,7 @@ __all__ = [
     "available_backends",
     "backward",
     "build_schedule",
+    "check_errors",
     "clear_workspace_cache",
     "compiled_packages",
     "create_workspace",

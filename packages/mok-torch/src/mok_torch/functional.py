@@ -97,6 +97,25 @@ def _check_layer_args(
     return inner, shared_inner
 
 
+def check_errors(ws: Workspace) -> None:
+    """Raise the transport error (a wait that timed out) recorded in `ws`, if any.
+
+    Native GPU calls never wait for the host, so a timeout on the device is recorded in the
+    workspace and raised by the next call that finds it; this waits for the device and
+    raises at once. The reference backend records nothing.
+    """
+    if not isinstance(ws, Workspace):
+        raise TypeError(f"ws must be a Workspace, got {type(ws).__name__}")
+    tr = ws.state.get("native")
+    if tr is None:
+        return
+    if tr.dev == "cuda":
+        torch.cuda.synchronize(ws.device)
+    from .backends.native.transport import raise_transport_error
+
+    raise_transport_error(tr.error.tolist(), tr.timeout_ns)
+
+
 def build_schedule(ws: Workspace, cfg: MoKConfig, top_experts: torch.Tensor) -> Schedule:
     """The schedule table for this rank's routes `top_experts` [T, K] (global expert ids).
 
@@ -111,7 +130,10 @@ def build_schedule(ws: Workspace, cfg: MoKConfig, top_experts: torch.Tensor) -> 
         raise ValueError(
             f"top_experts has {te.shape[0]} tokens, more than the workspace's max_tokens ({ws.max_tokens})"
         )
-    check_expert_ids("top_experts", te, ws.num_experts)
+    if not (te.is_cuda and torch.cuda.is_current_stream_capturing()):
+        # reading a flag on the host is not allowed in a CUDA graph capture: the table
+        # builder ignores ids outside [0, E) there (see docs/core-runtime.md)
+        check_expert_ids("top_experts", te, ws.num_experts)
     backend = resolve_backend(cfg, ws.device)
     return backend.build_schedule(ws, cfg, te)
 

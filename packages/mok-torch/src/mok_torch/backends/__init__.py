@@ -1,8 +1,10 @@
 """Backend registry.
 
 A backend implements the layer for some precisions and devices. `reference` (pure
-PyTorch) is built in and always works. Other backends come from installed packages through
-the entry-point group `mok.backends`, read once, lazily, on first use (never at import):
+PyTorch) is built in and always works; `cpu` and `cuda` (the native backends) are built
+in and available when the installed mok-core has the runtime for that device. Other
+backends come from installed packages through the entry-point group `mok.backends`, read
+once, lazily, on first use (never at import):
 
 - an entry point that loads to a backend object (anything with `name`, `build_schedule`,
   `forward`, `backward`, `recompute_forward_context` and `unavailable_reason`) registers it;
@@ -24,6 +26,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from ..config import MoKConfig
+from .native import NativeBackend
 from .reference import ReferenceBackend
 
 ENTRY_POINT_GROUP = "mok.backends"
@@ -98,7 +101,7 @@ class BackendRegistry:
         return dict(self._errors)
 
 
-_REGISTRY = BackendRegistry([ReferenceBackend()])
+_REGISTRY = BackendRegistry([ReferenceBackend(), NativeBackend("cpu"), NativeBackend("cuda")])
 
 
 def register_backend(backend: Backend) -> None:

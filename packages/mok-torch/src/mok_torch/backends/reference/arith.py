@@ -90,3 +90,24 @@ def seq_sum_last(p: torch.Tensor) -> torch.Tensor:
 def to_bf16_values(t: torch.Tensor) -> torch.Tensor:
     """Round to bf16 (nearest even) and hold the result in float32 for the GEMM loops."""
     return t.to(torch.bfloat16).to(torch.float32)
+
+
+def seq_matmul_rows(a_MK: torch.Tensor, w_EKN: torch.Tensor, e_M: torch.Tensor) -> torch.Tensor:
+    """Row m times the matrix of its own expert e_M[m], reduced sequentially like seq_matmul.
+
+    a_MK: float32 (bf16 values), w_EKN: float32 (bf16 values), e_M: int64 expert per row.
+    The same bits as seq_matmul on the rows of each expert; shapes never depend on the data.
+    """
+    out = a_MK.new_zeros(a_MK.shape[0], w_EKN.shape[2])
+    for k in range(a_MK.shape[1]):
+        out.addcmul_(a_MK[:, k : k + 1], w_EKN[:, k, :].index_select(0, e_M))
+    return out
+
+
+def seq_row_outer_sum_rows(
+    a_MN: torch.Tensor, b_MP: torch.Tensor, e_M: torch.Tensor, out_ENP: torch.Tensor
+) -> torch.Tensor:
+    """out[e_M[j]] += a[j]^T b[j] for rows j in ascending order, in place (each expert's rows in order)."""
+    for j in range(a_MN.shape[0]):
+        out_ENP.index_add_(0, e_M[j : j + 1], a_MN[j : j + 1, :, None] * b_MP[j : j + 1, None, :])
+    return out_ENP

@@ -13,9 +13,46 @@ from dataclasses import dataclass
 
 import torch
 
-from .arith import seq_matmul, seq_row_outer_sum, seq_sum_last, sigmoid, to_bf16_values
+from .arith import (
+    seq_matmul,
+    seq_matmul_rows,
+    seq_row_outer_sum,
+    seq_row_outer_sum_rows,
+    seq_sum_last,
+    sigmoid,
+    to_bf16_values,
+)
 
 BF16 = torch.bfloat16
+
+
+class Grouped:
+    """Rows as an [n, L] grid, expert i of the group owning row block i (host-planned)."""
+
+    @staticmethod
+    def mm(a: torch.Tensor, w_EKN: torch.Tensor) -> torch.Tensor:
+        return seq_matmul(a, w_EKN)
+
+    @staticmethod
+    def outer_sum(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return seq_row_outer_sum(a, b, out)
+
+
+class PerRow:
+    """Flat rows [M], each with its own expert: shapes never depend on the routing."""
+
+    def __init__(self, experts_M: torch.Tensor) -> None:
+        self.e = experts_M
+
+    def mm(self, a: torch.Tensor, w_EKN: torch.Tensor) -> torch.Tensor:
+        return seq_matmul_rows(a, w_EKN, self.e)
+
+    def outer_sum(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return seq_row_outer_sum_rows(a, b, self.e, out)
+
+
+Layout = Grouped | PerRow
+GROUPED = Grouped()  # the reference's layout: experts' rows as blocks of a grid
 
 
 @dataclass
@@ -57,9 +94,9 @@ class ExpertWeights:
         )
 
 
-def gate_up(x_nLH: torch.Tensor, w: ExpertWeights) -> tuple[torch.Tensor, torch.Tensor]:
+def gate_up(x_nLH: torch.Tensor, w: ExpertWeights, layout: Layout = GROUPED) -> tuple[torch.Tensor, torch.Tensor]:
     """Pre-activations a = x @ Wg^T, b = x @ Wu^T (bf16)."""
-    acc = seq_matmul(x_nLH.float(), w.gate_up_T_EH2I)
+    acc = layout.mm(x_nLH.float(), w.gate_up_T_EH2I)
     inner = w.intermediate_size
     return acc[..., :inner].to(BF16), acc[..., inner:].to(BF16)
 
@@ -78,9 +115,9 @@ def swiglu(a: torch.Tensor, b: torch.Tensor, limit: float | None) -> torch.Tenso
     return ((af * sigmoid(af)) * bf).to(BF16)
 
 
-def down(h_nLI: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
+def down(h_nLI: torch.Tensor, w: ExpertWeights, layout: Layout = GROUPED) -> torch.Tensor:
     """Expert output rows h @ Wd^T (bf16)."""
-    return seq_matmul(h_nLI.float(), w.down_T_EIH).to(BF16)
+    return layout.mm(h_nLI.float(), w.down_T_EIH).to(BF16)
 
 
 @dataclass
@@ -99,9 +136,10 @@ def row_backward(
     w_nL: torch.Tensor | None,
     w: ExpertWeights,
     limit: float | None,
+    layout: Layout = GROUPED,
 ) -> RowGrads:
     """Per-row backward of DESIGN.md §1 (w_nL None means weight 1: the shared expert)."""
-    g = seq_matmul(dy_nLH.float(), w.down_EHI)  # unweighted down-projection input gradient
+    g = layout.mm(dy_nLH.float(), w.down_EHI)  # unweighted down-projection input gradient
     af, bf = _clamped(a_nLI, b_nLI, limit)
     s = sigmoid(af)
     silu = af * s
@@ -116,7 +154,7 @@ def row_backward(
         d_a = torch.where(a_nLI.float() <= limit, d_a, torch.zeros_like(d_a))
         d_b = torch.where(b_nLI.float().abs() <= limit, d_b, torch.zeros_like(d_b))
     d_ab = torch.cat([d_a, d_b], dim=-1).to(BF16)
-    dx = seq_matmul(d_ab.float(), w.gate_up_E2IH).to(BF16)
+    dx = layout.mm(d_ab.float(), w.gate_up_E2IH).to(BF16)
     return RowGrads(h=h, d_w=d_w, d_ab=d_ab, dx=dx)
 
 
@@ -127,6 +165,7 @@ def accumulate_wgrads(
     rg: RowGrads,
     d_gate_up_n2IH: torch.Tensor,
     d_down_nHI: torch.Tensor,
+    layout: Layout = GROUPED,
 ) -> None:
     """Add this block's rows to the fp32 weight-gradient accumulators, rows in order.
 
@@ -134,8 +173,8 @@ def accumulate_wgrads(
     kernels feed it to the tensor cores.
     """
     wdy = dy_nLH.float() if w_nL is None else to_bf16_values(w_nL[..., None] * dy_nLH.float())
-    seq_row_outer_sum(wdy, rg.h.float(), d_down_nHI)
-    seq_row_outer_sum(rg.d_ab.float(), x_nLH.float(), d_gate_up_n2IH)
+    layout.outer_sum(wdy, rg.h.float(), d_down_nHI)
+    layout.outer_sum(rg.d_ab.float(), x_nLH.float(), d_gate_up_n2IH)
 
 
 def combine_epilogue(

@@ -1,0 +1,85 @@
+// Python bindings of the schedule table and the send side (docs/core-runtime.md "Schedule").
+#include <cstdint>
+#include <string>
+
+#include "register.h"
+#include "schedule_impl.h"
+
+namespace mok::core::bindings {
+
+void register_schedule(pybind11::module_& m) {
+  namespace py = pybind11;
+  m.def(
+      "schedule_capacity",
+      [](std::int64_t world_size, std::int64_t max_tokens, std::int64_t topk,
+         std::int64_t num_local_experts, std::int64_t alignment) {
+        return checked_schedule_capacity("schedule_capacity", world_size, max_tokens, topk,
+                                         num_local_experts, alignment);
+      },
+      py::arg("world_size"), py::arg("max_tokens"), py::arg("topk"), py::arg("num_local_experts"),
+      py::arg("alignment"),
+      "Worst-case rows of the schedule table: align_up(R * max_tokens * K + El * (alignment - 1), "
+      "alignment). Raises ValueError for a bad argument or a table past 2^31 - 1 rows.");
+
+  m.def(
+      "build_table",
+      [](const std::string& device, std::uintptr_t routes_ptrs, std::uintptr_t tokens_ptrs,
+         std::int64_t world_size, std::int64_t max_tokens, std::int64_t topk, std::int64_t rank,
+         std::int64_t num_local_experts, std::int64_t alignment, std::int64_t capacity,
+         std::uintptr_t row_src_rank, std::uintptr_t row_route, std::uintptr_t expert_offsets,
+         std::uintptr_t expert_counts, std::uintptr_t recv_counts, std::uintptr_t tokens_per_rank,
+         std::uintptr_t stream) {
+        TableArgs a;
+        a.routes_ptrs = routes_ptrs;
+        a.tokens_ptrs = tokens_ptrs;
+        a.world_size = world_size;
+        a.max_tokens = max_tokens;
+        a.topk = topk;
+        a.rank = rank;
+        a.num_local_experts = num_local_experts;
+        a.alignment = alignment;
+        a.capacity = capacity;
+        a.row_src_rank = row_src_rank;
+        a.row_route = row_route;
+        a.expert_offsets = expert_offsets;
+        a.expert_counts = expert_counts;
+        a.recv_counts = recv_counts;
+        a.tokens_per_rank = tokens_per_rank;
+        build_table(device, a, stream);
+      },
+      py::arg("device"), py::arg("routes_ptrs"), py::arg("tokens_ptrs"), py::arg("world_size"),
+      py::arg("max_tokens"), py::arg("topk"), py::arg("rank"), py::arg("num_local_experts"),
+      py::arg("alignment"), py::arg("capacity"), py::arg("row_src_rank"), py::arg("row_route"),
+      py::arg("expert_offsets"), py::arg("expert_counts"), py::arg("recv_counts"),
+      py::arg("tokens_per_rank"), py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+      "The schedule table of `rank` from every rank's routes. routes_ptrs / tokens_ptrs: address "
+      "of an int64 [R] array of pointers to rank s's int32 [max_tokens, K] routes / int64 token "
+      "count (host memory on \"cpu\", device memory on \"cuda\"). Writes row_src_rank, row_route "
+      "(int32 [capacity], -1 = padding), expert_offsets (int32 [El + 1]), expert_counts (int32 "
+      "[El]), recv_counts and tokens_per_rank (int64 [R]). Bitwise the reference's "
+      "table_from_routes. On \"cuda\" it is enqueued on `stream` and never waits for the host.");
+
+  m.def(
+      "build_send_side",
+      [](const std::string& device, std::uintptr_t top_experts, std::int64_t num_tokens,
+         std::int64_t topk, std::int64_t num_local_experts, std::int64_t world_size,
+         std::uintptr_t send_order, std::uintptr_t send_counts, std::uintptr_t stream) {
+        SendSideArgs a;
+        a.top_experts = top_experts;
+        a.num_tokens = num_tokens;
+        a.topk = topk;
+        a.num_local_experts = num_local_experts;
+        a.world_size = world_size;
+        a.send_order = send_order;
+        a.send_counts = send_counts;
+        build_send_side(device, a, stream);
+      },
+      py::arg("device"), py::arg("top_experts"), py::arg("num_tokens"), py::arg("topk"),
+      py::arg("num_local_experts"), py::arg("world_size"), py::arg("send_order"),
+      py::arg("send_counts"), py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+      "This rank's routes (int32 [T, K] global expert ids) sorted stably by expert: send_order "
+      "(int64 [T*K]) gets the route indices t*K + k, send_counts (int64 [R]) the routes to each "
+      "rank's experts. Bitwise the reference's send_side for ids in [0, R*El).");
+}
+
+}  // namespace mok::core::bindings

@@ -1,0 +1,71 @@
+// The schedule table (DESIGN.md §4, docs/core-runtime.md "Schedule"): the integer pieces that
+// the CPU build (src/schedule.cpp), the CUDA kernels (cuda/schedule.cu) and the precision
+// packages' fused kernels share.
+//
+// A route is one (token t, slot k) pair, with route index t*K + k inside its source rank. The
+// table of rank `rank` lists, per local expert e (global id rank*El + e), every route to it in
+// (source rank, t, k) order, starting at a multiple of the alignment; the rows between segments
+// and past the last one are padding (-1). Only integer sums decide where a row goes, so any
+// builder that keeps the (source rank, t, k) order within each expert gives the same bits.
+#pragma once
+
+#include <cstdint>
+
+#include "mok/core/hd.h"
+
+namespace mok::core {
+
+// The table stores rows, offsets and route indices as int32.
+inline constexpr std::int64_t kMaxTableRows = INT32_MAX;
+
+MOK_HD inline bool is_power_of_two(std::int64_t n) { return n > 0 && (n & (n - 1)) == 0; }
+
+// n rounded up to a multiple of a (a >= 1; a power of two in the table, but any a works).
+MOK_HD inline std::int64_t align_up(std::int64_t n, std::int64_t a) { return (n + a - 1) / a * a; }
+
+// Worst-case rows of the table: every route of every rank to this rank's experts, plus the
+// padding of each expert's segment. Equals mok_torch's Workspace.capacity.
+MOK_HD inline std::int64_t schedule_capacity(std::int64_t world_size, std::int64_t max_tokens,
+                                             std::int64_t topk, std::int64_t num_local_experts,
+                                             std::int64_t alignment) {
+  return align_up(world_size * max_tokens * topk + num_local_experts * (alignment - 1), alignment);
+}
+
+// Token count of a source rank as the table reads it: rows t < tokens are routes; a count
+// outside [0, max_tokens] is clamped (never read past a rank's routes).
+MOK_HD inline std::int64_t clamp_tokens(std::int64_t tokens, std::int64_t max_tokens) {
+  return tokens < 0 ? 0 : (tokens > max_tokens ? max_tokens : tokens);
+}
+
+// The local expert of a route in `rank`'s table, or El when the route goes to another rank
+// (or names no expert at all).
+MOK_HD inline int local_expert(std::int32_t global_expert, int rank, int num_local_experts) {
+  const std::int64_t local = static_cast<std::int64_t>(global_expert) -
+                             static_cast<std::int64_t>(rank) * num_local_experts;
+  return (local >= 0 && local < num_local_experts) ? static_cast<int>(local) : num_local_experts;
+}
+
+// The send side sorts a rank's routes stably by global expert id. The counting sort behind it
+// has num_experts + 2 buckets: ids below 0 first (bucket 0), then experts 0..E-1 (buckets
+// 1..E), then ids >= E (bucket E+1). Valid ids (what mok-torch passes) sort exactly like the
+// reference's stable sort; invalid ones are never counted for any rank.
+MOK_HD inline int send_bucket(std::int32_t global_expert, int num_experts) {
+  if (global_expert < 0) return 0;
+  return global_expert < num_experts ? global_expert + 1 : num_experts + 1;
+}
+
+// Segment start of each local expert from its row count: offsets[e] = sum over e' < e of
+// align_up(counts[e'], alignment); offsets[El] = rows in use. (The CUDA build computes the same
+// integer prefix sums warp-parallel.)
+template <class Count, class Offset>
+MOK_HD inline void segment_offsets(const Count* counts, int num_local_experts,
+                                   std::int64_t alignment, Offset* offsets) {
+  std::int64_t row = 0;
+  for (int e = 0; e < num_local_experts; ++e) {
+    offsets[e] = static_cast<Offset>(row);
+    row += align_up(static_cast<std::int64_t>(counts[e]), alignment);
+  }
+  offsets[num_local_experts] = static_cast<Offset>(row);
+}
+
+}  // namespace mok::core

@@ -1,0 +1,51 @@
+// The transport's host API (docs/core-runtime.md, "Transport"): row pull/push and the epoch
+// barrier, on the CPU (src/transport.cpp) or the GPU (cuda/transport.cu). Pointers are raw
+// addresses; every function validates its scalars and throws std::invalid_argument naming the
+// argument, std::runtime_error for a CUDA call on a build without CUDA or a failed launch.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "mok/core/transport.h"
+
+namespace mok::core {
+
+enum class TransportDevice { kCpu, kCuda };
+
+// "cpu" or "cuda"; throws std::invalid_argument naming `device` otherwise.
+TransportDevice parse_transport_device(const std::string& device);
+
+// For each table row i < capacity: copy row_bytes from
+// src_ptrs[row_src_rank[i]] + (row_route[i] / route_divisor) * src_stride to dst + i * dst_stride,
+// or zero-fill that destination row when row_src_rank[i] < 0.
+void pull_rows(TransportDevice device, std::int64_t dst, std::int64_t src_ptrs,
+               std::int64_t row_src_rank, std::int64_t row_route, std::int64_t capacity,
+               std::int64_t route_divisor, std::int64_t row_bytes, std::int64_t src_stride,
+               std::int64_t dst_stride, std::int64_t num_workers, std::int64_t stream);
+
+// For each real table row i: copy row_bytes from src + i * src_stride to
+// dst_ptrs[row_src_rank[i]] + row_route[i] * dst_stride.
+void push_rows(TransportDevice device, std::int64_t src, std::int64_t dst_ptrs,
+               std::int64_t row_src_rank, std::int64_t row_route, std::int64_t capacity,
+               std::int64_t row_bytes, std::int64_t src_stride, std::int64_t dst_stride,
+               std::int64_t num_workers, std::int64_t stream);
+
+// The epoch barrier. On the CPU it blocks and returns false when the error words are (or get)
+// set; on the GPU it enqueues one kernel on `stream` and returns true (the outcome lands in
+// `error`, which the caller reads at its next check).
+bool barrier(TransportDevice device, std::int64_t epoch, std::int64_t signal_pad_ptrs,
+             std::int64_t rank, std::int64_t world_size, std::int64_t error, std::int64_t stage,
+             std::int64_t timeout_ns, std::int64_t stream);
+
+#if MOK_WITH_CUDA
+// Kernel launchers of cuda/transport.cu: arguments already validated; they never synchronize
+// and throw std::runtime_error when the launch fails.
+void pull_rows_cuda(const transport::PullRows& move, int num_workers, std::int64_t stream);
+void push_rows_cuda(const transport::PushRows& move, int num_workers, std::int64_t stream);
+void barrier_cuda(std::uint64_t* epoch, const std::int64_t* signal_pad_ptrs, int rank,
+                  int world_size, std::int32_t* error, int stage, std::int64_t timeout_ns,
+                  std::int64_t stream);
+#endif
+
+}  // namespace mok::core

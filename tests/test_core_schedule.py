@@ -1,0 +1,649 @@
+"""mok-core's schedule table, send side, combine epilogue and ring planner against the reference.
+
+Shape letters: R ranks, T tokens (Tmax: the padded maximum), K top-k, E experts, El local
+experts, H hidden, C table capacity. Each builder runs on the CPU and, where mok_core has CUDA
+and torch sees a GPU, on CUDA with device tensors; everything the determinism contract covers
+is compared bitwise (torch.equal) with mok_torch's reference backend.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+import mok_core
+import mok_torch as mok
+from mok_torch.backends.reference.experts import combine_epilogue
+from mok_torch.backends.reference.schedule import send_side, table_from_routes
+
+
+def _cuda_skip_reason() -> str | None:
+    if not mok_core.build_info()["cuda"]:
+        return "mok_core was built without CUDA (MOK_CUDA=OFF or no nvcc at build time)"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU visible to torch"
+    return None
+
+
+CUDA_SKIP = _cuda_skip_reason()
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(CUDA_SKIP is not None, reason=str(CUDA_SKIP))]),
+]
+
+
+def _stream(device: str) -> int:
+    return torch.cuda.current_stream().cuda_stream if device == "cuda" else 0
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _ptr_array(tensors: list[torch.Tensor], device: str) -> torch.Tensor:
+    """An int64 array of data pointers, on the device the call reads it from."""
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=device)
+
+
+# ---------------------------------------------------------------------------------------------
+# The schedule table
+
+
+def core_table(
+    routes_RTK: torch.Tensor,
+    tokens_R: torch.Tensor,
+    *,
+    rank: int,
+    num_local_experts: int,
+    alignment: int,
+    capacity: int,
+    device: str,
+) -> dict[str, torch.Tensor]:
+    """mok_core.build_table on per-rank tensors (as the all-gather leaves them); CPU results."""
+    R, Tmax, K = routes_RTK.shape
+    El = num_local_experts
+    routes = [routes_RTK[s].to(device=device, dtype=torch.int32).contiguous() for s in range(R)]
+    tokens = [torch.tensor([int(tokens_R[s])], dtype=torch.int64, device=device) for s in range(R)]
+    routes_ptrs, tokens_ptrs = _ptr_array(routes, device), _ptr_array(tokens, device)
+
+    # Poisoned outputs: every element must be written.
+    def poisoned(n: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.full((n,), 12345, dtype=dtype, device=device)
+
+    out = {
+        "row_src_rank": poisoned(capacity, torch.int32),
+        "row_route": poisoned(capacity, torch.int32),
+        "expert_offsets": poisoned(El + 1, torch.int32),
+        "expert_counts": poisoned(El, torch.int32),
+        "recv_counts": poisoned(R, torch.int64),
+        "tokens_per_rank": poisoned(R, torch.int64),
+    }
+    mok_core.build_table(
+        device,
+        routes_ptrs.data_ptr(),
+        tokens_ptrs.data_ptr(),
+        R,
+        Tmax,
+        K,
+        rank,
+        El,
+        alignment,
+        capacity,
+        *(t.data_ptr() for t in out.values()),
+        stream=_stream(device),
+    )
+    _sync(device)
+    return {k: v.cpu() for k, v in out.items()}
+
+
+def assert_table_matches_reference(
+    routes_RTK: torch.Tensor, tokens_R: torch.Tensor, El: int, alignment: int, device: str, extra_rows: int = 0
+) -> None:
+    R, Tmax, K = routes_RTK.shape
+    capacity = mok_core.schedule_capacity(R, Tmax, K, El, alignment) + extra_rows
+    for rank in range(R):
+        want = table_from_routes(
+            routes_RTK, tokens_R, rank=rank, num_local_experts=El, alignment=alignment, capacity=capacity
+        )
+        got = core_table(
+            routes_RTK, tokens_R, rank=rank, num_local_experts=El, alignment=alignment, capacity=capacity, device=device
+        )
+        case = f"R={R} Tmax={Tmax} K={K} El={El} align={alignment} rank={rank} tokens={tokens_R.tolist()}"
+        for name, want_t in zip(
+            ("row_src_rank", "row_route", "expert_offsets", "expert_counts", "recv_counts"), want, strict=True
+        ):
+            assert got[name].dtype == want_t.dtype, f"{case}: {name} dtype"
+            assert torch.equal(got[name], want_t), f"{case}: {name}\n got {got[name]}\nwant {want_t}"
+        assert torch.equal(got["tokens_per_rank"], tokens_R.to(torch.int64)), case
+
+
+def random_routes(
+    g: torch.Generator, R: int, Tmax: int, K: int, E: int, pattern: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[R, Tmax, K] routes and per-rank token counts for one routing pattern.
+
+    Rows t >= tokens hold garbage (valid ids too): the builders must ignore them.
+    """
+    tokens = torch.randint(0, Tmax + 1, (R,), generator=g)
+    if R > 1 and Tmax > 0:
+        tokens[int(torch.randint(0, R, (1,), generator=g))] = 0  # an empty rank
+        tokens[int(torch.randint(0, R, (1,), generator=g))] = Tmax  # a full one
+    if pattern == "distinct":  # top-k without repeats, as a router gives
+        routes = torch.stack([torch.rand(Tmax, E, generator=g).argsort(dim=1)[:, :K] for _ in range(R)])
+    elif pattern == "duplicates":  # the same expert twice within a token
+        routes = torch.randint(0, E, (R, Tmax, K), generator=g)
+        routes[..., -1] = routes[..., 0]
+    elif pattern == "one_expert":  # worst case: every route to one expert
+        routes = torch.full((R, Tmax, K), int(torch.randint(0, E, (1,), generator=g)))
+    elif pattern == "one_rank":  # every route to rank 0's experts
+        routes = torch.randint(0, max(E // R, 1), (R, Tmax, K), generator=g)
+    else:
+        raise AssertionError(pattern)
+    garbage = torch.randint(-1, E, (R, Tmax, K), generator=g)
+    t_idx = torch.arange(Tmax).reshape(1, Tmax, 1)
+    routes = torch.where(t_idx < tokens.reshape(R, 1, 1), routes, garbage)
+    return routes.to(torch.int32), tokens
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("pattern", ["distinct", "duplicates", "one_expert", "one_rank"])
+@pytest.mark.parametrize("R", [1, 2, 3, 4])
+def test_table_matches_reference_random(device: str, pattern: str, R: int) -> None:
+    g = torch.Generator().manual_seed(1000 * R + ["distinct", "duplicates", "one_expert", "one_rank"].index(pattern))
+    cases = [
+        (El, K, Tmax, align) for El in (1, 3, 8) for K in (1, 2, 4) for Tmax in (0, 1, 13) for align in (1, 8, 128)
+    ]
+    rng = random.Random(R)
+    for El, K, Tmax, align in rng.sample(cases, 24):
+        E = El * R
+        if pattern == "distinct" and K > E:
+            continue
+        routes, tokens = random_routes(g, R, Tmax, K, E, pattern)
+        assert_table_matches_reference(routes, tokens, El, align, device, extra_rows=rng.choice([0, 5]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("R", "Tmax", "K", "El"), [(1, 3000, 4, 16), (2, 2500, 8, 5), (4, 700, 6, 3)])
+def test_table_matches_reference_large(device: str, R: int, Tmax: int, K: int, El: int) -> None:
+    """Several ranking chunks per rank (the CUDA build ranks 8 routes per thread per chunk)."""
+    g = torch.Generator().manual_seed(R * Tmax)
+    for pattern, align in (("duplicates", 128), ("one_expert", 8), ("distinct", 1)):
+        routes, tokens = random_routes(g, R, Tmax, K, El * R, pattern)
+        tokens[0] = Tmax
+        assert_table_matches_reference(routes, tokens, El, align, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_table_many_local_experts(device: str) -> None:
+    """More local experts than lanes in a warp, and most experts empty."""
+    g = torch.Generator().manual_seed(7)
+    for El in (33, 257):
+        routes, tokens = random_routes(g, 2, 40, 3, 2 * El, "duplicates")
+        assert_table_matches_reference(routes, tokens, El, 8, device)
+        routes[:, :, :] = torch.randint(0, 4, routes.shape, generator=g, dtype=torch.int32) * (El - 1)
+        assert_table_matches_reference(routes, tokens, El, 1, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_table_out_of_range_tokens_and_ids(device: str) -> None:
+    """Token counts outside [0, Tmax] read as clamped; ids outside [0, E) route nowhere."""
+    routes = torch.tensor([[[0, 5], [1, -7]], [[2, 3], [99, 1]]], dtype=torch.int32)  # R=2, Tmax=2, K=2, El=2
+    for tokens in ([2, 2], [5, 1], [-3, 2], [0, 0]):
+        assert_table_matches_reference(routes, torch.tensor(tokens), 2, 4, device)
+
+
+def test_capacity_matches_workspace(monkeypatch: pytest.MonkeyPatch) -> None:
+    for R, Tmax, K, E, align in itertools.product((1, 2, 3, 8), (1, 17, 4096), (1, 2, 8), (8, 24, 256), (1, 8, 128)):
+        if E % R or K > E:
+            continue
+        monkeypatch.setattr(mok.workspace, "group_rank_and_size", lambda group, R=R: (0, R))
+        ws = mok.create_workspace(
+            mok.MoKConfig(expert_alignment=align),
+            None,
+            device="cpu",
+            max_tokens=Tmax,
+            hidden_size=8,
+            topk=K,
+            num_experts=E,
+        )
+        assert ws.world_size == R
+        assert mok_core.schedule_capacity(R, Tmax, K, E // R, align) == ws.capacity, (R, Tmax, K, E, align)
+
+
+# ---------------------------------------------------------------------------------------------
+# The send side
+
+
+def core_send_side(top_TK: torch.Tensor, El: int, R: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    T, K = top_TK.shape
+    top = top_TK.to(device=device, dtype=torch.int32).contiguous()
+    order = torch.full((T * K,), -5, dtype=torch.int64, device=device)
+    counts = torch.full((R,), -5, dtype=torch.int64, device=device)
+    mok_core.build_send_side(
+        device, top.data_ptr(), T, K, El, R, order.data_ptr(), counts.data_ptr(), stream=_stream(device)
+    )
+    _sync(device)
+    return order.cpu(), counts.cpu()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_send_side_matches_reference(device: str) -> None:
+    g = torch.Generator().manual_seed(3)
+    rng = random.Random(3)
+    cases = [(0, 1, 1, 1), (1, 1, 1, 1), (1, 4, 2, 2), (5000, 8, 8, 4), (3000, 3, 1, 3), (700, 2, 40, 8)]
+    cases += [(rng.randint(0, 300), rng.randint(1, 6), rng.randint(1, 9), rng.randint(1, 4)) for _ in range(20)]
+    for T, K, El, R in cases:
+        E = El * R
+        for pattern in ("duplicates", "one_expert", "distinct"):
+            if pattern == "distinct" and K > E:
+                continue
+            routes, _ = random_routes(g, 1, T, K, E, pattern)
+            top = routes[0]
+            want_order, want_counts = send_side(top, El, R)
+            got_order, got_counts = core_send_side(top, El, R, device)
+            case = f"T={T} K={K} El={El} R={R} {pattern}"
+            assert torch.equal(got_order, want_order), case
+            assert torch.equal(got_counts, want_counts), case
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_send_side_invalid_ids(device: str) -> None:
+    """Ids < 0 sort first and ids >= E last, each group in route order, counted for no rank."""
+    top = torch.tensor([[3, -1], [7, 0], [-4, 3], [9, 1]], dtype=torch.int32)  # E = 4 (El=2, R=2)
+    order, counts = core_send_side(top, 2, 2, device)
+    assert order.tolist() == [1, 4, 3, 7, 0, 5, 2, 6]
+    assert counts.tolist() == [2, 2]
+
+
+# ---------------------------------------------------------------------------------------------
+# The combine epilogue
+
+
+def core_combine(
+    base_TH: torch.Tensor | None,
+    rows_TKH: torch.Tensor,
+    weights_TK: torch.Tensor | None,
+    device: str,
+    offset: int = 0,
+) -> torch.Tensor:
+    """mok_core.combine; `offset` elements shift every buffer off its 16-byte alignment."""
+    T, K, H = rows_TKH.shape
+
+    def place(t: torch.Tensor) -> torch.Tensor:
+        buf = torch.empty(t.numel() + offset, dtype=t.dtype, device=device)
+        view = buf[offset:].view(t.shape)
+        view.copy_(t)
+        return view
+
+    rows = place(rows_TKH.reshape(T * K, H))
+    base = None if base_TH is None else place(base_TH)
+    weights = None if weights_TK is None else place(weights_TK.reshape(T * K))
+    out = place(torch.full((T, H), float("nan"), dtype=torch.bfloat16))
+    mok_core.combine(
+        device,
+        out.data_ptr(),
+        0 if base is None else base.data_ptr(),
+        rows.data_ptr(),
+        0 if weights is None else weights.data_ptr(),
+        T,
+        K,
+        H,
+        stream=_stream(device),
+    )
+    _sync(device)
+    return out.cpu()
+
+
+def assert_bits_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Bitwise, except that any NaN matches any NaN (torch's NaN bits differ by device and code path;
+    mok's are always 0x7FC0)."""
+    assert got.shape == want.shape and got.dtype == want.dtype, what
+    nan_got, nan_want = torch.isnan(got), torch.isnan(want)
+    assert torch.equal(nan_got, nan_want), f"{what}: NaN positions differ"
+    same = got.view(torch.int16) == want.view(torch.int16)
+    bad = ~(same | nan_got)
+    assert not bad.any(), f"{what}: {int(bad.sum())} elements differ, first at {bad.nonzero()[0].tolist()}"
+
+
+def random_bf16(g: torch.Generator, shape: tuple[int, ...], scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(shape, generator=g) * scale).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("with_base", [False, True])
+@pytest.mark.parametrize("with_weights", [False, True])
+def test_combine_matches_reference(device: str, with_base: bool, with_weights: bool) -> None:
+    g = torch.Generator().manual_seed(11 + 2 * with_base + with_weights)
+    for T, K, H in [(0, 2, 8), (1, 1, 1), (1, 1, 8), (3, 1, 7), (5, 2, 33), (17, 4, 64), (64, 8, 256), (9, 3, 4097)]:
+        rows = random_bf16(g, (T, K, H), scale=3.0)
+        base = random_bf16(g, (T, H)) if with_base else None
+        weights = torch.rand(T, K, generator=g) if with_weights else None
+        want = combine_epilogue(base, rows, weights)
+        for offset in (0, 1):
+            got = core_combine(base, rows, weights, device, offset=offset)
+            assert_bits_equal(got, want, f"T={T} K={K} H={H} base={with_base} w={with_weights} off={offset}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_combine_special_values(device: str) -> None:
+    """Every bf16 bit pattern (subnormals, signed zeros, infinities, NaNs) and wild weights."""
+    g = torch.Generator().manual_seed(5)
+    T, K, H = 64, 3, 48
+    rows = torch.randint(-(2**15), 2**15, (T, K, H), generator=g, dtype=torch.int16).view(torch.bfloat16)
+    base = torch.randint(-(2**15), 2**15, (T, H), generator=g, dtype=torch.int16).view(torch.bfloat16)
+    pool = torch.tensor([0.0, -0.0, 1.0, -1.0, 1e-40, 3e38, -2.5, float("inf"), 0.333])
+    weights = pool[torch.randint(0, len(pool), (T, K), generator=g)]
+    # Sums that cancel to signed zeros and overflow to infinity.
+    rows[0, :, :] = torch.tensor(-0.0, dtype=torch.bfloat16)
+    rows[1, 0, :], rows[1, 1, :] = 3e38, 3e38
+    for b, w in ((None, None), (base, None), (None, weights), (base, weights)):
+        got = core_combine(b, rows, w, device)
+        assert_bits_equal(got, combine_epilogue(b, rows, w), "special values")
+        # Every NaN is the one quiet NaN of bf16.h, whatever NaN the arithmetic made.
+        nan_bits = got.view(torch.int16)[torch.isnan(got)]
+        assert nan_bits.numel() > 0 and bool((nan_bits == 0x7FC0).all())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_combine_in_place(device: str) -> None:
+    g = torch.Generator().manual_seed(9)
+    T, K, H = 6, 2, 16
+    rows = random_bf16(g, (T * K, H)).to(device)
+    base = random_bf16(g, (T, H)).to(device)
+    want = combine_epilogue(base.cpu(), rows.cpu().reshape(T, K, H), None)
+    mok_core.combine(device, base.data_ptr(), base.data_ptr(), rows.data_ptr(), 0, T, K, H, stream=_stream(device))
+    _sync(device)
+    assert torch.equal(base.cpu().view(torch.int16), want.view(torch.int16))
+
+
+def test_float_to_bf16_rounding_matches_torch() -> None:
+    """The rounding of bf16.h against torch's, on values that sit on and near the ties."""
+    g = torch.Generator().manual_seed(2)
+    bits = torch.randint(-(2**31), 2**31, (20000,), generator=g, dtype=torch.int64).to(torch.int32)
+    low = torch.tensor([0x7FFF, 0x8000, 0x8001, 0x0000, 0xFFFF], dtype=torch.int32)
+    bits[: 5 * 2000] = (bits[: 5 * 2000] & ~0xFFFF) | low.repeat_interleave(2000)
+    values = bits.view(torch.float32)
+    values = values[~torch.isnan(values) & (bits != -(2**31))]  # NaN bits are by design; -0 + ... is +0
+    # acc = +0 + fl(w * 1.0) = w exactly, so out = bf16(w): the conversion under test.
+    ones = torch.ones(values.numel(), 1, 1, dtype=torch.bfloat16)
+    got = core_combine(None, ones, values.reshape(-1, 1), "cpu")
+    assert torch.equal(got.view(torch.int16).view(-1), values.to(torch.bfloat16).view(torch.int16))
+
+
+# ---------------------------------------------------------------------------------------------
+# The ring planner
+
+PULL, COMPUTE, PUSH = 0, 1, 2
+
+
+def expected_minibatches(pass_: int, num_rows: int, macro: int, mini: int) -> list[tuple[int, int, int, int]]:
+    """(macrobatch, slot, row_begin, row_end) in issue order, from the reference's RingPlan."""
+    from mok_torch.backends.reference.ring import RingPlan
+
+    plan = RingPlan(num_rows=num_rows, macrobatch=macro, minibatch=mini, offsets=(0, num_rows))
+    macros = list(enumerate(plan.macrobatches()))
+    if pass_ == 0:
+        macros.reverse()
+    return [(m, j, lo, hi) for m, (a, b) in macros for j, (lo, hi) in enumerate(plan.minibatches(a, b))]
+
+
+RING_CASES = [
+    (0, 4, 2),
+    (1, 1, 1),
+    (10, 4, 2),  # a partial last macrobatch
+    (10, 4, 3),  # partial minibatches
+    (12, 4, 4),  # macrobatch == minibatch
+    (7, 100, 3),  # one macrobatch, no replay
+    (9, 3, 5),  # minibatch larger than the macrobatch
+    (100, 32, 7),
+    (129, 64, 16),
+]
+
+
+@pytest.mark.parametrize("pass_", [0, 1])
+@pytest.mark.parametrize(("num_rows", "macro", "mini"), RING_CASES)
+def test_ring_plan(pass_: int, num_rows: int, macro: int, mini: int) -> None:
+    tasks = mok_core.plan_ring(pass_, num_rows, macro, mini)
+    minibatches = expected_minibatches(pass_, num_rows, macro, mini)
+    assert len(tasks) == 3 * len(minibatches)
+    if num_rows == 0:
+        return
+
+    # Issue order: pull, compute, push per minibatch, minibatches as the reference walks them.
+    for q, (m, _, lo, hi) in enumerate(minibatches):
+        for kind in (PULL, COMPUTE, PUSH):
+            got = tasks[3 * q + kind]
+            assert got[:4] == (kind, m, lo, hi), (q, kind, got)
+    # Every row once per kind.
+    for kind in (PULL, COMPUTE, PUSH):
+        covered = sorted(r for t in tasks if t[0] == kind for r in range(t[2], t[3]))
+        assert covered == list(range(num_rows)), kind
+    # Forward ends holding macrobatch 0; backward starts with it.
+    assert tasks[-1][1] == (0 if pass_ == 0 else (num_rows - 1) // macro)
+    assert tasks[0][1] == ((num_rows - 1) // macro if pass_ == 0 else 0)
+
+    # The dependency graph: dependents are later tasks (so it is acyclic and issue order is a
+    # topological order), and num_deps counts exactly the tasks that release each one.
+    released_by: dict[int, list[int]] = {i: [] for i in range(len(tasks))}
+    for i, t in enumerate(tasks):
+        assert isinstance(t[5], list) and len(t[5]) <= 2
+        for d in t[5]:
+            assert i < d < len(tasks), (i, d)
+            released_by[d].append(i)
+    for i, t in enumerate(tasks):
+        assert t[4] == len(released_by[i]), (i, t, released_by[i])
+
+    # The exact edges: pull -> compute -> push of a minibatch, and the compute of the slot's
+    # previous holder -> the pull that reuses the slot.
+    holder: dict[int, int] = {}  # slot -> issue index of the minibatch that last used it
+    for q, (_, slot, _, _) in enumerate(minibatches):
+        want_pull_deps = [] if slot not in holder else [3 * holder[slot] + COMPUTE]
+        assert sorted(released_by[3 * q + PULL]) == want_pull_deps, (q, slot)
+        assert released_by[3 * q + COMPUTE] == [3 * q + PULL]
+        assert released_by[3 * q + PUSH] == [3 * q + COMPUTE]
+        holder[slot] = q
+
+    # Executing in issue order with dependency counters never runs a task early.
+    pending = [t[4] for t in tasks]
+    for i, t in enumerate(tasks):
+        assert pending[i] == 0, i
+        for d in t[5]:
+            pending[d] -= 1
+
+
+def test_ring_plan_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="pass"):
+        mok_core.plan_ring(2, 10, 4, 2)
+    with pytest.raises(ValueError, match="num_rows"):
+        mok_core.plan_ring(0, -1, 4, 2)
+    with pytest.raises(ValueError, match="macrobatch"):
+        mok_core.plan_ring(0, 10, 0, 2)
+    with pytest.raises(ValueError, match="minibatch"):
+        mok_core.plan_ring(1, 10, 4, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad arguments and missing CUDA
+
+
+class TableCall:
+    """A valid small build_table call whose arguments a test can spoil one at a time."""
+
+    def __init__(self, device: str = "cpu") -> None:
+        R, Tmax, K, El, align = 2, 3, 2, 2, 4
+        self.routes = [torch.zeros(Tmax, K, dtype=torch.int32, device=device) for _ in range(R)]
+        self.tokens = [torch.tensor([Tmax], dtype=torch.int64, device=device) for _ in range(R)]
+        self.routes_ptrs = _ptr_array(self.routes, device)
+        self.tokens_ptrs = _ptr_array(self.tokens, device)
+        capacity = mok_core.schedule_capacity(R, Tmax, K, El, align)
+        self.outs = [
+            torch.empty(capacity, dtype=torch.int32, device=device),
+            torch.empty(capacity, dtype=torch.int32, device=device),
+            torch.empty(El + 1, dtype=torch.int32, device=device),
+            torch.empty(El, dtype=torch.int32, device=device),
+            torch.empty(R, dtype=torch.int64, device=device),
+            torch.empty(R, dtype=torch.int64, device=device),
+        ]
+        self.kw = dict(
+            device=device,
+            routes_ptrs=self.routes_ptrs.data_ptr(),
+            tokens_ptrs=self.tokens_ptrs.data_ptr(),
+            world_size=R,
+            max_tokens=Tmax,
+            topk=K,
+            rank=0,
+            num_local_experts=El,
+            alignment=align,
+            capacity=capacity,
+            row_src_rank=self.outs[0].data_ptr(),
+            row_route=self.outs[1].data_ptr(),
+            expert_offsets=self.outs[2].data_ptr(),
+            expert_counts=self.outs[3].data_ptr(),
+            recv_counts=self.outs[4].data_ptr(),
+            tokens_per_rank=self.outs[5].data_ptr(),
+            stream=_stream(device),
+        )
+
+    def __call__(self, **changes: object) -> None:
+        mok_core.build_table(**{**self.kw, **changes})
+        _sync(self.kw["device"])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    ("changes", "name"),
+    [
+        ({"world_size": 0}, "world_size"),
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"topk": 0}, "topk"),
+        ({"rank": 2}, "rank"),
+        ({"rank": -1}, "rank"),
+        ({"num_local_experts": 0}, "num_local_experts"),
+        ({"alignment": 3}, "alignment"),
+        ({"alignment": 0}, "alignment"),
+        ({"capacity": 1}, "capacity"),
+        ({"max_tokens": 2**31}, "max_tokens"),
+        ({"routes_ptrs": 0}, "routes_ptrs"),
+        ({"row_route": 0}, "row_route"),
+        ({"expert_counts": 2}, "expert_counts"),  # misaligned
+        ({"device": "tpu"}, "device"),
+    ],
+)
+def test_build_table_bad_arguments(device: str, changes: dict, name: str) -> None:
+    call = TableCall(device)
+    call()  # the unspoiled call works
+    with pytest.raises(ValueError, match=name):
+        call(**changes)
+
+
+def test_build_table_null_rank_pointer_on_cpu() -> None:
+    call = TableCall("cpu")
+    call.routes_ptrs[1] = 0
+    with pytest.raises(ValueError, match=r"routes_ptrs\[1\]"):
+        call()
+
+
+def test_schedule_capacity_bad_arguments() -> None:
+    assert mok_core.schedule_capacity(2, 0, 1, 3, 1) == 0
+    assert mok_core.schedule_capacity(2, 5, 2, 3, 8) == 48  # align_up(20 + 21, 8)
+    for args, name in [
+        ((0, 1, 1, 1, 1), "world_size"),
+        ((1, -1, 1, 1, 1), "max_tokens"),
+        ((1, 1, 0, 1, 1), "topk"),
+        ((1, 1, 1, 0, 1), "num_local_experts"),
+        ((1, 1, 1, 1, 6), "alignment"),
+        ((64, 2**26, 8, 1, 1), "2\\^31"),
+    ]:
+        with pytest.raises(ValueError, match=name):
+            mok_core.schedule_capacity(*args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_send_side_and_combine_bad_arguments(device: str) -> None:
+    top = torch.zeros(4, 2, dtype=torch.int32, device=device)
+    order = torch.empty(8, dtype=torch.int64, device=device)
+    counts = torch.empty(2, dtype=torch.int64, device=device)
+    ok = dict(
+        device=device,
+        top_experts=top.data_ptr(),
+        num_tokens=4,
+        topk=2,
+        num_local_experts=2,
+        world_size=2,
+        send_order=order.data_ptr(),
+        send_counts=counts.data_ptr(),
+        stream=_stream(device),
+    )
+    mok_core.build_send_side(**ok)
+    for change, name in [
+        ({"num_tokens": -1}, "num_tokens"),
+        ({"topk": 0}, "topk"),
+        ({"num_local_experts": 0}, "num_local_experts"),
+        ({"world_size": 0}, "world_size"),
+        ({"send_order": 0}, "send_order"),
+        ({"device": "gpu"}, "device"),
+    ]:
+        with pytest.raises(ValueError, match=name):
+            mok_core.build_send_side(**{**ok, **change})
+
+    rows = torch.zeros(8, 16, dtype=torch.bfloat16, device=device)
+    out = torch.empty(4, 16, dtype=torch.bfloat16, device=device)
+    ok = dict(
+        device=device,
+        out=out.data_ptr(),
+        base=0,
+        rows=rows.data_ptr(),
+        weights=0,
+        num_tokens=4,
+        topk=2,
+        hidden=16,
+        stream=_stream(device),
+    )
+    mok_core.combine(**ok)
+    for change, name in [
+        ({"num_tokens": -1}, "num_tokens"),
+        ({"topk": 0}, "topk"),
+        ({"hidden": -1}, "hidden"),
+        ({"out": 0}, "out"),
+        ({"rows": 0}, "rows"),
+        ({"weights": out.data_ptr() + 2}, "weights"),  # misaligned fp32
+        ({"device": "mps"}, "device"),
+    ]:
+        with pytest.raises(ValueError, match=name):
+            mok_core.combine(**{**ok, **change})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(CUDA_SKIP is not None, reason=str(CUDA_SKIP))
+def test_cuda_table_rejects_too_many_local_experts() -> None:
+    """The one-CTA CUDA build keeps per-expert counters in shared memory: a clear error past it."""
+    El = 200_000
+    call = TableCall("cuda")
+    call.outs[2] = torch.empty(El + 1, dtype=torch.int32, device="cuda")
+    call.outs[3] = torch.empty(El, dtype=torch.int32, device="cuda")
+    capacity = mok_core.schedule_capacity(2, 3, 2, El, 4)
+    rows = [torch.empty(capacity, dtype=torch.int32, device="cuda") for _ in range(2)]
+    with pytest.raises(ValueError, match="num_local_experts"):
+        call(
+            num_local_experts=El,
+            capacity=capacity,
+            row_src_rank=rows[0].data_ptr(),
+            row_route=rows[1].data_ptr(),
+            expert_offsets=call.outs[2].data_ptr(),
+            expert_counts=call.outs[3].data_ptr(),
+        )
+
+
+@pytest.mark.skipif(mok_core.build_info()["cuda"], reason="mok_core was built with CUDA")
+def test_cuda_device_without_cuda_build_raises() -> None:
+    call = TableCall("cpu")
+    with pytest.raises(RuntimeError, match="without CUDA"):
+        call(device="cuda")
+    with pytest.raises(RuntimeError, match="without CUDA"):
+        mok_core.build_send_side("cuda", 0, 0, 1, 1, 1, 0, 0)
+    with pytest.raises(RuntimeError, match="without CUDA"):
+        mok_core.combine("cuda", 0, 0, 0, 0, 0, 1, 1)

@@ -1,0 +1,190 @@
+"""The native backends (mok-core runtime): bitwise the reference, across processes, on GPUs,
+in a CUDA graph, and a rank that never arrives raises instead of hanging."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import CONTRACT_KEYS, assert_bitwise, config, run_functional
+from multiproc import run_ranks
+
+import mok_torch as mok
+from mok_torch.testing import make_inputs
+
+pytestmark = pytest.mark.multiprocess
+
+SHAPES = [
+    pytest.param(37, 64, 32, 8, 2, 16, "balanced", id="balanced-shared"),
+    pytest.param(30, 32, 48, 8, 3, 0, "skewed", id="skewed"),
+    pytest.param(20, 32, 16, 4, 2, 0, "worst", id="worst"),
+    pytest.param(1, 32, 16, 4, 1, 8, "balanced", id="one-token-K1"),
+]
+CONFIGS = [
+    dict(expert_alignment=8),
+    dict(expert_alignment=8, minibatch_size=8, macrobatch_size=16),
+    dict(expert_alignment=1, minibatch_size=5, macrobatch_size=15, fwd_num_comm_sms=2, bwd_num_comm_sms=4),
+]
+ALL_KEYS = CONTRACT_KEYS + ("dWg_s", "dWu_s", "dWd_s")
+
+
+def _keys(Is: int) -> tuple[str, ...]:
+    return ALL_KEYS if Is else CONTRACT_KEYS
+
+
+@pytest.mark.parametrize("T,H,I,E,K,Is,routing", SHAPES)
+def test_cpu_backend_is_bitwise_the_reference(T, H, I, E, K, Is, routing):
+    inp = make_inputs(T, H, I, E, K, Is, routing, seed=T)
+    for kw in CONFIGS:
+        ref = run_functional(inp, config(backend="reference", **kw), device="cpu")
+        got = run_functional(inp, config(backend="cpu", **kw), device="cpu")
+        assert_bitwise(ref, got, _keys(Is) + ("saved_rows",), what=f"cpu backend {kw}: ")
+
+
+T_GLOBAL, SPLITS = 45, {2: [20, 25], 3: [10, 0, 35]}
+
+
+def _slice(world: int, rank: int) -> slice:
+    start = sum(SPLITS[world][:rank])
+    return slice(start, start + SPLITS[world][rank])
+
+
+def native_scenario(rank: int, world: int, group, device: str) -> dict:
+    backend, dev = ("cuda", f"cuda:{rank}") if device == "cuda" else ("cpu", "cpu")
+    out = {}
+    for routing in ("balanced", "worst"):
+        inp = make_inputs(T_GLOBAL, 32, 16, 6, 2, 8, routing, seed=5)
+        for i, kw in enumerate(CONFIGS):
+            cfg = config(backend=backend, **kw)
+            out[(routing, i)] = run_functional(
+                inp,
+                cfg,
+                group=group,
+                rank=rank,
+                world=world,
+                tokens=_slice(world, rank),
+                max_tokens=T_GLOBAL,
+                device=dev,
+            )
+    return out
+
+
+def _check_ep(results: list[dict], world: int) -> None:
+    for routing in ("balanced", "worst"):
+        inp = make_inputs(T_GLOBAL, 32, 16, 6, 2, 8, routing, seed=5)
+        for i, kw in enumerate(CONFIGS):
+            ref = run_functional(inp, config(backend="reference", **kw), device="cpu", max_tokens=T_GLOBAL)
+            merged = {k: torch.cat([r[(routing, i)][k] for r in results]) for k in CONTRACT_KEYS}
+            assert_bitwise(ref, merged, CONTRACT_KEYS, what=f"EP {world} {routing} {kw}: ")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_cpu_backend_across_processes(world):
+    _check_ep(run_ranks(world, "test_native.native_scenario", "cpu"), world)
+
+
+def straggler_scenario(rank: int, world: int, group, device: str) -> str:
+    """Rank 1 builds the schedule (a collective) and then never calls forward."""
+    backend, dev = ("cuda", f"cuda:{rank}") if device == "cuda" else ("cpu", "cpu")
+    cfg = config(backend=backend, expert_alignment=8, timeout_s=1.0)
+    inp = make_inputs(16, 32, 16, 4, 2, 0, seed=1).to(dev)
+    ws = mok.get_workspace(cfg, group, device=dev, max_tokens=16, hidden_size=32, topk=2, num_experts=4)
+    sched = mok.build_schedule(ws, cfg, inp.top_experts_TK)
+    result = "skipped"
+    if rank == 0:
+        routed = tuple(w.to(dev) for w in inp.local_routed(rank, world))
+        try:
+            mok.forward(cfg, ws, sched, inp.x_TH, inp.router_weights_TK, routed)
+            mok.check_errors(ws)
+            result = "no error"
+        except RuntimeError as exc:
+            result = str(exc)
+    # rank 1 stays alive (its memory mapped) until rank 0 is done with it
+    torch.distributed.barrier(group)
+    return result
+
+
+def test_rank_that_never_arrives_times_out():
+    msg = run_ranks(2, "test_native.straggler_scenario", "cpu")[0]
+    assert "rank 0 waited more than 1 s for rank 1" in msg and "forward: inputs written" in msg, msg
+
+
+# ---------------------------------------------------------------------------- GPU
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+
+
+@gpu
+@pytest.mark.parametrize("T,H,I,E,K,Is,routing", SHAPES)
+def test_cuda_backend_is_bitwise_the_reference(T, H, I, E, K, Is, routing):
+    inp = make_inputs(T, H, I, E, K, Is, routing, seed=T)
+    for kw in CONFIGS:
+        ref = run_functional(inp, config(backend="reference", **kw), device="cpu")
+        got = run_functional(inp, config(backend="cuda", **kw), device="cuda")
+        assert_bitwise(ref, got, _keys(Is), what=f"cuda backend {kw}: ")
+
+
+@two_gpus
+def test_cuda_backend_across_gpus():
+    _check_ep(run_ranks(2, "test_native.native_scenario", "cuda", device="cuda"), 2)
+
+
+@two_gpus
+def test_cuda_rank_that_never_arrives_times_out():
+    msg = run_ranks(2, "test_native.straggler_scenario", "cuda", device="cuda")[0]
+    assert "rank 0 waited more than 1 s for rank 1" in msg and "forward: inputs written" in msg, msg
+
+
+def graph_scenario(rank: int, world: int, group, device: str) -> dict:
+    """Capture schedule + forward + backward in one CUDA graph; replay it on new inputs."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    cfg = config(backend="cuda", expert_alignment=8, minibatch_size=16, macrobatch_size=32)
+    T, H, I, E, K, Is = 24, 32, 16, 4 * world, 2, 8
+    first = make_inputs(T * world, H, I, E, K, Is, seed=1)
+    second = make_inputs(T * world, H, I, E, K, Is, "skewed", seed=2)
+    part = slice(rank * T, (rank + 1) * T)
+    ws = mok.get_workspace(cfg, group, device=dev, max_tokens=T, hidden_size=H, topk=K, num_experts=E)
+    routed = tuple(w.to(dev) for w in first.local_routed(rank, world))
+    shared = tuple(w.to(dev) for w in first.shared)
+    static = {
+        n: getattr(first, n)[part].contiguous().to(dev)
+        for n in ("x_TH", "top_experts_TK", "router_weights_TK", "dy_TH")
+    }
+
+    def step():
+        sched = mok.build_schedule(ws, cfg, static["top_experts_TK"])
+        y, ctx = mok.forward(cfg, ws, sched, static["x_TH"], static["router_weights_TK"], routed, shared)
+        g = mok.backward(
+            cfg, ws, sched, ctx, static["dy_TH"], static["x_TH"], static["router_weights_TK"], routed, shared
+        )
+        return [y, g.dx, g.d_router_weights, *g.d_routed, *g.d_shared]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up: allocates the workspace's symmetric memory outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for n in static:  # new inputs, same tensors
+        static[n].copy_(getattr(second, n)[part])
+    graph.replay()
+    replayed = [t.clone().cpu() for t in outs]
+    eager = [t.cpu() for t in step()]
+    mok.check_errors(ws)
+    return {"replayed": replayed, "eager": eager}
+
+
+@gpu
+def test_cuda_graph_capture_one_gpu():
+    res = run_ranks(1, "test_native.graph_scenario", "cuda", device="cuda")[0]
+    for a, b in zip(res["replayed"], res["eager"], strict=True):
+        assert torch.equal(a, b)
+
+
+@two_gpus
+def test_cuda_graph_capture_two_gpus():
+    for res in run_ranks(2, "test_native.graph_scenario", "cuda", device="cuda"):
+        for a, b in zip(res["replayed"], res["eager"], strict=True):
+            assert torch.equal(a, b)
