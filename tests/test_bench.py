@@ -242,3 +242,16 @@ def test_readme_table_is_generated_and_idempotent(tmp_path):
 def _between_markers(path: Path) -> str:
     text = path.read_text()
     return text[text.index("<!-- bench-table:start -->") : text.index("<!-- bench-table:end -->")]
+
+
+def test_transport_bench_runs_on_two_cpu_ranks(tmp_path):
+    """`mok bench-transport` end to end over gloo and shared memory (the numbers mean nothing here)."""
+    from mok_torch.cli import main
+
+    argv = ["bench-transport", "--shapes", "H=64,I=32,E=8,K=2,T=64", "--nproc", "2", "--iters", "2"]
+    assert main([*argv, "--warmup", "1", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("*_transport-ep2.json")
+    doc = json.loads(path.read_text())
+    (r,) = doc["results"]
+    assert r["rows"] > 0 and r["remote_rows"] > 0 and set(r["pull"]) == {"4", "8", "16", "24", "32"}
+    assert r["schedule_ms"] > 0 and r["all_to_all_single"]["ms"] > 0 and r["barrier_us"]["back_to_back"] > 0

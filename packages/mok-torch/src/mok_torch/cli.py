@@ -1,4 +1,4 @@
-"""The `mok` command: `mok demo`, `mok info`, `mok bench`."""
+"""The `mok` command: `mok demo`, `mok info`, `mok bench`, `mok bench-transport`."""
 
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ COMMANDS = {
     "demo": ("train a small MoE model twice and check the runs agree bitwise", "mok_torch.demo:main"),
     "info": ("versions, compiled packages and the backends available here", None),
     "bench": ("the layer benchmark against baselines (torchrun for several GPUs)", "mok_torch.bench:main"),
+    "bench-transport": ("dispatch/combine GB/s, barrier latency, schedule time", "mok_torch.bench.transport:main"),
 }
 
 
@@ -55,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command == "info":
         return _info(rest)
+    if command == "bench-transport":
+        from mok_torch.bench.transport import main as transport_main
+
+        return transport_main(rest)
     if command == "bench":
         from mok_torch.bench import main as bench_main
 
