@@ -26,7 +26,8 @@ from mok_torch.cli import main as mok_main
 ROOT = Path(__file__).resolve().parent.parent
 CPU = Ranks(torch.device("cpu"), None, 0, 1)
 SETTINGS = Settings(allow_slow=False)
-FAST = ["--iters", "2", "--warmup", "1"]
+# These are CPU tests of the harness (the GPU code paths run in tools/gpu-check's bench stage).
+FAST = ["--iters", "2", "--warmup", "1", "--device", "cpu"]
 
 
 @pytest.fixture(autouse=True)
@@ -248,7 +249,7 @@ def test_transport_bench_runs_on_two_cpu_ranks(tmp_path):
     """`mok bench-transport` end to end over gloo and shared memory (the numbers mean nothing here)."""
     from mok_torch.cli import main
 
-    argv = ["bench-transport", "--shapes", "H=64,I=32,E=8,K=2,T=64", "--nproc", "2", "--iters", "2"]
+    argv = ["bench-transport", "--shapes", "H=64,I=32,E=8,K=2,T=64", "--nproc", "2", "--iters", "2", "--device", "cpu"]
     assert main([*argv, "--warmup", "1", "--out", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("*_transport-ep2.json")
     doc = json.loads(path.read_text())

@@ -30,22 +30,19 @@ def test_layer_matches_loop(score_func, Is):
     assert y.shape == x.shape and y.dtype == torch.float32
     dy = torch.randn_like(y)
     (y * dy).sum().backward()
-    top = layer.last_top_experts.reshape(-1, 2)
-    logits = torch.nn.functional.linear(x.detach().reshape(-1, 32), layer.router.weight.detach())
-    _, w = mok.route(logits, 2, score_func=score_func, top_experts_TK=top)
-    bf = lambda t: t.detach().to(torch.bfloat16)  # noqa: E731
+    # the float64 loop runs on the CPU
+    top = layer.last_top_experts.reshape(-1, 2).cpu()
+    x_cpu, router_cpu = x.detach().reshape(-1, 32).cpu(), layer.router.weight.detach().cpu()
+    _, w = mok.route(torch.nn.functional.linear(x_cpu, router_cpu), 2, score_func=score_func, top_experts_TK=top)
+    bf = lambda t: t.detach().to(torch.bfloat16).cpu()  # noqa: E731
     shared = None if Is == 0 else tuple(bf(p) for p in layer.shared_weights)
-    want = moe_loop(
-        bf(x).reshape(-1, 32), top, w, tuple(bf(p) for p in layer.routed_weights), shared, bf(dy).reshape(-1, 32)
-    )
+    routed = tuple(bf(p) for p in layer.routed_weights)
+    want = moe_loop(bf(x).reshape(-1, 32), top, w, routed, shared, bf(dy).reshape(-1, 32))
     assert_close("y", y.reshape(-1, 32), want.y)
     # x also reaches the loss through the router: add that path, in float64, by autograd
-    x64 = x.detach().reshape(-1, 32).double().requires_grad_()
+    x64 = x_cpu.double().requires_grad_()
     _, w64 = mok.route(
-        torch.nn.functional.linear(x64, layer.router.weight.detach().double()),
-        2,
-        score_func=score_func,
-        top_experts_TK=top,
+        torch.nn.functional.linear(x64, router_cpu.double()), 2, score_func=score_func, top_experts_TK=top
     )
     (router_dx,) = torch.autograd.grad(w64.double(), x64, want.d_router_weights)
     assert_close("dx", x.grad.reshape(-1, 32), want.dx + router_dx)

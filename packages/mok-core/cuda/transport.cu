@@ -115,35 +115,6 @@ void check_launch(const char* fn) {
   }
 }
 
-// Launches on the stream's own device (restoring the current device afterwards): the caller may
-// pass a stream of a device other than the current one, as torch allows.
-class StreamDeviceGuard {
- public:
-  StreamDeviceGuard(const char* fn, cudaStream_t stream) {
-    int stream_device = 0;
-    cudaError_t status = cudaGetDevice(&previous_);
-    if (status == cudaSuccess) status = cudaStreamGetDevice(stream, &stream_device);
-    if (status == cudaSuccess && stream_device != previous_) {
-      status = cudaSetDevice(stream_device);
-      switched_ = status == cudaSuccess;
-    }
-    if (status != cudaSuccess) {
-      cudaGetLastError();
-      throw std::runtime_error(std::string(fn) + ": cannot use the CUDA stream: " +
-                               cudaGetErrorName(status) + ": " + cudaGetErrorString(status));
-    }
-  }
-  ~StreamDeviceGuard() {
-    if (switched_) cudaSetDevice(previous_);
-  }
-  StreamDeviceGuard(const StreamDeviceGuard&) = delete;
-  StreamDeviceGuard& operator=(const StreamDeviceGuard&) = delete;
-
- private:
-  int previous_ = 0;
-  bool switched_ = false;
-};
-
 cudaStream_t as_stream(std::int64_t stream) {
   return reinterpret_cast<cudaStream_t>(static_cast<std::uintptr_t>(stream));
 }
@@ -156,15 +127,17 @@ int copy_grid(std::int64_t capacity, int num_workers) {
 
 }  // namespace
 
+// Every launch goes to the current device, which must be the stream's (mok-torch makes the
+// workspace's device current). No device or stream queries here: cudaStreamGetDevice, for one,
+// is refused while the stream is being captured into a CUDA graph.
+
 void pull_rows_cuda(const PullRows& move, int num_workers, std::int64_t stream) {
-  const StreamDeviceGuard guard("pull_rows", as_stream(stream));
   pull_rows_kernel<<<copy_grid(move.capacity, num_workers), kCopyThreads, 0, as_stream(stream)>>>(
       move);
   check_launch("pull_rows");
 }
 
 void push_rows_cuda(const PushRows& move, int num_workers, std::int64_t stream) {
-  const StreamDeviceGuard guard("push_rows", as_stream(stream));
   push_rows_kernel<<<copy_grid(move.capacity, num_workers), kCopyThreads, 0, as_stream(stream)>>>(
       move);
   check_launch("push_rows");
@@ -173,7 +146,6 @@ void push_rows_cuda(const PushRows& move, int num_workers, std::int64_t stream) 
 void barrier_cuda(std::uint64_t* epoch, const std::int64_t* signal_pad_ptrs, int rank,
                   int world_size, std::int32_t* error, int stage, std::int64_t timeout_ns,
                   std::int64_t stream) {
-  const StreamDeviceGuard guard("barrier", as_stream(stream));
   const std::int64_t warps = (static_cast<std::int64_t>(world_size) + 31) / 32;
   const int threads =
       warps * 32 < kBarrierMaxThreads ? static_cast<int>(warps * 32) : kBarrierMaxThreads;

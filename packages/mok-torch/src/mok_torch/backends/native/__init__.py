@@ -17,6 +17,7 @@ Shape letters: T tokens, K top-k, H hidden, I inner size, El local experts, C ca
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -39,6 +40,11 @@ from ..reference.ring import Block, replays_in_backward
 from .transport import Transport, raise_transport_error
 
 Weights3 = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _on(ws: Workspace) -> Any:
+    """The workspace's device made current: mok-core launches on the current device."""
+    return torch.cuda.device(ws.device) if ws.device.type == "cuda" else contextlib.nullcontext()
 
 
 class _Rows:
@@ -150,9 +156,27 @@ class NativeBackend:
             macrobatch = max(-(-rows // minibatch) * minibatch, minibatch)
         return rows, macrobatch, minibatch, offsets
 
-    # ------------------------------------------------------------------ schedule
+    # ------------------------------------------------------------------ entry points
 
     def build_schedule(self, ws: Workspace, cfg: MoKConfig, top_experts_TK: torch.Tensor) -> Schedule:
+        with _on(ws):
+            return self._build_schedule(ws, cfg, top_experts_TK)
+
+    def forward(self, cfg: MoKConfig, ws: Workspace, *args: Any) -> tuple[torch.Tensor, ForwardContext]:
+        with _on(ws):
+            return self._forward(cfg, ws, *args)
+
+    def recompute_forward_context(self, cfg: MoKConfig, ws: Workspace, *args: Any) -> ForwardContext:
+        with _on(ws):
+            return self._recompute_forward_context(cfg, ws, *args)
+
+    def backward(self, cfg: MoKConfig, ws: Workspace, *args: Any) -> Grads:
+        with _on(ws):
+            return self._backward(cfg, ws, *args)
+
+    # ------------------------------------------------------------------ schedule
+
+    def _build_schedule(self, ws: Workspace, cfg: MoKConfig, top_experts_TK: torch.Tensor) -> Schedule:
         tr = self._transport(ws, cfg)
         core, dev, stream = tr.core, tr.dev, tr._stream()
         top = top_experts_TK.to(torch.int32).contiguous()
@@ -241,7 +265,7 @@ class NativeBackend:
         a, b = gate_up(x[None], sw)
         return down(swiglu(a, b, limit), sw)[0], a[0], b[0]
 
-    def forward(
+    def _forward(
         self, cfg: MoKConfig, ws: Workspace, sched: Schedule, x_TH: torch.Tensor, router_weights_TK: torch.Tensor,
         routed: Weights3, shared: Weights3 | None,
     ) -> tuple[torch.Tensor, ForwardContext]:  # fmt: skip
@@ -259,7 +283,7 @@ class NativeBackend:
         self._after_call(tr)
         return y, ForwardContext(sched, self.name, ring_x, ring_a, ring_b, shared_a, shared_b)
 
-    def recompute_forward_context(
+    def _recompute_forward_context(
         self,
         cfg: MoKConfig,
         ws: Workspace,
@@ -281,7 +305,7 @@ class NativeBackend:
 
     # ------------------------------------------------------------------ backward
 
-    def backward(
+    def _backward(
         self, cfg: MoKConfig, ws: Workspace, sched: Schedule, ctx: ForwardContext, dy_TH: torch.Tensor,
         x_TH: torch.Tensor, router_weights_TK: torch.Tensor, routed: Weights3, shared: Weights3 | None,
         wgrad_dtype: torch.dtype,
