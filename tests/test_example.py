@@ -30,12 +30,12 @@ def test_resume_continues_bitwise(tmp_path):
     assert len(straight["losses"]) == 8 and straight["losses"] == resumed["losses"]
     assert straight["losses"][-1] < straight["losses"][0]
     for rank in range(2):
-        a = torch.load(tmp_path / "straight" / f"rank{rank}.pt")
-        b = torch.load(tmp_path / "resumed" / f"rank{rank}.pt")
+        a = torch.load(tmp_path / "straight" / f"rank{rank}.pt", map_location="cpu")
+        b = torch.load(tmp_path / "resumed" / f"rank{rank}.pt", map_location="cpu")
         for name, t in a["model"].items():
             assert torch.equal(t, b["model"][name]), f"rank {rank}: {name}"
     # the two ranks hold different experts, the same dense weights
-    r0 = torch.load(tmp_path / "straight" / "rank0.pt")["model"]
-    r1 = torch.load(tmp_path / "straight" / "rank1.pt")["model"]
+    r0 = torch.load(tmp_path / "straight" / "rank0.pt", map_location="cpu")["model"]
+    r1 = torch.load(tmp_path / "straight" / "rank1.pt", map_location="cpu")["model"]
     assert torch.equal(r0["embed.weight"], r1["embed.weight"])
     assert not torch.equal(r0["blocks.0.moe.gate_proj"], r1["blocks.0.moe.gate_proj"])
