@@ -72,6 +72,7 @@ def latest_rows(runs: list[tuple[dict[str, Any], Path]]) -> tuple[list[dict[str,
 
 
 def render(rows: list[dict[str, Any]], sources: list[Path], root: Path) -> str:
+    """The measured rows as a table; skipped cases folded into one line per (provider, reason)."""
     if not rows:
         return "_No GPU benchmark results are committed yet._"
     names = []
@@ -80,7 +81,20 @@ def render(rows: list[dict[str, Any]], sources: list[Path], root: Path) -> str:
             names.append(f"`{p.resolve().relative_to(root)}`")
         except ValueError:
             names.append(f"`{p.name}`")
-    return markdown_table(rows, LEADING) + "\n\nFrom " + ", ".join(names) + "."
+    measured = [r for r in rows if r.get("status") != "skipped"]
+    skipped: dict[str, tuple[list[str], list[str]]] = {}
+    for r in rows:
+        if r.get("status") == "skipped":
+            providers, cases = skipped.setdefault(r.get("reason") or "skipped", ([], []))
+            case = f"{r['shape']['name']} EP {r['_world']}"
+            providers.extend([r["provider"]] if r["provider"] not in providers else [])
+            cases.extend([case] if case not in cases else [])
+    parts = [markdown_table(measured, LEADING) if measured else "_No case was measured._"]
+    if skipped:
+        lines = [f"- {', '.join(p)} — {reason}: {', '.join(c)}" for reason, (p, c) in sorted(skipped.items())]
+        parts.append("Not measured:\n\n" + "\n".join(lines))
+    parts.append("From " + ", ".join(names) + ".")
+    return "\n\n".join(parts)
 
 
 def rewrite(text: str, table: str) -> str:

@@ -1,4 +1,4 @@
-"""Expert parallelism across processes: EP 2 and 4 give bitwise the results of EP 1.
+"""Expert parallelism across processes: EP 2, 4 and 8 give bitwise the results of EP 1.
 
 The same global batch is split into contiguous, uneven slices (one rank may bring no token
 at all); outputs and input gradients are concatenated over ranks in token order, routed
@@ -19,7 +19,7 @@ from mok_torch.testing import make_inputs
 pytestmark = pytest.mark.multiprocess
 
 T_GLOBAL = 45
-SPLITS = {1: [45], 2: [20, 25], 4: [10, 0, 20, 15]}
+SPLITS = {1: [45], 2: [20, 25], 4: [10, 0, 20, 15], 8: [6, 6, 0, 6, 6, 6, 6, 9]}
 SHAPE = dict(num_tokens=T_GLOBAL, hidden_size=32, intermediate_size=16, num_experts=8, topk=2)
 CONFIGS = [
     dict(expert_alignment=8),
@@ -93,7 +93,7 @@ def ep1_functional():
     return functional_scenarios(0, 1, None, DEVICE)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])
 def test_functional_ep_invariance(world, ep1_functional):
     if DEVICE == "cuda" and torch.cuda.device_count() < world:
         pytest.skip(f"EP {world} on CUDA needs {world} GPUs, this machine has {torch.cuda.device_count()}")
