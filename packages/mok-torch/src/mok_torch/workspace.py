@@ -74,6 +74,14 @@ class Workspace:
         return expert // self.num_local_experts
 
 
+def _as_device(device: torch.device | str | int) -> torch.device:
+    """A device with its index ("cuda" alone means the current GPU)."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
 def _check_positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -95,9 +103,7 @@ def create_workspace(
     """A new workspace (not cached). See `get_workspace`."""
     if not isinstance(config, MoKConfig):
         raise TypeError(f"config must be a MoKConfig, got {type(config).__name__}")
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = _as_device(device)
     _check_positive_int("max_tokens", max_tokens)
     _check_positive_int("hidden_size", hidden_size)
     _check_positive_int("topk", topk)
@@ -153,9 +159,7 @@ def get_workspace(
     """
     if not isinstance(config, MoKConfig):
         raise TypeError(f"config must be a MoKConfig, got {type(config).__name__}")
-    dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
+    dev = _as_device(device)
     key = (id(group), dev, max_tokens, hidden_size, topk, num_experts, config.expert_alignment)
     with _CACHE_LOCK:
         ws = _CACHE.get(key)

@@ -33,7 +33,10 @@ from ..reference.experts import (
     accumulate_wgrads,
     down,
     gate_up,
+    routed_wgrads,
     row_backward,
+    shared_backward,
+    shared_forward,
     swiglu,
 )
 from ..reference.ring import Block, replays_in_backward
@@ -258,13 +261,6 @@ class NativeBackend:
                     tr.push(y, "rows", table, num_workers=cfg.fwd_num_comm_sms)
         return ring_x, ring_a, ring_b
 
-    def _shared_forward(self, x: torch.Tensor, shared: Weights3 | None, limit: float | None) -> tuple[Any, Any, Any]:
-        if shared is None:
-            return None, None, None
-        sw = ExpertWeights.from_weights(shared[0][None], shared[1][None], shared[2][None])
-        a, b = gate_up(x[None], sw)
-        return down(swiglu(a, b, limit), sw)[0], a[0], b[0]
-
     def _forward(
         self, cfg: MoKConfig, ws: Workspace, sched: Schedule, x_TH: torch.Tensor, router_weights_TK: torch.Tensor,
         routed: Weights3, shared: Weights3 | None,
@@ -276,7 +272,7 @@ class NativeBackend:
         ring_x, ring_a, ring_b = self._routed_forward(
             cfg, ws, sched, tr, ExpertWeights.from_weights(*routed), outputs=True
         )
-        ys, shared_a, shared_b = self._shared_forward(x_TH, shared, cfg.swiglu_limit)
+        ys, shared_a, shared_b = shared_forward(x_TH, shared, cfg.swiglu_limit)
         tr.barrier(4)  # every push has landed
         w = router_weights_TK.float().reshape(-1).contiguous()
         y = self._combine(tr, ys, tr.view["rows"][: T * K], w, T, K, H)
@@ -298,7 +294,7 @@ class NativeBackend:
         ring_x, ring_a, ring_b = self._routed_forward(
             cfg, ws, sched, tr, ExpertWeights.from_weights(*routed), outputs=False
         )
-        _, shared_a, shared_b = self._shared_forward(x_TH, shared, cfg.swiglu_limit)
+        _, shared_a, shared_b = shared_forward(x_TH, shared, cfg.swiglu_limit, outputs=False)
         tr.barrier(8)  # every rank has pulled: x_src may be rewritten
         self._after_call(tr)
         return ForwardContext(sched, self.name, ring_x, ring_a, ring_b, shared_a, shared_b)
@@ -346,34 +342,11 @@ class NativeBackend:
                 tr.push(r.flat(rg.dx, dys).contiguous(), "rows", table, num_workers=nw)
                 tr.push(r.flat(rg.d_w, wr).contiguous(), "d_w", table, num_workers=nw)
                 accumulate_wgrads(xg, dyg, wg, rg, r.acc(d_gate_up), r.acc(d_down), r.layout)
-        dxs, d_shared = self._shared_backward(ctx, dy_TH, x_TH, shared, cfg.swiglu_limit, wgrad_dtype)
+        dxs, d_shared = shared_backward(
+            x_TH, dy_TH, ctx.shared_a_TIs, ctx.shared_b_TIs, shared, cfg.swiglu_limit, wgrad_dtype
+        )
         tr.barrier(6)  # every push has landed
         dx = self._combine(tr, dxs, tr.view["rows"][: T * K], None, T, K, H)
         d_router = tr.view["d_w"][: T * K].clone().view(T, K).to(router_weights_TK.dtype)
         self._after_call(tr)
-        d_routed = tuple(_wgrad(t, wgrad_dtype) for t in (d_gate_up[:, :inner], d_gate_up[:, inner:], d_down))
-        return Grads(dx, d_router, d_routed, d_shared)  # type: ignore[arg-type]
-
-    def _shared_backward(
-        self, ctx: ForwardContext, dy: torch.Tensor, x: torch.Tensor, shared: Weights3 | None, limit: float | None,
-        wgrad_dtype: torch.dtype,
-    ) -> tuple[Any, Any]:  # fmt: skip
-        if shared is None:
-            return None, None
-        assert ctx.shared_a_TIs is not None and ctx.shared_b_TIs is not None
-        sw = ExpertWeights.from_weights(shared[0][None], shared[1][None], shared[2][None])
-        x1, dy1 = x[None], dy[None]
-        rg = row_backward(x1, ctx.shared_a_TIs[None], ctx.shared_b_TIs[None], dy1, None, sw, limit)
-        inner_s, H = sw.intermediate_size, x.shape[1]
-        gu = torch.zeros(1, 2 * inner_s, H, dtype=torch.float32, device=x.device)
-        dd = torch.zeros(1, H, inner_s, dtype=torch.float32, device=x.device)
-        accumulate_wgrads(x1, dy1, None, rg, gu, dd)
-        return rg.dx[0].contiguous(), (
-            _wgrad(gu[0, :inner_s], wgrad_dtype),
-            _wgrad(gu[0, inner_s:], wgrad_dtype),
-            _wgrad(dd[0], wgrad_dtype),
-        )
-
-
-def _wgrad(acc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return acc.to(dtype, memory_format=torch.contiguous_format, copy=True)
+        return Grads(dx, d_router, routed_wgrads(d_gate_up, d_down, wgrad_dtype), d_shared)

@@ -21,25 +21,16 @@ from .experts import (
     combine_epilogue,
     down,
     gate_up,
+    routed_wgrads,
     row_backward,
+    shared_backward,
+    shared_forward,
     swiglu,
 )
 from .ring import Block, plan_ring, replays_in_backward
 from .schedule import build_schedule as _build_schedule
 
 Weights3 = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-
-
-def _shared_weights(shared: Weights3 | None) -> ExpertWeights | None:
-    if shared is None:
-        return None
-    wg, wu, wd = shared
-    return ExpertWeights.from_weights(wg[None], wu[None], wd[None])
-
-
-def _wgrad(acc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A fresh contiguous tensor: gate and up come from one accumulator and must not share storage."""
-    return acc.to(dtype, memory_format=torch.contiguous_format, copy=True)
 
 
 class ReferenceBackend:
@@ -102,12 +93,7 @@ class ReferenceBackend:
         )
         assert out_C is not None
         rows_TKH = transport.push(sched, out_C).view(T, K, ws.hidden_size)
-        shared_w = _shared_weights(shared)
-        ys_TH = shared_a = shared_b = None
-        if shared_w is not None:
-            shared_a, shared_b = gate_up(x_TH[None], shared_w)
-            ys_TH = down(swiglu(shared_a, shared_b, cfg.swiglu_limit), shared_w)[0]
-            shared_a, shared_b = shared_a[0], shared_b[0]
+        ys_TH, shared_a, shared_b = shared_forward(x_TH, shared, cfg.swiglu_limit)
         y_TH = combine_epilogue(ys_TH, rows_TKH, router_weights_TK.float())
         ctx = ForwardContext(sched, self.name, ring_x, ring_a, ring_b, shared_a, shared_b)
         return y_TH, ctx
@@ -124,11 +110,7 @@ class ReferenceBackend:
         _, ring_x, ring_a, ring_b = self._routed_pass(
             cfg, sched, x_TH, ExpertWeights.from_weights(*routed), outputs=False
         )
-        shared_w = _shared_weights(shared)
-        shared_a = shared_b = None
-        if shared_w is not None:
-            shared_a, shared_b = gate_up(x_TH[None], shared_w)
-            shared_a, shared_b = shared_a[0], shared_b[0]
+        _, shared_a, shared_b = shared_forward(x_TH, shared, cfg.swiglu_limit, outputs=False)
         return ForwardContext(sched, self.name, ring_x, ring_a, ring_b, shared_a, shared_b)
 
     def backward(
@@ -179,29 +161,11 @@ class ReferenceBackend:
         dxr_TKH = transport.push(sched, dx_C).view(T, K, H)
         d_router = transport.push(sched, dw_C).view(T, K).to(router_weights_TK.dtype)
 
-        shared_w = _shared_weights(shared)
-        dxs_TH = None
-        d_shared = None
-        if shared_w is not None:
-            assert ctx.shared_a_TIs is not None and ctx.shared_b_TIs is not None
-            x1, dy1 = x_TH[None], dy_TH[None]
-            rg = row_backward(x1, ctx.shared_a_TIs[None], ctx.shared_b_TIs[None], dy1, None, shared_w, cfg.swiglu_limit)
-            inner_s = shared_w.intermediate_size
-            ds_gate_up = torch.zeros(1, 2 * inner_s, H, dtype=torch.float32, device=dy_TH.device)
-            ds_down = torch.zeros(1, H, inner_s, dtype=torch.float32, device=dy_TH.device)
-            accumulate_wgrads(x1, dy1, None, rg, ds_gate_up, ds_down)
-            dxs_TH = rg.dx[0]
-            d_shared = (
-                _wgrad(ds_gate_up[0, :inner_s], wgrad_dtype),
-                _wgrad(ds_gate_up[0, inner_s:], wgrad_dtype),
-                _wgrad(ds_down[0], wgrad_dtype),
-            )
-        dx_TH = combine_epilogue(dxs_TH, dxr_TKH, None)
-        d_routed = (
-            _wgrad(d_gate_up[:, :inner], wgrad_dtype),
-            _wgrad(d_gate_up[:, inner:], wgrad_dtype),
-            _wgrad(d_down, wgrad_dtype),
+        dxs_TH, d_shared = shared_backward(
+            x_TH, dy_TH, ctx.shared_a_TIs, ctx.shared_b_TIs, shared, cfg.swiglu_limit, wgrad_dtype
         )
+        dx_TH = combine_epilogue(dxs_TH, dxr_TKH, None)
+        d_routed = routed_wgrads(d_gate_up, d_down, wgrad_dtype)
         return Grads(dx_TH, d_router, d_routed, d_shared)
 
 

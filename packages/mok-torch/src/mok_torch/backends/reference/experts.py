@@ -192,3 +192,64 @@ def combine_epilogue(
             term = weights_TK[:, k : k + 1] * term
         acc = acc + term
     return acc.to(BF16)
+
+
+def wgrad_out(acc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A weight gradient handed out: a fresh contiguous tensor in `dtype` (gate and up come
+    from one accumulator and must not share storage)."""
+    return acc.to(dtype, memory_format=torch.contiguous_format, copy=True)
+
+
+def routed_wgrads(
+    d_gate_up_E2IH: torch.Tensor, d_down_EHI: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dWg, dWu, dWd) from the fp32 accumulators."""
+    inner = d_down_EHI.shape[2]
+    return (
+        wgrad_out(d_gate_up_E2IH[:, :inner], dtype),
+        wgrad_out(d_gate_up_E2IH[:, inner:], dtype),
+        wgrad_out(d_down_EHI, dtype),
+    )
+
+
+Weights3 = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _shared_as_expert(shared: Weights3) -> ExpertWeights:
+    return ExpertWeights.from_weights(shared[0][None], shared[1][None], shared[2][None])
+
+
+def shared_forward(
+    x_TH: torch.Tensor, shared: Weights3 | None, limit: float | None, *, outputs: bool = True
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The shared expert on every local token: (y_s [T, H] or None, a_s, b_s [T, Is])."""
+    if shared is None:
+        return None, None, None
+    w = _shared_as_expert(shared)
+    a, b = gate_up(x_TH[None], w)
+    y = down(swiglu(a, b, limit), w)[0] if outputs else None
+    return y, a[0], b[0]
+
+
+def shared_backward(
+    x_TH: torch.Tensor,
+    dy_TH: torch.Tensor,
+    a_TIs: torch.Tensor | None,
+    b_TIs: torch.Tensor | None,
+    shared: Weights3 | None,
+    limit: float | None,
+    wgrad_dtype: torch.dtype,
+) -> tuple[torch.Tensor | None, Weights3 | None]:
+    """(dx_s [T, H] or None, (dWg_s, dWu_s, dWd_s) or None): tokens are the rows, in order."""
+    if shared is None:
+        return None, None
+    assert a_TIs is not None and b_TIs is not None
+    w = _shared_as_expert(shared)
+    x1, dy1 = x_TH[None], dy_TH[None]
+    rg = row_backward(x1, a_TIs[None], b_TIs[None], dy1, None, w, limit)
+    inner, H = w.intermediate_size, x_TH.shape[1]
+    d_gate_up = torch.zeros(1, 2 * inner, H, dtype=torch.float32, device=x_TH.device)
+    d_down = torch.zeros(1, H, inner, dtype=torch.float32, device=x_TH.device)
+    accumulate_wgrads(x1, dy1, None, rg, d_gate_up, d_down)
+    dWg, dWu, dWd = routed_wgrads(d_gate_up, d_down, wgrad_dtype)
+    return rg.dx[0].contiguous(), (dWg[0], dWu[0], dWd[0])
