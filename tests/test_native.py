@@ -188,3 +188,15 @@ def test_cuda_graph_capture_two_gpus():
     for res in run_ranks(2, "test_native.graph_scenario", "cuda", device="cuda"):
         for a, b in zip(res["replayed"], res["eager"], strict=True):
             assert torch.equal(a, b)
+
+
+def test_cpu_backend_without_expert_kernels_is_bitwise_the_reference(monkeypatch):
+    """The PyTorch expert path the cuda backend runs (no mok-bf16 kernels there yet), on the CPU."""
+    import mok_torch.backends.native as native
+
+    monkeypatch.setattr(native, "_expert_kernels", lambda device_type: None)
+    inp = make_inputs(37, 64, 32, 8, 2, 16, "skewed", seed=4)
+    for kw in CONFIGS:
+        ref = run_functional(inp, config(backend="reference", **kw), device="cpu")
+        got = run_functional(inp, config(backend="cpu", **kw), device="cpu")
+        assert_bitwise(ref, got, ALL_KEYS + ("saved_rows",), what=f"cpu backend, PyTorch experts, {kw}: ")

@@ -4,4 +4,6 @@
 PYBIND11_MODULE(_C, m) {
   m.doc() = "mok BF16 expert kernels (no torch dependency)";
   mok::bf16::bindings::register_build_info(m);
+  mok::bf16::bindings::register_experts(m);
+  mok::bf16::bindings::register_arith(m);
 }

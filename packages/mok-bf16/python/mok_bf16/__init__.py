@@ -3,17 +3,36 @@
 The extension ``mok_bf16._C`` takes raw device pointers, sizes and stream handles, and is
 compiled against mok-core's headers; ``mok-torch`` finds this package through the
 ``mok.backends`` entry point and calls it with validated tensors.
+
+Expert entry points (``include/mok/bf16/experts.h``), bitwise mok-torch's reference backend:
+
+- ``swiglu_forward``: pre-activations ``a, b`` and expert outputs ``y`` of table rows, each
+  row with its own local expert;
+- ``swiglu_backward``: ``dx`` and the router-weight gradient ``d_w`` of each row, and the
+  weight gradients accumulated in place (each expert's rows in ascending order).
+
+They run on the CPU so far (``device="cpu"``); ``"cuda"`` raises until the kernels land.
+``exp_f64`` and ``sigmoid`` expose the element functions they share, for tests.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ._C import build_info, version
+from ._C import build_info, exp_f64, sigmoid, swiglu_backward, swiglu_forward, version
 
 __version__: str = version()
 
-__all__ = ["__version__", "backend_info", "build_info", "version"]
+__all__ = [
+    "__version__",
+    "backend_info",
+    "build_info",
+    "exp_f64",
+    "sigmoid",
+    "swiglu_backward",
+    "swiglu_forward",
+    "version",
+]
 
 
 def backend_info() -> dict[str, Any]:

@@ -1,16 +1,19 @@
-"""The native backends, `cpu` and `cuda`: mok-core's runtime with the expert math in PyTorch.
+"""The native backends, `cpu` and `cuda`: mok-core's runtime with mok-bf16's expert math.
 
 mok-core builds the schedule table on the device, moves rows through shared memory (POSIX
 shared memory between the processes of one machine, or symmetric memory between GPUs) with
 epoch barriers that time out, and runs the fixed-order epilogues. The expert math between
 the pulls and the pushes is the reference arithmetic (so every result is bitwise the
-reference backend's); the precision packages replace it with kernels.
+reference backend's): on the CPU, mok-bf16's compiled entry points when the installed
+mok-bf16 has them; otherwise (and on the GPU, until its kernels land) the reference's
+PyTorch code.
 
 On the GPU nothing reads a device value on the host: the ring walks every row of the
 table's capacity in static minibatches (rows past the last segment are empty and skipped
 by the transport), each row carries its expert, and a whole forward + backward can be
-captured in one CUDA graph. On the CPU the host reads the segment offsets and works on
-expert blocks, as the reference does.
+captured in one CUDA graph. On the CPU the host reads the segment offsets; mok-bf16 gets
+flat rows, each with its local expert (-1 for padding rows, which it skips), and the PyTorch
+fallback works on expert blocks, as the reference does.
 
 Shape letters: T tokens, K top-k, H hidden, I inner size, El local experts, C capacity.
 """
@@ -18,6 +21,7 @@ Shape letters: T tokens, K top-k, H hidden, I inner size, El local experts, C ca
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any
 
 import torch
@@ -43,6 +47,70 @@ from ..reference.ring import Block, replays_in_backward
 from .transport import Transport, raise_transport_error
 
 Weights3 = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@functools.cache
+def _expert_kernels(device_type: str) -> Any | None:
+    """The mok_bf16 module when it has the expert entry points for `device_type`, else None."""
+    if device_type != "cpu":  # no CUDA kernels yet
+        return None
+    try:
+        import mok_bf16
+    except ImportError:
+        return None
+    return mok_bf16 if hasattr(mok_bf16, "swiglu_forward") and hasattr(mok_bf16, "swiglu_backward") else None
+
+
+def _row_experts(sched: Schedule, rows: int) -> torch.Tensor:
+    """The local expert of each of the first `rows` table rows, -1 for padding rows (int64)."""
+    index = torch.arange(rows, device=sched.row_src_rank_C.device, dtype=torch.int32)
+    experts = torch.searchsorted(sched.expert_offsets_El1[1:].contiguous(), index, right=True)
+    return torch.where(sched.row_src_rank_C[:rows] >= 0, experts, -1).to(torch.int64)
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    """A tensor's address for mok_bf16 (0 for None): rows must be dense, as the entry points read them."""
+    if t is None:
+        return 0
+    assert t.is_contiguous(), "mok_bf16 reads dense row-major arrays"
+    return t.data_ptr()
+
+
+class _Experts:
+    """mok_bf16's expert entry points for one set of weights, on flat rows.
+
+    Weights [El, I, H], [El, I, H], [El, H, I] bf16 (the shared expert as El = 1); each row
+    comes with its local expert, -1 for a padding row (zero outputs, nothing accumulated).
+    """
+
+    def __init__(self, bf16: Any, weights: Weights3, limit: float | None) -> None:
+        self.bf16, self.limit = bf16, limit
+        self.wg, self.wu, self.wd = (w.contiguous() for w in weights)
+        self.El, self.I, self.H = self.wg.shape
+        self.threads = torch.get_num_threads()
+
+    def forward(
+        self, experts_M: torch.Tensor, x_MH: torch.Tensor, a_MI: torch.Tensor, b_MI: torch.Tensor,
+        y_MH: torch.Tensor | None = None,
+    ) -> None:  # fmt: skip
+        """a, b (and y unless None) of the rows, written into the given tensors."""
+        self.bf16.swiglu_forward(
+            "cpu", _ptr(x_MH), _ptr(experts_M), _ptr(self.wg), _ptr(self.wu), _ptr(self.wd),
+            _ptr(a_MI), _ptr(b_MI), _ptr(y_MH), x_MH.shape[0], self.H, self.I, self.El, self.limit, self.threads,
+        )  # fmt: skip
+
+    def backward(
+        self, experts_M: torch.Tensor, x_MH: torch.Tensor, a_MI: torch.Tensor, b_MI: torch.Tensor,
+        dy_MH: torch.Tensor, w_M: torch.Tensor | None, dx_MH: torch.Tensor, d_w_M: torch.Tensor,
+        d_gate_up_E2IH: torch.Tensor, d_down_EHI: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """dx and d_w of the rows (w None: unweighted), into the given tensors; the weight
+        gradients added in place, each expert's rows in order."""
+        self.bf16.swiglu_backward(
+            "cpu", _ptr(x_MH), _ptr(a_MI), _ptr(b_MI), _ptr(dy_MH), _ptr(w_M), _ptr(experts_M), _ptr(self.wg),
+            _ptr(self.wu), _ptr(self.wd), _ptr(dx_MH), _ptr(d_w_M), _ptr(d_gate_up_E2IH), _ptr(d_down_EHI),
+            x_MH.shape[0], self.H, self.I, self.El, self.limit, self.threads,
+        )  # fmt: skip
 
 
 def _on(ws: Workspace) -> Any:
@@ -82,12 +150,19 @@ class _Rows:
 
 
 class NativeBackend:
-    # The experts run the reference arithmetic until the precision packages' kernels land.
-    reference_experts = True
-
     def __init__(self, device_type: str) -> None:
         self.name = device_type
         self.device_type = device_type
+
+    @property
+    def expert_kernels(self) -> Any | None:
+        """mok_bf16 when the experts run its compiled entry points, None when they run in PyTorch."""
+        return _expert_kernels(self.device_type)
+
+    @property
+    def reference_experts(self) -> bool:
+        """Whether the experts run the reference's PyTorch loops (slow: the bench skips big shapes)."""
+        return self.expert_kernels is None
 
     # ------------------------------------------------------------------ availability
 
@@ -235,10 +310,16 @@ class NativeBackend:
         return out
 
     def _routed_forward(
-        self, cfg: MoKConfig, ws: Workspace, sched: Schedule, tr: Transport, weights: ExpertWeights, *, outputs: bool
+        self, cfg: MoKConfig, ws: Workspace, sched: Schedule, tr: Transport, routed: Weights3, *, outputs: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        H, K, inner = ws.hidden_size, ws.topk, weights.intermediate_size
+        H, K, inner = ws.hidden_size, ws.topk, routed[2].shape[2]
         rows, macro, mini, offsets = self._rows_plan(cfg, ws, sched, inner)
+        kernels = self.expert_kernels
+        if kernels is not None:
+            experts = _Experts(kernels, routed, cfg.swiglu_limit)
+            experts_R = _row_experts(sched, rows)
+        else:
+            weights = ExpertWeights.from_weights(*routed)
         ring_rows = min(macro, rows)
         dev = ws.device
         ring_x = torch.zeros(ring_rows, H, dtype=BF16, device=dev)
@@ -250,16 +331,38 @@ class NativeBackend:
             for mlo in range(lo, hi, mini):
                 mhi = min(mlo + mini, hi)
                 table = (sched.row_src_rank_C[mlo:mhi], sched.row_route_C[mlo:mhi])
-                xs = ring_x[mlo - lo : mhi - lo]
+                ring = slice(mlo - lo, mhi - lo)
+                xs = ring_x[ring]
                 tr.pull(xs, "x_src", table, route_divisor=K, num_workers=cfg.fwd_num_comm_sms)
-                r = _Rows(sched, mlo, mhi, offsets, weights)
-                a, b = gate_up(r.grid(xs), r.w, r.layout)
-                ring_a[mlo - lo : mhi - lo] = r.flat(a, ring_a[mlo - lo : mhi - lo])
-                ring_b[mlo - lo : mhi - lo] = r.flat(b, ring_b[mlo - lo : mhi - lo])
-                if outputs:
-                    y = r.flat(down(swiglu(a, b, cfg.swiglu_limit), r.w, r.layout), xs).contiguous()
+                y: torch.Tensor | None = None
+                if kernels is not None:
+                    y = torch.empty_like(xs) if outputs else None
+                    experts.forward(experts_R[mlo:mhi], xs, ring_a[ring], ring_b[ring], y)
+                else:
+                    r = _Rows(sched, mlo, mhi, offsets, weights)
+                    a, b = gate_up(r.grid(xs), r.w, r.layout)
+                    ring_a[ring] = r.flat(a, ring_a[ring])
+                    ring_b[ring] = r.flat(b, ring_b[ring])
+                    if outputs:
+                        y = r.flat(down(swiglu(a, b, cfg.swiglu_limit), r.w, r.layout), xs).contiguous()
+                if y is not None:
                     tr.push(y, "rows", table, num_workers=cfg.fwd_num_comm_sms)
         return ring_x, ring_a, ring_b
+
+    def _shared_forward(
+        self, x_TH: torch.Tensor, shared: Weights3 | None, limit: float | None, *, outputs: bool
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """The shared expert on every local token: one expert whose rows are the tokens."""
+        kernels = self.expert_kernels
+        if kernels is None or shared is None:
+            return shared_forward(x_TH, shared, limit, outputs=outputs)
+        T, Is = x_TH.shape[0], shared[0].shape[0]
+        a = torch.empty(T, Is, dtype=BF16, device=x_TH.device)
+        b = torch.empty_like(a)
+        y = torch.empty(T, x_TH.shape[1], dtype=BF16, device=x_TH.device) if outputs else None
+        experts = _Experts(kernels, (shared[0][None], shared[1][None], shared[2][None]), limit)
+        experts.forward(torch.zeros(T, dtype=torch.int64), x_TH, a, b, y)
+        return y, a, b
 
     def _forward(
         self, cfg: MoKConfig, ws: Workspace, sched: Schedule, x_TH: torch.Tensor, router_weights_TK: torch.Tensor,
@@ -269,10 +372,8 @@ class NativeBackend:
         T, K, H = sched.num_tokens, sched.topk, ws.hidden_size
         tr.view["x_src"][:T].copy_(x_TH)
         tr.barrier(3)
-        ring_x, ring_a, ring_b = self._routed_forward(
-            cfg, ws, sched, tr, ExpertWeights.from_weights(*routed), outputs=True
-        )
-        ys, shared_a, shared_b = shared_forward(x_TH, shared, cfg.swiglu_limit)
+        ring_x, ring_a, ring_b = self._routed_forward(cfg, ws, sched, tr, routed, outputs=True)
+        ys, shared_a, shared_b = self._shared_forward(x_TH, shared, cfg.swiglu_limit, outputs=True)
         tr.barrier(4)  # every push has landed
         w = router_weights_TK.float().reshape(-1).contiguous()
         y = self._combine(tr, ys, tr.view["rows"][: T * K], w, T, K, H)
@@ -291,15 +392,32 @@ class NativeBackend:
         tr = self._transport(ws, cfg)
         tr.view["x_src"][: sched.num_tokens].copy_(x_TH)
         tr.barrier(7)
-        ring_x, ring_a, ring_b = self._routed_forward(
-            cfg, ws, sched, tr, ExpertWeights.from_weights(*routed), outputs=False
-        )
-        _, shared_a, shared_b = shared_forward(x_TH, shared, cfg.swiglu_limit, outputs=False)
+        ring_x, ring_a, ring_b = self._routed_forward(cfg, ws, sched, tr, routed, outputs=False)
+        _, shared_a, shared_b = self._shared_forward(x_TH, shared, cfg.swiglu_limit, outputs=False)
         tr.barrier(8)  # every rank has pulled: x_src may be rewritten
         self._after_call(tr)
         return ForwardContext(sched, self.name, ring_x, ring_a, ring_b, shared_a, shared_b)
 
     # ------------------------------------------------------------------ backward
+
+    def _shared_backward(
+        self, x_TH: torch.Tensor, dy_TH: torch.Tensor, a_TIs: torch.Tensor | None, b_TIs: torch.Tensor | None,
+        shared: Weights3 | None, limit: float | None, wgrad_dtype: torch.dtype,
+    ) -> tuple[torch.Tensor | None, Weights3 | None]:  # fmt: skip
+        """(dx_s, (dWg_s, dWu_s, dWd_s)) of the shared expert: tokens are the rows, in order, unweighted."""
+        kernels = self.expert_kernels
+        if kernels is None or shared is None:
+            return shared_backward(x_TH, dy_TH, a_TIs, b_TIs, shared, limit, wgrad_dtype)
+        assert a_TIs is not None and b_TIs is not None
+        (T, H), Is, dev = x_TH.shape, shared[0].shape[0], x_TH.device
+        dx = torch.empty(T, H, dtype=BF16, device=dev)
+        d_w = torch.empty(T, dtype=torch.float32, device=dev)  # unused: no router weight
+        d_gate_up = torch.zeros(1, 2 * Is, H, dtype=torch.float32, device=dev)
+        d_down = torch.zeros(1, H, Is, dtype=torch.float32, device=dev)
+        experts = _Experts(kernels, (shared[0][None], shared[1][None], shared[2][None]), limit)
+        experts.backward(torch.zeros(T, dtype=torch.int64), x_TH, a_TIs, b_TIs, dy_TH, None, dx, d_w, d_gate_up, d_down)
+        dWg, dWu, dWd = routed_wgrads(d_gate_up, d_down, wgrad_dtype)
+        return dx, (dWg[0], dWu[0], dWd[0])
 
     def _backward(
         self, cfg: MoKConfig, ws: Workspace, sched: Schedule, ctx: ForwardContext, dy_TH: torch.Tensor,
@@ -308,8 +426,7 @@ class NativeBackend:
     ) -> Grads:  # fmt: skip
         tr = self._transport(ws, cfg)
         T, K, H, El = sched.num_tokens, sched.topk, ws.hidden_size, ws.num_local_experts
-        weights = ExpertWeights.from_weights(*routed)
-        inner = weights.intermediate_size
+        inner = routed[2].shape[2]
         replay = replays_in_backward(cfg, ws)
         tr.view["dy_src"][:T].copy_(dy_TH)
         tr.view["w_src"][: T * K].copy_(router_weights_TK.float().reshape(-1))
@@ -320,29 +437,50 @@ class NativeBackend:
         dev, nw = ws.device, cfg.bwd_num_comm_sms
         d_gate_up = torch.zeros(El, 2 * inner, H, dtype=torch.float32, device=dev)
         d_down = torch.zeros(El, H, inner, dtype=torch.float32, device=dev)
+        kernels = self.expert_kernels
+        if kernels is not None:
+            experts = _Experts(kernels, routed, cfg.swiglu_limit)
+            experts_R = _row_experts(sched, rows)
+        else:
+            weights = ExpertWeights.from_weights(*routed)
         for m, lo in enumerate(range(0, rows, macro)):  # first to last
             hi = min(lo + macro, rows)
             for mlo in range(lo, hi, mini):
                 mhi = min(mlo + mini, hi)
                 table = (sched.row_src_rank_C[mlo:mhi], sched.row_route_C[mlo:mhi])
-                r = _Rows(sched, mlo, mhi, offsets, weights)
+                ring = slice(mlo - lo, mhi - lo)
                 if m == 0:
-                    xs = ctx.x_routed_MH[mlo - lo : mhi - lo]
-                    a, b = r.grid(ctx.a_MI[mlo - lo : mhi - lo]), r.grid(ctx.b_MI[mlo - lo : mhi - lo])
-                else:  # replay: re-pull x and recompute the pre-activations
+                    xs = ctx.x_routed_MH[ring]
+                else:  # replay: re-pull x (and recompute the pre-activations below)
                     xs = torch.empty(mhi - mlo, H, dtype=BF16, device=dev)
                     tr.pull(xs, "x_src", table, route_divisor=K, num_workers=nw)
-                    a, b = gate_up(r.grid(xs), r.w, r.layout)
                 dys = torch.empty(mhi - mlo, H, dtype=BF16, device=dev)
                 tr.pull(dys, "dy_src", table, route_divisor=K, num_workers=nw)
                 wr = torch.empty(mhi - mlo, dtype=torch.float32, device=dev)
                 tr.pull(wr, "w_src", table, route_divisor=1, num_workers=nw)
-                xg, dyg, wg = r.grid(xs), r.grid(dys), r.grid(wr)
-                rg = row_backward(xg, a, b, dyg, wg, r.w, cfg.swiglu_limit, r.layout)
-                tr.push(r.flat(rg.dx, dys).contiguous(), "rows", table, num_workers=nw)
-                tr.push(r.flat(rg.d_w, wr).contiguous(), "d_w", table, num_workers=nw)
-                accumulate_wgrads(xg, dyg, wg, rg, r.acc(d_gate_up), r.acc(d_down), r.layout)
-        dxs, d_shared = shared_backward(
+                if kernels is not None:
+                    experts_M = experts_R[mlo:mhi]
+                    if m == 0:
+                        a, b = ctx.a_MI[ring], ctx.b_MI[ring]
+                    else:
+                        a = torch.empty(mhi - mlo, inner, dtype=BF16, device=dev)
+                        b = torch.empty_like(a)
+                        experts.forward(experts_M, xs, a, b)
+                    dx, d_w = torch.empty_like(dys), torch.empty_like(wr)
+                    experts.backward(experts_M, xs, a, b, dys, wr, dx, d_w, d_gate_up, d_down)
+                else:
+                    r = _Rows(sched, mlo, mhi, offsets, weights)
+                    if m == 0:
+                        a, b = r.grid(ctx.a_MI[ring]), r.grid(ctx.b_MI[ring])
+                    else:
+                        a, b = gate_up(r.grid(xs), r.w, r.layout)
+                    xg, dyg, wg = r.grid(xs), r.grid(dys), r.grid(wr)
+                    rg = row_backward(xg, a, b, dyg, wg, r.w, cfg.swiglu_limit, r.layout)
+                    accumulate_wgrads(xg, dyg, wg, rg, r.acc(d_gate_up), r.acc(d_down), r.layout)
+                    dx, d_w = r.flat(rg.dx, dys).contiguous(), r.flat(rg.d_w, wr).contiguous()
+                tr.push(dx, "rows", table, num_workers=nw)
+                tr.push(d_w, "d_w", table, num_workers=nw)
+        dxs, d_shared = self._shared_backward(
             x_TH, dy_TH, ctx.shared_a_TIs, ctx.shared_b_TIs, shared, cfg.swiglu_limit, wgrad_dtype
         )
         tr.barrier(6)  # every push has landed

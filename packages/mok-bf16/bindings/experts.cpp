@@ -1,0 +1,114 @@
+// Python bindings of the expert entry points (include/mok/bf16/experts.h).
+#include <pybind11/stl.h>
+
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+
+#include "mok/bf16/experts.h"
+#include "register.h"
+
+namespace mok::bf16::bindings {
+namespace {
+
+// None: no clamp. The limit is applied in fp32, as torch applies a Python float to fp32 data.
+SwigluLimit to_limit(const char* fn, std::optional<double> limit) {
+  if (!limit) return {};
+  if (!(*limit >= 0.0)) {
+    throw std::invalid_argument(std::string(fn) + ": limit must be None or a number >= 0, got " +
+                                std::to_string(*limit));
+  }
+  return {true, static_cast<float>(*limit)};
+}
+
+}  // namespace
+
+void register_experts(pybind11::module_& m) {
+  namespace py = pybind11;
+  m.def(
+      "swiglu_forward",
+      [](const std::string& device, std::uintptr_t x, std::uintptr_t experts, std::uintptr_t w_gate,
+         std::uintptr_t w_up, std::uintptr_t w_down, std::uintptr_t out_a, std::uintptr_t out_b,
+         std::uintptr_t out_y, std::int64_t num_rows, std::int64_t hidden, std::int64_t inner,
+         std::int64_t num_experts, std::optional<double> limit, std::int64_t num_threads,
+         std::uintptr_t stream) {
+        SwigluForwardArgs a;
+        a.x = x;
+        a.experts = experts;
+        a.w_gate = w_gate;
+        a.w_up = w_up;
+        a.w_down = w_down;
+        a.out_a = out_a;
+        a.out_b = out_b;
+        a.out_y = out_y;
+        a.shape = {num_rows, hidden, inner, num_experts};
+        a.limit = to_limit("swiglu_forward", limit);
+        a.num_threads = num_threads;
+        swiglu_forward(device, a, stream);
+      },
+      py::arg("device"), py::arg("x"), py::arg("experts"), py::arg("w_gate"), py::arg("w_up"),
+      py::arg("w_down"), py::arg("out_a"), py::arg("out_b"), py::arg("out_y"), py::arg("num_rows"),
+      py::arg("hidden"), py::arg("inner"), py::arg("num_experts"), py::arg("limit") = py::none(),
+      py::arg("num_threads") = 1, py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+      "SwiGLU expert forward on M table rows, each with its own local expert (DESIGN.md §1). "
+      "x: bf16 [M, H]; experts: int64 [M], each in [0, num_experts) or -1 (a padding row: a, b, y "
+      "= 0); w_gate, w_up: bf16 [El, I, H]; w_down: bf16 [El, H, I] (0 allowed when out_y is 0). "
+      "Writes out_a = bf16(x @ Wg^T), out_b = bf16(x @ Wu^T) (bf16 [M, I]) and, unless out_y is 0, "
+      "out_y = bf16(h @ Wd^T) (bf16 [M, H]) with h = bf16(silu(a_c) * b_c), a_c = min(a, limit), "
+      "b_c = clamp(b, -limit, limit) (limit None: no clamp; applied in fp32). Bitwise mok-torch's "
+      "reference (gate_up, swiglu, down): each GEMM element is a sequential fp32 sum in ascending "
+      "order from +0. Pointers are ints (data_ptr()); 0 is allowed for arrays the call does not "
+      "touch. num_threads: CPU threads over rows (the bits do not depend on it). device 'cpu'; "
+      "'cuda' raises RuntimeError (no CUDA kernels yet). Raises ValueError naming a bad argument "
+      "(sizes, null or misaligned pointers, expert ids, limit, num_threads).");
+
+  m.def(
+      "swiglu_backward",
+      [](const std::string& device, std::uintptr_t x, std::uintptr_t a, std::uintptr_t b,
+         std::uintptr_t dy, std::uintptr_t router_weights, std::uintptr_t experts,
+         std::uintptr_t w_gate, std::uintptr_t w_up, std::uintptr_t w_down, std::uintptr_t out_dx,
+         std::uintptr_t out_d_w, std::uintptr_t acc_gate_up, std::uintptr_t acc_down,
+         std::int64_t num_rows, std::int64_t hidden, std::int64_t inner, std::int64_t num_experts,
+         std::optional<double> limit, std::int64_t num_threads, std::uintptr_t stream) {
+        SwigluBackwardArgs args;
+        args.x = x;
+        args.a = a;
+        args.b = b;
+        args.dy = dy;
+        args.router_weights = router_weights;
+        args.experts = experts;
+        args.w_gate = w_gate;
+        args.w_up = w_up;
+        args.w_down = w_down;
+        args.out_dx = out_dx;
+        args.out_d_w = out_d_w;
+        args.acc_gate_up = acc_gate_up;
+        args.acc_down = acc_down;
+        args.shape = {num_rows, hidden, inner, num_experts};
+        args.limit = to_limit("swiglu_backward", limit);
+        args.num_threads = num_threads;
+        swiglu_backward(device, args, stream);
+      },
+      py::arg("device"), py::arg("x"), py::arg("a"), py::arg("b"), py::arg("dy"),
+      py::arg("router_weights"), py::arg("experts"), py::arg("w_gate"), py::arg("w_up"),
+      py::arg("w_down"), py::arg("out_dx"), py::arg("out_d_w"), py::arg("acc_gate_up"),
+      py::arg("acc_down"), py::arg("num_rows"), py::arg("hidden"), py::arg("inner"),
+      py::arg("num_experts"), py::arg("limit") = py::none(), py::arg("num_threads") = 1,
+      py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+      "SwiGLU expert backward on M table rows (DESIGN.md §1). x, dy: bf16 [M, H]; a, b: bf16 "
+      "[M, I] (the forward's pre-activations); router_weights: fp32 [M] (w of each row), or 0 for "
+      "all ones (an unweighted expert); experts: int64 [M] as in swiglu_forward; weights as in "
+      "swiglu_forward. Writes out_dx = bf16([d_a, d_b] @ [Wg; Wu]) (bf16 [M, H], gate part first) "
+      "and out_d_w = sum_i fl(g_i * h_i) (fp32 [M]), g = dy @ Wd; d_h = w * g, d_a = (d_h * b_c) * "
+      "s * (1 + a_c * (1 - s)), d_b = d_h * silu(a_c), zero where the clamp bit, both rounded to "
+      "bf16. Adds in place, each expert's rows in ascending order: acc_gate_up[e] += [d_a, d_b]^T "
+      "x (fp32 [El, 2I, H], gate rows first) and acc_down[e] += bf16(w dy)^T h (fp32 [El, H, I]); "
+      "carrying them across calls over consecutive row ranges gives the bits of one call. Padding "
+      "rows get dx = 0, d_w = 0 and add nothing. Bitwise mok-torch's reference (row_backward, "
+      "accumulate_wgrads). num_threads: CPU threads over rows, then over experts' accumulator "
+      "rows (the bits do not depend on it). Devices and errors as in swiglu_forward.");
+}
+
+}  // namespace mok::bf16::bindings

@@ -1,0 +1,105 @@
+// The routed SwiGLU experts on rows of the schedule table (DESIGN.md §1), in BF16: the entry
+// points mok-torch's native backends call between the pulls and the pushes.
+//
+// Shape letters: M rows, H hidden, I inner size, El local experts. Rows are flat, each with
+// its own local expert (the "PerRow" layout of mok_torch/backends/reference/experts.py): a row
+// is one route placed in an expert's input; a row whose expert is -1 is padding (alignment,
+// or past the last segment), which no output reads. Weights use the nn.Linear convention:
+//
+//   w_gate, w_up: bf16 [El, I, H]     w_down: bf16 [El, H, I]
+//
+// Every result is bitwise what the reference backend computes for the same rows
+// (docs/determinism.md): each GEMM element reduces sequentially in ascending order from +0 in
+// fp32 (bf16 operands, so every product is exact), every other product is rounded before its
+// add, exp is the reference's float64 polynomial, and conversions to bf16 round to nearest
+// even. The per-element math lives in mok/bf16/expert_math.h, shared by the CPU and CUDA code.
+//
+// Pointers are addresses (a tensor's data_ptr()), in host memory for "cpu" and device memory
+// for "cuda"; 0 means "none" where allowed, and is allowed for any array the call does not
+// touch (no rows, or a zero dimension). Arrays are dense and row-major; outputs must not
+// overlap inputs. Calls never allocate device memory and never read device values on the host.
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+
+#include "mok/bf16/expert_math.h"
+
+namespace mok::bf16 {
+
+// Most threads a CPU call may start.
+inline constexpr std::int64_t kMaxThreads = 1024;
+
+struct ExpertShape {
+  std::int64_t num_rows = 0;     // M >= 0
+  std::int64_t hidden = 0;       // H >= 0
+  std::int64_t inner = 0;        // I >= 0
+  std::int64_t num_experts = 0;  // El >= 1
+};
+
+// swiglu_forward: the pre-activations of every row, and optionally the expert output rows.
+//
+//   [a, b] = x @ [Wg_e; Wu_e]^T        (reduction over H ascending, rounded to bf16)
+//   y      = h @ Wd_e^T                (reduction over I ascending, rounded to bf16)
+//   h      = bf16((a_c * sigmoid(a_c)) * b_c)
+//
+// Padding rows get a = b = y = 0.
+struct SwigluForwardArgs {
+  std::uintptr_t x = 0;        // bf16 [M, H]
+  std::uintptr_t experts = 0;  // int64 [M]: local expert of each row in [0, El), or -1: padding
+  std::uintptr_t w_gate = 0;   // bf16 [El, I, H]
+  std::uintptr_t w_up = 0;     // bf16 [El, I, H]
+  std::uintptr_t w_down = 0;   // bf16 [El, H, I]; may be 0 when out_y is 0
+  std::uintptr_t out_a = 0;    // bf16 [M, I]
+  std::uintptr_t out_b = 0;    // bf16 [M, I]
+  std::uintptr_t out_y = 0;    // bf16 [M, H], or 0: only a and b (recomputing the saved context)
+  ExpertShape shape;
+  SwigluLimit limit;             // the optional clamp
+  std::int64_t num_threads = 1;  // CPU threads over rows, in [1, kMaxThreads]
+};
+
+// swiglu_backward: the per-row gradients, and the weight gradients accumulated in place.
+//
+//   g   = dy @ Wd_e                    (unweighted, fp32, reduction over H ascending)
+//   d_w = sum_i fl(g_i * h_i)          (i ascending: the router-weight gradient, no division)
+//   d_a, d_b as in mok/bf16/expert_math.h swiglu_backward, rounded to bf16
+//   dx  = [d_a, d_b] @ [Wg_e; Wu_e]    (reduction over 2I ascending, gate part first; bf16)
+//   acc_down[e]    += sum_r bf16(w_r dy_r)^T h_r     (rows r of expert e in ascending order)
+//   acc_gate_up[e] += sum_r [d_a_r, d_b_r]^T x_r
+//
+// The accumulators carry across calls, so backward over rows [0, m) then [m, M) gives the bits
+// of one call over [0, M) (each expert's rows must come in ascending order over the calls).
+// Padding rows get dx = 0 and d_w = 0 and add nothing (the reference's zero rows add exact
+// zeros to accumulators that start at +0).
+struct SwigluBackwardArgs {
+  std::uintptr_t x = 0;               // bf16 [M, H]: the rows' inputs
+  std::uintptr_t a = 0;               // bf16 [M, I]: saved or recomputed pre-activations
+  std::uintptr_t b = 0;               // bf16 [M, I]
+  std::uintptr_t dy = 0;              // bf16 [M, H]: output gradient of each row's token
+  std::uintptr_t router_weights = 0;  // fp32 [M]: w of each row, or 0: all ones (unweighted)
+  std::uintptr_t experts = 0;         // int64 [M], as in the forward
+  std::uintptr_t w_gate = 0;          // bf16 [El, I, H]
+  std::uintptr_t w_up = 0;            // bf16 [El, I, H]
+  std::uintptr_t w_down = 0;          // bf16 [El, H, I]
+  std::uintptr_t out_dx = 0;          // bf16 [M, H]
+  std::uintptr_t out_d_w = 0;         // fp32 [M]: router-weight gradient of each row
+  std::uintptr_t acc_gate_up = 0;     // fp32 [El, 2I, H]: d[Wg; Wu], gate rows first (in place)
+  std::uintptr_t acc_down = 0;        // fp32 [El, H, I]: dWd (in place)
+  ExpertShape shape;
+  SwigluLimit limit;
+  std::int64_t num_threads = 1;  // CPU threads: over rows, then over experts' output blocks
+};
+
+// Checked calls. `device` is "cpu" or "cuda"; `stream` a cudaStream_t as an integer (unused on
+// the CPU). Throw std::invalid_argument (Python ValueError) naming a bad argument, and
+// std::runtime_error for "cuda", which has no kernels yet. On "cpu" the expert ids are checked
+// before anything is written.
+void swiglu_forward(std::string_view device, const SwigluForwardArgs& args, std::uintptr_t stream);
+void swiglu_backward(std::string_view device, const SwigluBackwardArgs& args,
+                     std::uintptr_t stream);
+
+// The CPU implementations, for arguments already checked.
+void swiglu_forward_cpu(const SwigluForwardArgs& args);
+void swiglu_backward_cpu(const SwigluBackwardArgs& args);
+
+}  // namespace mok::bf16

@@ -1,0 +1,145 @@
+// The expert entry points' host side: argument checks and the device dispatch.
+#include <cstdint>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+
+#include "mok/bf16/experts.h"
+
+namespace mok::bf16 {
+namespace {
+
+enum class Device { kCpu, kCuda };
+
+// "<function>: <what>" as std::invalid_argument, which pybind11 raises as ValueError.
+[[noreturn]] void invalid(std::string_view fn, const std::string& what) {
+  throw std::invalid_argument(std::string(fn) + ": " + what);
+}
+
+std::string got(std::int64_t v) { return ", got " + std::to_string(v); }
+
+Device parse_device(std::string_view device, std::string_view fn) {
+  if (device == "cpu") return Device::kCpu;
+  if (device == "cuda") return Device::kCuda;
+  invalid(fn, "device must be \"cpu\" or \"cuda\", got \"" + std::string(device) + "\"");
+}
+
+// A pointer the call reads or writes when `needed`; else it may be 0.
+void check_pointer(std::string_view fn, const char* name, std::uintptr_t ptr, std::uintptr_t align,
+                   bool needed) {
+  if (ptr == 0) {
+    if (needed) invalid(fn, std::string(name) + " must not be 0 (a null pointer)");
+    return;
+  }
+  if (ptr % align != 0) {
+    invalid(fn, std::string(name) + " must be aligned to " + std::to_string(align) +
+                    " bytes, got address " + std::to_string(ptr));
+  }
+}
+
+// Sizes, and the largest array's byte count fitting int64 (so no index computation overflows).
+void check_shape(std::string_view fn, const ExpertShape& s) {
+  if (s.num_rows < 0) invalid(fn, "num_rows must be >= 0" + got(s.num_rows));
+  if (s.hidden < 0) invalid(fn, "hidden must be >= 0" + got(s.hidden));
+  if (s.inner < 0) invalid(fn, "inner must be >= 0" + got(s.inner));
+  if (s.num_experts < 1) invalid(fn, "num_experts must be >= 1" + got(s.num_experts));
+  constexpr std::int64_t kMaxElements = std::numeric_limits<std::int64_t>::max() / 8;
+  const auto fits = [&](std::int64_t a, std::int64_t b, std::int64_t c) {
+    return a == 0 || b == 0 || c == 0 || (b <= kMaxElements / a && c <= kMaxElements / (a * b));
+  };
+  const bool small_inner = s.inner <= kMaxElements / 2;
+  const std::int64_t wide = !small_inner || s.hidden > 2 * s.inner ? s.hidden : 2 * s.inner;
+  if (!small_inner || !fits(s.num_rows, wide, 1) || !fits(s.num_experts, 2 * s.inner, s.hidden)) {
+    invalid(fn, "the arrays are too large (num_rows " + std::to_string(s.num_rows) + ", hidden " +
+                    std::to_string(s.hidden) + ", inner " + std::to_string(s.inner) +
+                    ", num_experts " + std::to_string(s.num_experts) + ")");
+  }
+}
+
+void check_limit(std::string_view fn, SwigluLimit limit) {
+  if (limit.on && !(limit.limit >= 0.0f)) {
+    invalid(fn, "limit must be None or a number >= 0, got " + std::to_string(limit.limit));
+  }
+}
+
+void check_threads(std::string_view fn, std::int64_t num_threads) {
+  if (num_threads < 1 || num_threads > kMaxThreads) {
+    invalid(fn,
+            "num_threads must be in [1, " + std::to_string(kMaxThreads) + "]" + got(num_threads));
+  }
+}
+
+// Every row's expert in [-1, El): read on the host, so on the CPU path only.
+void check_experts(std::string_view fn, std::uintptr_t experts, const ExpertShape& s) {
+  const auto* e = reinterpret_cast<const std::int64_t*>(experts);
+  for (std::int64_t m = 0; m < s.num_rows; ++m) {
+    if (e[m] < -1 || e[m] >= s.num_experts) {
+      invalid(fn, "experts[" + std::to_string(m) + "] must be in [-1, num_experts = " +
+                      std::to_string(s.num_experts) + ")" + got(e[m]));
+    }
+  }
+}
+
+[[noreturn]] void no_cuda_kernels(std::string_view fn) {
+  throw std::runtime_error(std::string(fn) +
+                           ": no CUDA kernels yet: mok-bf16 computes the experts on the CPU only "
+                           "so far (device=\"cpu\")");
+}
+
+}  // namespace
+
+void swiglu_forward(std::string_view device, const SwigluForwardArgs& a, std::uintptr_t stream) {
+  constexpr std::string_view fn = "swiglu_forward";
+  const Device kind = parse_device(device, fn);
+  const ExpertShape& s = a.shape;
+  check_shape(fn, s);
+  check_limit(fn, a.limit);
+  check_threads(fn, a.num_threads);
+  const bool rows = s.num_rows > 0;
+  const bool gemm = rows && s.hidden > 0 && s.inner > 0;
+  check_pointer(fn, "x", a.x, 2, rows && s.hidden > 0);
+  check_pointer(fn, "experts", a.experts, 8, rows);
+  check_pointer(fn, "w_gate", a.w_gate, 2, gemm);
+  check_pointer(fn, "w_up", a.w_up, 2, gemm);
+  check_pointer(fn, "out_a", a.out_a, 2, rows && s.inner > 0);
+  check_pointer(fn, "out_b", a.out_b, 2, rows && s.inner > 0);
+  check_pointer(fn, "out_y", a.out_y, 2, false);
+  check_pointer(fn, "w_down", a.w_down, 2, gemm && a.out_y != 0);
+  (void)stream;
+  if (kind == Device::kCuda) no_cuda_kernels(fn);
+  if (!rows) return;
+  check_experts(fn, a.experts, s);
+  swiglu_forward_cpu(a);
+}
+
+void swiglu_backward(std::string_view device, const SwigluBackwardArgs& a, std::uintptr_t stream) {
+  constexpr std::string_view fn = "swiglu_backward";
+  const Device kind = parse_device(device, fn);
+  const ExpertShape& s = a.shape;
+  check_shape(fn, s);
+  check_limit(fn, a.limit);
+  check_threads(fn, a.num_threads);
+  const bool rows = s.num_rows > 0;
+  const bool gemm = rows && s.hidden > 0 && s.inner > 0;
+  check_pointer(fn, "x", a.x, 2, rows && s.hidden > 0);
+  check_pointer(fn, "a", a.a, 2, rows && s.inner > 0);
+  check_pointer(fn, "b", a.b, 2, rows && s.inner > 0);
+  check_pointer(fn, "dy", a.dy, 2, rows && s.hidden > 0);
+  check_pointer(fn, "router_weights", a.router_weights, 4, false);
+  check_pointer(fn, "experts", a.experts, 8, rows);
+  check_pointer(fn, "w_gate", a.w_gate, 2, gemm);
+  check_pointer(fn, "w_up", a.w_up, 2, gemm);
+  check_pointer(fn, "w_down", a.w_down, 2, gemm);
+  check_pointer(fn, "out_dx", a.out_dx, 2, rows && s.hidden > 0);
+  check_pointer(fn, "out_d_w", a.out_d_w, 4, rows);
+  check_pointer(fn, "acc_gate_up", a.acc_gate_up, 4, gemm);
+  check_pointer(fn, "acc_down", a.acc_down, 4, gemm);
+  (void)stream;
+  if (kind == Device::kCuda) no_cuda_kernels(fn);
+  if (!rows) return;
+  check_experts(fn, a.experts, s);
+  swiglu_backward_cpu(a);
+}
+
+}  // namespace mok::bf16

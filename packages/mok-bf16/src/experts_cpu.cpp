@@ -1,0 +1,308 @@
+// The CPU implementation of the BF16 experts (mok/bf16/experts.h).
+//
+// Every output element is one sequential reduction in the reference's order; the code only
+// vectorises and threads across elements that are independent of each other:
+// - the forward GEMMs reduce along contiguous weight rows, so they run on tiles of up to
+//   kTileRows rows of one expert, the rows being the vector lanes;
+// - the backward's per-row GEMMs (g = dy @ Wd, dx = d_ab @ [Wg; Wu]) have the output dimension
+//   contiguous in the weights, so one row's outputs are the lanes;
+// - the weight gradients reduce over rows: each expert's rows are added in ascending order,
+//   and threads split the experts' output rows, never one expert's rows.
+// Threads split rows in the row-independent phases; how the rows are split changes who
+// computes a row, never how, so the bits do not depend on num_threads.
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <exception>
+#include <thread>
+#include <vector>
+
+#include "mok/bf16/experts.h"
+
+namespace mok::bf16 {
+namespace {
+
+using u16 = std::uint16_t;
+
+constexpr std::int64_t kTileRows = 8;   // rows of one expert per forward GEMM tile (lanes)
+constexpr std::int64_t kTileCols = 4;   // output columns per pass over a tile
+constexpr std::int64_t kWgradRows = 8;  // accumulator rows per weight-gradient work item
+
+// ------------------------------------------------------------------ threads
+
+// Runs work(w) for w in [0, workers), worker 0 on the calling thread. Every started thread is
+// joined; the first exception of any worker (or of starting one) is rethrown after that.
+template <typename Work>
+void run_workers(std::int64_t workers, const Work& work) {
+  if (workers <= 0) return;
+  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(workers));
+  const auto guarded = [&work, &errors](std::int64_t w) {
+    try {
+      work(w);
+    } catch (...) {
+      errors[static_cast<std::size_t>(w)] = std::current_exception();
+    }
+  };
+  std::vector<std::thread> threads;
+  try {
+    threads.reserve(static_cast<std::size_t>(workers - 1));
+    for (std::int64_t w = 1; w < workers; ++w) threads.emplace_back(guarded, w);
+  } catch (...) {
+    errors[0] = std::current_exception();  // some work will not run: fail the call
+  }
+  if (!errors[0]) guarded(0);
+  for (std::thread& t : threads) t.join();
+  for (const std::exception_ptr& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+}
+
+// body(begin, end) over [0, n) in contiguous ranges, one per thread.
+template <typename Body>
+void parallel_ranges(std::int64_t n, std::int64_t num_threads, const Body& body) {
+  const std::int64_t workers = std::min(num_threads, n);
+  run_workers(workers, [&](std::int64_t w) { body(n * w / workers, n * (w + 1) / workers); });
+}
+
+// work(item) for items [0, n), handed out by an atomic counter (it picks who, not how).
+template <typename Work>
+void parallel_items(std::int64_t n, std::int64_t num_threads, const Work& work) {
+  std::atomic<std::int64_t> next{0};
+  run_workers(std::min(num_threads, n), [&](std::int64_t) {
+    for (std::int64_t i = next++; i < n; i = next++) work(i);
+  });
+}
+
+// ------------------------------------------------------------------ GEMM pieces
+
+// out[c][r] = sum_k in_t[k][r] * w[c][k] (k ascending, from +0) for kCols weight rows c.
+// in_t: [K][kTileRows] fp32 holding bf16 values; w: bf16 rows of length K.
+template <std::int64_t kCols>
+void tile_columns(const float* in_t, const u16* w, std::int64_t K, float* out) {
+  float acc[kCols][kTileRows] = {};
+  for (std::int64_t k = 0; k < K; ++k) {
+    const float* in_k = in_t + k * kTileRows;
+    for (std::int64_t c = 0; c < kCols; ++c) {
+      const float w_ck = bf16_to_float(w[c * K + k]);
+      for (std::int64_t r = 0; r < kTileRows; ++r) acc[c][r] = mac_rn(acc[c][r], in_k[r], w_ck);
+    }
+  }
+  for (std::int64_t c = 0; c < kCols; ++c) {
+    for (std::int64_t r = 0; r < kTileRows; ++r) out[c * kTileRows + r] = acc[c][r];
+  }
+}
+
+// out[n][r] = sum_k in_t[k][r] * w[n][k] for every n < N: a tile of rows times w^T, w: bf16
+// [N, K] (an nn.Linear weight). out: [N][kTileRows].
+void tile_times_weight_t(const float* in_t, const u16* w, std::int64_t K, std::int64_t N,
+                         float* out) {
+  std::int64_t n = 0;
+  for (; n + kTileCols <= N; n += kTileCols) {
+    tile_columns<kTileCols>(in_t, w + n * K, K, out + n * kTileRows);
+  }
+  for (; n < N; ++n) tile_columns<1>(in_t, w + n * K, K, out + n * kTileRows);
+}
+
+// acc[n] += sum_k in[k] * w[k][n] (k ascending): one row times w, w: bf16 [K, N].
+void row_times_weight(const float* in, const u16* w, std::int64_t K, std::int64_t N, float* acc) {
+  for (std::int64_t k = 0; k < K; ++k) {
+    const float in_k = in[k];
+    const u16* w_k = w + k * N;
+    for (std::int64_t n = 0; n < N; ++n) acc[n] = mac_rn(acc[n], in_k, bf16_to_float(w_k[n]));
+  }
+}
+
+// ------------------------------------------------------------------ rows
+
+// Rows [begin, end) as runs of at most kTileRows consecutive rows of one expert; padding rows
+// (expert -1) one by one, with e = -1.
+template <typename Tile>
+void for_each_tile(const std::int64_t* experts, std::int64_t begin, std::int64_t end,
+                   const Tile& tile) {
+  for (std::int64_t m = begin; m < end;) {
+    const std::int64_t e = experts[m];
+    std::int64_t n = 1;
+    if (e >= 0) {
+      while (n < kTileRows && m + n < end && experts[m + n] == e) ++n;
+    }
+    tile(m, n, e);
+    m += n;
+  }
+}
+
+// The rows of each expert in ascending order: rows[offsets[e], offsets[e + 1]).
+struct RowsByExpert {
+  std::vector<std::int64_t> offsets;
+  std::vector<std::int64_t> rows;
+
+  RowsByExpert(const std::int64_t* experts, std::int64_t num_rows, std::int64_t num_experts)
+      : offsets(static_cast<std::size_t>(num_experts + 1), 0) {
+    for (std::int64_t m = 0; m < num_rows; ++m) {
+      if (experts[m] >= 0) ++offsets[static_cast<std::size_t>(experts[m] + 1)];
+    }
+    for (std::int64_t e = 0; e < num_experts; ++e) offsets[e + 1] += offsets[e];
+    rows.resize(static_cast<std::size_t>(offsets.back()));
+    std::vector<std::int64_t> next(offsets.begin(), offsets.end() - 1);
+    for (std::int64_t m = 0; m < num_rows; ++m) {
+      if (experts[m] >= 0) rows[static_cast<std::size_t>(next[experts[m]]++)] = m;
+    }
+  }
+};
+
+}  // namespace
+
+// ------------------------------------------------------------------ forward
+
+void swiglu_forward_cpu(const SwigluForwardArgs& args) {
+  const std::int64_t M = args.shape.num_rows, H = args.shape.hidden, I = args.shape.inner;
+  const auto* x = reinterpret_cast<const u16*>(args.x);
+  const auto* experts = reinterpret_cast<const std::int64_t*>(args.experts);
+  const auto* w_gate = reinterpret_cast<const u16*>(args.w_gate);
+  const auto* w_up = reinterpret_cast<const u16*>(args.w_up);
+  const auto* w_down = reinterpret_cast<const u16*>(args.w_down);
+  auto* out_a = reinterpret_cast<u16*>(args.out_a);
+  auto* out_b = reinterpret_cast<u16*>(args.out_b);
+  auto* out_y = reinterpret_cast<u16*>(args.out_y);
+  const SwigluLimit limit = args.limit;
+
+  parallel_ranges(M, args.num_threads, [&](std::int64_t begin, std::int64_t end) {
+    // Tiles hold their rows transposed, lanes past the tile's rows zero (and unused).
+    std::vector<float> x_t(static_cast<std::size_t>(H * kTileRows));
+    std::vector<float> gate(static_cast<std::size_t>(I * kTileRows));
+    std::vector<float> up(static_cast<std::size_t>(I * kTileRows));
+    std::vector<float> h_t(static_cast<std::size_t>(out_y != nullptr ? I * kTileRows : 0));
+    std::vector<float> y(static_cast<std::size_t>(out_y != nullptr ? H * kTileRows : 0));
+    for_each_tile(experts, begin, end, [&](std::int64_t m0, std::int64_t n, std::int64_t e) {
+      if (e < 0) {  // padding
+        std::fill(out_a + m0 * I, out_a + (m0 + 1) * I, u16{0});
+        std::fill(out_b + m0 * I, out_b + (m0 + 1) * I, u16{0});
+        if (out_y != nullptr) std::fill(out_y + m0 * H, out_y + (m0 + 1) * H, u16{0});
+        return;
+      }
+      for (std::int64_t k = 0; k < H; ++k) {
+        for (std::int64_t r = 0; r < kTileRows; ++r) {
+          x_t[k * kTileRows + r] = r < n ? bf16_to_float(x[(m0 + r) * H + k]) : 0.0f;
+        }
+      }
+      tile_times_weight_t(x_t.data(), w_gate + e * I * H, H, I, gate.data());
+      tile_times_weight_t(x_t.data(), w_up + e * I * H, H, I, up.data());
+      for (std::int64_t r = 0; r < n; ++r) {
+        for (std::int64_t i = 0; i < I; ++i) {
+          out_a[(m0 + r) * I + i] = float_to_bf16(gate[i * kTileRows + r]);
+          out_b[(m0 + r) * I + i] = float_to_bf16(up[i * kTileRows + r]);
+        }
+      }
+      if (out_y == nullptr) return;
+      for (std::int64_t i = 0; i < I; ++i) {
+        for (std::int64_t r = 0; r < kTileRows; ++r) {
+          h_t[i * kTileRows + r] =
+              r < n
+                  ? bf16_to_float(swiglu_h(out_a[(m0 + r) * I + i], out_b[(m0 + r) * I + i], limit))
+                  : 0.0f;
+        }
+      }
+      tile_times_weight_t(h_t.data(), w_down + e * H * I, I, H, y.data());
+      for (std::int64_t r = 0; r < n; ++r) {
+        for (std::int64_t k = 0; k < H; ++k)
+          out_y[(m0 + r) * H + k] = float_to_bf16(y[k * kTileRows + r]);
+      }
+    });
+  });
+}
+
+// ------------------------------------------------------------------ backward
+
+void swiglu_backward_cpu(const SwigluBackwardArgs& args) {
+  const std::int64_t M = args.shape.num_rows, H = args.shape.hidden, I = args.shape.inner;
+  const std::int64_t El = args.shape.num_experts;
+  const auto* x = reinterpret_cast<const u16*>(args.x);
+  const auto* a = reinterpret_cast<const u16*>(args.a);
+  const auto* b = reinterpret_cast<const u16*>(args.b);
+  const auto* dy = reinterpret_cast<const u16*>(args.dy);
+  const auto* router_weights = reinterpret_cast<const float*>(args.router_weights);
+  const auto* experts = reinterpret_cast<const std::int64_t*>(args.experts);
+  const auto* w_gate = reinterpret_cast<const u16*>(args.w_gate);
+  const auto* w_up = reinterpret_cast<const u16*>(args.w_up);
+  const auto* w_down = reinterpret_cast<const u16*>(args.w_down);
+  auto* out_dx = reinterpret_cast<u16*>(args.out_dx);
+  auto* out_d_w = reinterpret_cast<float*>(args.out_d_w);
+  auto* acc_gate_up = reinterpret_cast<float*>(args.acc_gate_up);
+  auto* acc_down = reinterpret_cast<float*>(args.acc_down);
+  const SwigluLimit limit = args.limit;
+
+  // The weight gradients' operands, per row: [d_a, d_b], h and bf16(w dy) (bf16 values).
+  std::vector<u16> d_ab(static_cast<std::size_t>(M * 2 * I));
+  std::vector<u16> h(static_cast<std::size_t>(M * I));
+  std::vector<u16> w_dy(static_cast<std::size_t>(M * H));
+
+  // Phase 1, rows independent: g, d_w, d_a, d_b, dx.
+  parallel_ranges(M, args.num_threads, [&](std::int64_t begin, std::int64_t end) {
+    std::vector<float> dy_m(static_cast<std::size_t>(H)), g(static_cast<std::size_t>(I));
+    std::vector<float> d_ab_m(static_cast<std::size_t>(2 * I)), dx(static_cast<std::size_t>(H));
+    for (std::int64_t m = begin; m < end; ++m) {
+      const std::int64_t e = experts[m];
+      if (e < 0) {  // padding
+        std::fill(out_dx + m * H, out_dx + (m + 1) * H, u16{0});
+        out_d_w[m] = 0.0f;
+        continue;
+      }
+      const float w = router_weights != nullptr ? router_weights[m] : 1.0f;
+      for (std::int64_t k = 0; k < H; ++k) dy_m[k] = bf16_to_float(dy[m * H + k]);
+      std::fill(g.begin(), g.end(), 0.0f);
+      row_times_weight(dy_m.data(), w_down + e * H * I, H, I, g.data());
+      float d_w = 0.0f;
+      for (std::int64_t i = 0; i < I; ++i) {
+        const SwigluGrad grad = swiglu_backward(g[i], w, a[m * I + i], b[m * I + i], limit);
+        d_w = mac_rn(d_w, g[i], grad.h);
+        h[m * I + i] = float_to_bf16(grad.h);
+        d_ab[m * 2 * I + i] = grad.d_a;
+        d_ab[m * 2 * I + I + i] = grad.d_b;
+        d_ab_m[i] = bf16_to_float(grad.d_a);
+        d_ab_m[I + i] = bf16_to_float(grad.d_b);
+      }
+      out_d_w[m] = d_w;
+      // dx = d_a @ Wg + d_b @ Wu: one reduction over 2I, the gate part first.
+      std::fill(dx.begin(), dx.end(), 0.0f);
+      row_times_weight(d_ab_m.data(), w_gate + e * I * H, I, H, dx.data());
+      row_times_weight(d_ab_m.data() + I, w_up + e * I * H, I, H, dx.data());
+      for (std::int64_t k = 0; k < H; ++k) {
+        out_dx[m * H + k] = float_to_bf16(dx[k]);
+        w_dy[m * H + k] = weighted_bf16(w, dy_m[k]);
+      }
+    }
+  });
+
+  // Phase 2, the weight gradients: work items are blocks of kWgradRows accumulator rows of one
+  // expert (first the 2I rows of d[Wg; Wu], then the H rows of dWd); each adds the expert's rows
+  // in ascending order.
+  const RowsByExpert by_expert(experts, M, El);
+  const std::int64_t gate_up_blocks = (2 * I + kWgradRows - 1) / kWgradRows;
+  const std::int64_t down_blocks = (H + kWgradRows - 1) / kWgradRows;
+  const std::int64_t blocks = gate_up_blocks + down_blocks;
+  parallel_items(El * blocks, args.num_threads, [&](std::int64_t item) {
+    const std::int64_t e = item / blocks, block = item % blocks;
+    const std::int64_t* rows = by_expert.rows.data() + by_expert.offsets[e];
+    const std::int64_t num = by_expert.offsets[e + 1] - by_expert.offsets[e];
+    // acc[j][:] += u[r][j] * v[r][:] for the rows r in order, j in this block.
+    const bool gate_up = block < gate_up_blocks;
+    const std::int64_t J = gate_up ? 2 * I : H, N = gate_up ? H : I;
+    const std::int64_t j0 = (gate_up ? block : block - gate_up_blocks) * kWgradRows;
+    const std::int64_t j1 = std::min(j0 + kWgradRows, J);
+    float* acc = gate_up ? acc_gate_up + e * 2 * I * H : acc_down + e * H * I;
+    if (num == 0) return;
+    std::vector<float> v(static_cast<std::size_t>(N));
+    for (std::int64_t t = 0; t < num; ++t) {
+      const std::int64_t m = rows[t];
+      const u16* u_m = gate_up ? d_ab.data() + m * 2 * I : w_dy.data() + m * H;
+      const u16* v_m = gate_up ? x + m * H : h.data() + m * I;
+      for (std::int64_t n = 0; n < N; ++n) v[n] = bf16_to_float(v_m[n]);
+      for (std::int64_t j = j0; j < j1; ++j) {
+        const float u = bf16_to_float(u_m[j]);
+        float* acc_j = acc + j * N;
+        for (std::int64_t n = 0; n < N; ++n) acc_j[n] = mac_rn(acc_j[n], u, v[n]);
+      }
+    }
+  });
+}
+
+}  // namespace mok::bf16
