@@ -17,69 +17,17 @@
 
 #include "mok/core/bf16.h"
 #include "mok/core/hd.h"
+#include "mok/core/rounding.h"
 
 namespace mok::bf16 {
 
 using mok::core::bf16_to_float;
 using mok::core::float_to_bf16;
 
-// ------------------------------------------------------------------ one rounding each
-
-MOK_HD inline float mul_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fmul_rn(a, b);
-#else
-  return a * b;
-#endif
-}
-
-MOK_HD inline float add_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fadd_rn(a, b);
-#else
-  return a + b;
-#endif
-}
-
-MOK_HD inline float sub_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fsub_rn(a, b);
-#else
-  return a - b;
-#endif
-}
-
-MOK_HD inline double mul_rn(double a, double b) {
-#if defined(__CUDA_ARCH__)
-  return __dmul_rn(a, b);
-#else
-  return a * b;
-#endif
-}
-
-MOK_HD inline double add_rn(double a, double b) {
-#if defined(__CUDA_ARCH__)
-  return __dadd_rn(a, b);
-#else
-  return a + b;
-#endif
-}
-
-MOK_HD inline double sub_rn(double a, double b) {
-#if defined(__CUDA_ARCH__)
-  return __dsub_rn(a, b);
-#else
-  return a - b;
-#endif
-}
-
-MOK_HD inline double div_rn(double a, double b) {
-#if defined(__CUDA_ARCH__)
-  return __ddiv_rn(a, b);
-#else
-  return a / b;
-#endif
-}
+using mok::core::add_rn;
+using mok::core::div_rn;
+using mok::core::mul_rn;
+using mok::core::sub_rn;
 
 // One step of a sequential reduction: acc + fl(a * b).
 MOK_HD inline float mac_rn(float acc, float a, float b) { return add_rn(acc, mul_rn(a, b)); }

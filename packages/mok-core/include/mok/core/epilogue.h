@@ -15,24 +15,9 @@
 
 #include "mok/core/bf16.h"
 #include "mok/core/hd.h"
+#include "mok/core/rounding.h"
 
 namespace mok::core {
-
-MOK_HD inline float mul_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fmul_rn(a, b);
-#else
-  return a * b;
-#endif
-}
-
-MOK_HD inline float add_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fadd_rn(a, b);
-#else
-  return a + b;
-#endif
-}
 
 // The accumulator's start: fp32(base) when there is a base, else +0.
 MOK_HD inline float combine_init(const std::uint16_t* base, std::int64_t index) {
