@@ -200,3 +200,20 @@ def test_cpu_backend_without_expert_kernels_is_bitwise_the_reference(monkeypatch
         ref = run_functional(inp, config(backend="reference", **kw), device="cpu")
         got = run_functional(inp, config(backend="cpu", **kw), device="cpu")
         assert_bitwise(ref, got, ALL_KEYS + ("saved_rows",), what=f"cpu backend, PyTorch experts, {kw}: ")
+
+
+def no_numpy_scenario(rank: int, world: int, group, device: str) -> bool:
+    """The CPU transport's rendezvous without numpy (the demo's environment has none)."""
+
+    def no_numpy(self):
+        raise RuntimeError("Numpy is not available")
+
+    torch.Tensor.numpy = no_numpy  # type: ignore[method-assign]  # this worker process only
+    inp = make_inputs(8 * world, 32, 16, 4, 2, 0, seed=3)
+    res = run_functional(inp, config(backend="cpu", expert_alignment=8), group=group, rank=rank, world=world,
+                         tokens=slice(8 * rank, 8 * (rank + 1)), max_tokens=8)  # fmt: skip
+    return bool(res["y"].isfinite().all())
+
+
+def test_cpu_transport_rendezvous_needs_no_numpy():
+    assert all(run_ranks(2, "test_native.no_numpy_scenario", "cpu"))

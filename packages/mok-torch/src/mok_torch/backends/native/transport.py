@@ -121,11 +121,13 @@ class Transport:
             # buffer_ptrs are allocation bases; a pooled tensor may start inside its allocation
             shift = base.data_ptr() - int(handle.buffer_ptrs[ws.rank])
             return base, [int(p) + shift for p in handle.buffer_ptrs]
-        # CPU: POSIX shared memory, names exchanged over the (gloo) group.
-        name = f"/mok-{uuid.uuid4().hex[:16]}-{ws.rank}"
-        own = self.core.ShmSegment(name, self.nbytes, True)
-        names: list[Any] = [None] * ws.world_size
-        dist.all_gather_object(names, name, group=ws.group)
+        # CPU: POSIX shared memory. Rank 0 draws a random tag that names every rank's segment
+        # (a tensor broadcast: object collectives would need numpy).
+        tag = torch.tensor([uuid.uuid4().int & ((1 << 62) - 1)], dtype=torch.int64)
+        dist.broadcast(tag, src=dist.get_global_rank(ws.group, 0), group=ws.group)
+        names = [f"/mok-{int(tag):016x}-{r}" for r in range(ws.world_size)]
+        own = self.core.ShmSegment(names[ws.rank], self.nbytes, True)
+        dist.barrier(group=ws.group)  # every segment exists
         segments = [own if r == ws.rank else self.core.ShmSegment(n, self.nbytes, False) for r, n in enumerate(names)]
         dist.barrier(group=ws.group)  # every rank has mapped every segment: the names can go
         own.unlink()
