@@ -9,7 +9,9 @@ no token is ever dropped. Backends keep their buffers in `Workspace.state`.
 
 from __future__ import annotations
 
+import atexit
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,6 +119,8 @@ def create_workspace(
         backend = str(dist.get_backend(group)).lower()
         if device.type == "cpu" and "gloo" not in backend:
             raise ValueError(f"group: CPU tensors need a gloo process group, got backend {backend!r}")
+        if device.type == "cpu":
+            _settle_gloo_at_exit()
         if device.type == "cuda" and "nccl" not in backend:
             raise ValueError(f"group: CUDA tensors need an NCCL process group, got backend {backend!r}")
     local = num_experts // world
@@ -136,6 +140,24 @@ def create_workspace(
         capacity=capacity,
         num_sms=_device_num_sms(device),
     )
+
+
+_GLOO_EXIT_HOOK = False
+
+
+def _settle_gloo_at_exit() -> None:
+    """Lets gloo's worker threads drop their last Python references before the interpreter ends.
+
+    A gloo collective issued inside backward carries the autograd engine's thread-local Python
+    context; gloo's worker thread releases it after the collective completes, which needs the
+    GIL. If the main thread reaches interpreter finalisation first, that thread is killed inside
+    a noexcept destructor and the process aborts ("terminate called without an active
+    exception"). mok issues such collectives, so it gives those threads a moment at exit.
+    """
+    global _GLOO_EXIT_HOOK
+    if not _GLOO_EXIT_HOOK:
+        _GLOO_EXIT_HOOK = True
+        atexit.register(time.sleep, 0.05)
 
 
 _CACHE: dict[tuple, Workspace] = {}
