@@ -6,5 +6,6 @@
 namespace mok::mxfp8::bindings {
 
 void register_build_info(pybind11::module_& m);  // version(), build_info()
+void register_quantize(pybind11::module_& m);    // quantize()
 
 }  // namespace mok::mxfp8::bindings

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._C import build_info, version
+from ._C import build_info, quantize, version
 
 __version__: str = version()
 
-__all__ = ["__version__", "backend_info", "build_info", "version"]
+__all__ = ["__version__", "backend_info", "build_info", "quantize", "version"]
 
 
 def backend_info() -> dict[str, Any]:

@@ -14,6 +14,7 @@ from .backends import available_backends, compiled_packages, register_backend, r
 from .config import MoKConfig, default_minibatch_size
 from .functional import backward, build_schedule, check_errors, forward, recompute_forward_context
 from .layer import MoELayer, route, stable_topk
+from .mxfp8 import MXFP8Tensor, mxfp8_quantize
 from .replay import RoutingRecord, record_routing, replay_routing
 from .structs import ForwardContext, Grads, Schedule
 from .workspace import Workspace, clear_workspace_cache, create_workspace, get_workspace
@@ -23,6 +24,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ForwardContext",
     "Grads",
+    "MXFP8Tensor",
     "MoELayer",
     "MoKConfig",
     "RoutingRecord",
@@ -40,6 +42,7 @@ __all__ = [
     "forward",
     "get_workspace",
     "moe",
+    "mxfp8_quantize",
     "recompute_forward_context",
     "record_routing",
     "register_backend",

@@ -1,0 +1,93 @@
+// The quantizer on the GPU: one thread per block of 32 elements, the arithmetic of format.h.
+//
+// Threads walk the blocks so that neighbouring threads read neighbouring memory: when the
+// source's columns are contiguous (a normal copy) a thread reads its 32 elements as one 64- or
+// 128-byte run and the next thread the next run; when its rows are (a transposed copy) the
+// thread index runs along rows, so a warp reads 32 consecutive elements per step.
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "mok/mxfp8/quantize.h"
+
+namespace mok::mxfp8 {
+namespace {
+
+template <SourceType kType>
+__device__ std::uint32_t load_bits(const void* src, std::int64_t offset) {
+  if constexpr (kType == SourceType::kBf16) {
+    return static_cast<std::uint32_t>(static_cast<const std::uint16_t*>(src)[offset]) << 16;
+  } else {
+    return static_cast<const std::uint32_t*>(src)[offset];
+  }
+}
+
+template <SourceType kType>
+__global__ void quantize_kernel(QuantizeArgs a, bool rows_fastest, std::int64_t total) {
+  const std::int64_t blocks = a.cols / kBlock;
+  const void* src = reinterpret_cast<const void*>(a.src);
+  auto* data = reinterpret_cast<std::uint8_t*>(a.data);
+  auto* scales = reinterpret_cast<std::uint8_t*>(a.scales);
+  for (std::int64_t flat = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+       flat < total; flat += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    std::int64_t r, j, b;
+    if (rows_fastest) {
+      r = flat % a.rows;
+      j = (flat / a.rows) % blocks;
+      b = flat / (a.rows * blocks);
+    } else {
+      j = flat % blocks;
+      r = (flat / blocks) % a.rows;
+      b = flat / (blocks * a.rows);
+    }
+    const std::int64_t base = b * a.src_batch_stride + r * a.src_row_stride;
+    const std::int64_t c0 = j * kBlock;
+    std::uint8_t* out = data + (b * a.rows + r) * a.cols + c0;
+    std::uint32_t v[kBlock];
+#pragma unroll
+    for (int i = 0; i < kBlock; ++i)
+      v[i] = load_bits<kType>(src, base + (c0 + i) * a.src_col_stride);
+    std::uint8_t q[kBlock];
+    const std::uint8_t s = quantize_block(
+        kBlock, a.rule, [&](int i) { return v[i]; }, [&](int i, std::uint8_t x) { q[i] = x; });
+    if (reinterpret_cast<std::uintptr_t>(out) % 16 == 0) {
+      const uint4* q4 = reinterpret_cast<const uint4*>(q);
+      uint4* out4 = reinterpret_cast<uint4*>(out);
+      out4[0] = q4[0];
+      out4[1] = q4[1];
+    } else {
+#pragma unroll
+      for (int i = 0; i < kBlock; ++i) out[i] = q[i];
+    }
+    scales[b * a.rows * blocks + r * a.scale_row_stride + j * a.scale_block_stride] = s;
+  }
+}
+
+void check_cuda(cudaError_t status, const char* what) {
+  if (status != cudaSuccess) {
+    cudaGetLastError();
+    throw std::runtime_error(std::string("quantize: ") + what + " failed: " +
+                             cudaGetErrorName(status) + ": " + cudaGetErrorString(status));
+  }
+}
+
+}  // namespace
+
+void quantize_cuda(const QuantizeArgs& a, std::uintptr_t stream) {
+  const std::int64_t total = a.batch * a.rows * (a.cols / kBlock);
+  if (total == 0) return;
+  const bool rows_fastest = a.src_col_stride != 1;
+  constexpr int kThreads = 256;
+  const std::int64_t wanted = (total + kThreads - 1) / kThreads;
+  const unsigned grid = static_cast<unsigned>(wanted < 65535 * 16 ? wanted : 65535 * 16);
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  if (a.src_type == SourceType::kBf16) {
+    quantize_kernel<SourceType::kBf16><<<grid, kThreads, 0, s>>>(a, rows_fastest, total);
+  } else {
+    quantize_kernel<SourceType::kFp32><<<grid, kThreads, 0, s>>>(a, rows_fastest, total);
+  }
+  check_cuda(cudaGetLastError(), "quantize_kernel launch");
+}
+
+}  // namespace mok::mxfp8

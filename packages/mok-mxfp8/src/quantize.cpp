@@ -1,0 +1,147 @@
+// The quantize entry point's host side: argument checks, the device dispatch, the CPU loops.
+#include "mok/mxfp8/quantize.h"
+
+#include <algorithm>
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+namespace mok::mxfp8 {
+namespace {
+
+[[noreturn]] void invalid(const std::string& what) {
+  throw std::invalid_argument("quantize: " + what);
+}
+
+std::string got(std::int64_t v) { return ", got " + std::to_string(v); }
+
+void check(const QuantizeArgs& a) {
+  if (a.batch < 0) invalid("batch must be >= 0" + got(a.batch));
+  if (a.rows < 0) invalid("rows must be >= 0" + got(a.rows));
+  if (a.cols < 0 || a.cols % kBlock != 0) {
+    invalid("cols must be a non-negative multiple of 32 (the MX block)" + got(a.cols));
+  }
+  if (a.src_type != SourceType::kBf16 && a.src_type != SourceType::kFp32) {
+    invalid("src_type must be bf16 (0) or fp32 (1)" + got(static_cast<int>(a.src_type)));
+  }
+  if (a.rule != ScaleRule::kRceil && a.rule != ScaleRule::kFloor) {
+    invalid("rule must be RCEIL (0) or FLOOR (1)" + got(static_cast<int>(a.rule)));
+  }
+  if (a.num_threads < 1 || a.num_threads > kMaxThreads) {
+    invalid("num_threads must be in [1, " + std::to_string(kMaxThreads) + "]" + got(a.num_threads));
+  }
+  constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max() / 8;
+  if (a.batch != 0 && a.rows != 0 && a.cols != 0 &&
+      (a.rows > kMax / a.cols || a.batch > kMax / (a.rows * a.cols))) {
+    invalid("the arrays are too large");
+  }
+  const std::int64_t n = a.batch * a.rows * a.cols;
+  if (n == 0) return;
+  const std::int64_t elem = a.src_type == SourceType::kBf16 ? 2 : 4;
+  if (a.src == 0) invalid("src must not be 0 (a null pointer)");
+  if (a.src % elem != 0) invalid("src must be aligned to its element size" + got(a.src));
+  if (a.data == 0) invalid("data must not be 0 (a null pointer)");
+  if (a.scales == 0) invalid("scales must not be 0 (a null pointer)");
+  const std::int64_t blocks = a.cols / kBlock;
+  // The scale strides must place every (r, j) of a matrix at a distinct index below rows*blocks.
+  const bool row_major = a.scale_block_stride == 1 && a.scale_row_stride == blocks;
+  const bool block_major = a.scale_row_stride == 1 && a.scale_block_stride == a.rows;
+  if (!row_major && !block_major) {
+    invalid("scale strides must be row-major (row " + std::to_string(blocks) +
+            ", block 1) or block-major (row 1, block " + std::to_string(a.rows) + "), got (row " +
+            std::to_string(a.scale_row_stride) + ", block " + std::to_string(a.scale_block_stride) +
+            ")");
+  }
+  if (a.src_row_stride < 0 || a.src_col_stride < 0 || a.src_batch_stride < 0) {
+    invalid("source strides must be >= 0");
+  }
+}
+
+std::uint32_t load_bits(const QuantizeArgs& a, std::int64_t offset) {
+  if (a.src_type == SourceType::kBf16) {
+    std::uint16_t v;
+    std::memcpy(&v, reinterpret_cast<const unsigned char*>(a.src) + 2 * offset, sizeof v);
+    return static_cast<std::uint32_t>(v) << 16;
+  }
+  std::uint32_t v;
+  std::memcpy(&v, reinterpret_cast<const unsigned char*>(a.src) + 4 * offset, sizeof v);
+  return v;
+}
+
+// Blocks [begin, end) of the flat (b, r, j) index.
+void quantize_range(const QuantizeArgs& a, std::int64_t begin, std::int64_t end) {
+  const std::int64_t blocks = a.cols / kBlock;
+  auto* data = reinterpret_cast<std::uint8_t*>(a.data);
+  auto* scales = reinterpret_cast<std::uint8_t*>(a.scales);
+  for (std::int64_t flat = begin; flat < end; ++flat) {
+    const std::int64_t j = flat % blocks;
+    const std::int64_t r = (flat / blocks) % a.rows;
+    const std::int64_t b = flat / (blocks * a.rows);
+    const std::int64_t base = b * a.src_batch_stride + r * a.src_row_stride;
+    const std::int64_t c0 = j * kBlock;
+    std::uint8_t* out = data + (b * a.rows + r) * a.cols + c0;
+    const std::uint8_t s = quantize_block(
+        kBlock, a.rule, [&](int i) { return load_bits(a, base + (c0 + i) * a.src_col_stride); },
+        [&](int i, std::uint8_t v) { out[i] = v; });
+    scales[b * a.rows * blocks + r * a.scale_row_stride + j * a.scale_block_stride] = s;
+  }
+}
+
+}  // namespace
+
+void quantize_cpu(const QuantizeArgs& a) {
+  const std::int64_t total = a.batch * a.rows * (a.cols / kBlock);
+  const std::int64_t workers = std::max<std::int64_t>(1, std::min(a.num_threads, total / 64));
+  if (workers == 1) {
+    quantize_range(a, 0, total);
+    return;
+  }
+  std::vector<std::thread> threads;
+  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(workers));
+  threads.reserve(static_cast<std::size_t>(workers - 1));
+  try {
+    for (std::int64_t w = 1; w < workers; ++w) {
+      threads.emplace_back([&a, &errors, w, workers, total] {
+        try {
+          quantize_range(a, total * w / workers, total * (w + 1) / workers);
+        } catch (...) {
+          errors[static_cast<std::size_t>(w)] = std::current_exception();
+        }
+      });
+    }
+    quantize_range(a, 0, total / workers);
+  } catch (...) {
+    errors[0] = std::current_exception();
+  }
+  for (std::thread& t : threads) t.join();
+  for (const std::exception_ptr& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+}
+
+void quantize(const std::string& device, const QuantizeArgs& args, std::uintptr_t stream) {
+  if (device != "cpu" && device != "cuda") {
+    invalid("device must be \"cpu\" or \"cuda\", got \"" + device + "\"");
+  }
+  check(args);
+  if (args.batch * args.rows * args.cols == 0) return;
+  if (device == "cpu") {
+    quantize_cpu(args);
+    return;
+  }
+#if MOK_WITH_CUDA
+  quantize_cuda(args, stream);
+#else
+  (void)stream;
+  throw std::runtime_error(
+      "quantize: device=\"cuda\" but mok-mxfp8 was built without CUDA (MOK_CUDA=OFF, or no nvcc "
+      "at build time); reinstall it with nvcc on PATH");
+#endif
+}
+
+}  // namespace mok::mxfp8
