@@ -256,3 +256,37 @@ def test_transport_bench_runs_on_two_cpu_ranks(tmp_path):
     (r,) = doc["results"]
     assert r["rows"] > 0 and r["remote_rows"] > 0 and set(r["pull"]) == {"4", "8", "16", "24", "32"}
     assert r["schedule_ms"] > 0 and r["all_to_all_single"]["ms"] > 0 and r["barrier_us"]["back_to_back"] > 0
+
+
+def test_quantize_bench_runs_and_checks_both_quantizers(tmp_path):
+    from mok_torch.cli import main as mok_main
+
+    assert (
+        mok_main(
+            [
+                "bench-quantize",
+                "--shapes",
+                "quick",
+                "--iters",
+                "2",
+                "--warmup",
+                "1",
+                "--device",
+                "cpu",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
+    (path,) = tmp_path.glob("*_quantize.json")
+    doc = json.loads(path.read_text())
+    assert doc["schema"] == "mok-bench-quantize/1" and doc["ceilings"]["hbm"] is None  # no HBM on a CPU
+    whats = [(r["shape_name"], r["what"]) for r in doc["results"]]
+    assert ("quick", "activations") in whats and ("quick", "weights") in whats
+    for r in doc["results"]:
+        assert r["torch"]["status"] == "ok" and r["torch"]["GBps"] > 0
+        if r["compiled"]["status"] == "ok":  # mok-mxfp8 installed: the bytes agree
+            assert r["same_bytes"] is True
+        else:
+            assert "no quantizer" in r["compiled"]["why"]

@@ -48,7 +48,7 @@ __global__ void quantize_kernel(QuantizeArgs a, bool rows_fastest, std::int64_t 
 #pragma unroll
     for (int i = 0; i < kBlock; ++i)
       v[i] = load_bits<kType>(src, base + (c0 + i) * a.src_col_stride);
-    std::uint8_t q[kBlock];
+    alignas(16) std::uint8_t q[kBlock];  // stored as two 16-byte vectors below
     const std::uint8_t s = quantize_block(
         kBlock, a.rule, [&](int i) { return v[i]; }, [&](int i, std::uint8_t x) { q[i] = x; });
     if (reinterpret_cast<std::uintptr_t>(out) % 16 == 0) {

@@ -3,7 +3,6 @@ from typing import Any
 
 def version() -> str: ...
 def build_info() -> dict[str, Any]: ...
-
 def quantize(
     device: str,
     src: int,

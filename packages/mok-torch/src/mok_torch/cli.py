@@ -1,4 +1,4 @@
-"""The `mok` command: `mok demo`, `mok info`, `mok bench`, `mok bench-transport`."""
+"""The `mok` command: `mok demo`, `mok info`, `mok bench`, `mok bench-transport`, `mok bench-quantize`."""
 
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ COMMANDS = {
     "info": ("versions, compiled packages and the backends available here", None),
     "bench": ("the layer benchmark against baselines (torchrun for several GPUs)", "mok_torch.bench:main"),
     "bench-transport": ("dispatch/combine GB/s, barrier latency, schedule time", "mok_torch.bench.transport:main"),
+    "bench-quantize": ("MXFP8 quantizer GB/s (activations, weights) against the HBM copy rate", None),
 }
 
 
@@ -60,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         from mok_torch.bench.transport import main as transport_main
 
         return transport_main(rest)
+    if command == "bench-quantize":
+        from mok_torch.bench.quantize import main as quantize_main
+
+        return quantize_main(rest)
     if command == "bench":
         from mok_torch.bench import main as bench_main
 

@@ -78,6 +78,11 @@ class MoKConfig:
         _check_int("expert_alignment", self.expert_alignment, minimum=1)
         if not _is_power_of_two(self.expert_alignment) or self.expert_alignment > 1024:
             raise ValueError(f"MoKConfig.expert_alignment must be a power of two <= 1024, got {self.expert_alignment}")
+        if self.precision == "mxfp8" and self.expert_alignment % 32:
+            raise ValueError(
+                f"MoKConfig.expert_alignment must be a multiple of 32 for precision 'mxfp8' (weight-gradient "
+                f"operands are quantized in 32-row blocks that must not straddle experts), got {self.expert_alignment}"
+            )
         for name in ("minibatch_size", "macrobatch_size"):
             value = getattr(self, name)
             _check_int(name, value, minimum=1, allow_none=True)

@@ -13,6 +13,7 @@ import torch
 
 from .backends import resolve_backend
 from .config import MoKConfig
+from .mxfp8 import MXFP8Tensor
 from .structs import ForwardContext, Grads, Schedule
 from .validation import FLOAT_DTYPES, INDEX_DTYPES, check_expert_ids, check_tensor, check_weights
 from .workspace import Workspace
@@ -41,6 +42,27 @@ def _check_schedule(sched: object, ws: Workspace) -> Schedule:
     return sched
 
 
+def _check_mxfp8_routed(ws: Workspace, routed: tuple | list) -> int:
+    """MXFP8 routed weights: three MXFP8Tensor with both copies; returns I."""
+    El, H = ws.num_local_experts, ws.hidden_size
+    if H % 32:
+        raise ValueError(f"hidden_size ({H}) must be a multiple of 32 for precision 'mxfp8'")
+    if not all(isinstance(w, MXFP8Tensor) for w in routed):
+        raise TypeError("routed: pass three MXFP8Tensor (mok.mxfp8_quantize) or three bf16 tensors, not a mix")
+    names = ("routed[0] (gate)", "routed[1] (up)", "routed[2] (down)")
+    inner = routed[0].shape[1] if len(routed[0].shape) == 3 else -1
+    for name, w, want in zip(names, routed, ([El, inner, H], [El, inner, H], [El, H, inner]), strict=True):
+        if w.data is None or w.data_t is None:
+            raise ValueError(f"{name}: the MXFP8 weights need the normal and the transposed copy")
+        if list(w.shape) != want:
+            raise ValueError(f"{name} must have shape {want} = [El, I, H] / [El, H, I], got {list(w.shape)}")
+        if w.device != ws.device:
+            raise ValueError(f"{name} must be on {ws.device}, got {w.device}")
+    if inner < 1 or inner % 32:
+        raise ValueError(f"routed: the intermediate size I ({inner}) must be a positive multiple of 32 for 'mxfp8'")
+    return inner
+
+
 def _check_layer_args(
     ws: Workspace,
     sched: Schedule,
@@ -48,6 +70,7 @@ def _check_layer_args(
     router_weights: object | None,
     routed: object,
     shared: object | None,
+    precision: str = "bf16",
 ) -> tuple[int, int | None]:
     """Checks x, router weights and weights; returns (I, Is or None)."""
     T, H, K, El = sched.num_tokens, ws.hidden_size, ws.topk, ws.num_local_experts
@@ -60,6 +83,10 @@ def _check_layer_args(
         raise TypeError(
             f"routed must be a tuple (gate [El, I, H], up [El, I, H], down [El, H, I]), got {type(routed).__name__}"
         )
+    if any(isinstance(w, MXFP8Tensor) for w in routed):
+        if precision != "mxfp8":
+            raise TypeError(f"routed holds MXFP8Tensor weights, but the config's precision is {precision!r}")
+        return _check_mxfp8_routed(ws, routed), _check_shared(ws, shared)
     wg = check_tensor(
         "routed[0] (gate)", routed[0], dtypes=BF16, shape=[("El", El), ("I", None), ("H", H)], device=ws.device
     )
@@ -77,6 +104,17 @@ def _check_layer_args(
         dtypes=BF16,
         device=ws.device,
     )
+    if precision == "mxfp8":
+        if H % 32:
+            raise ValueError(f"hidden_size ({H}) must be a multiple of 32 for precision 'mxfp8'")
+        if inner % 32:
+            raise ValueError(f"routed: the intermediate size I ({inner}) must be a multiple of 32 for 'mxfp8'")
+    return inner, _check_shared(ws, shared)
+
+
+def _check_shared(ws: Workspace, shared: object | None) -> int | None:
+    """Checks the shared expert's weights (bf16 in every precision); returns Is or None."""
+    H = ws.hidden_size
     shared_inner = None
     if shared is not None:
         if not isinstance(shared, (tuple, list)) or len(shared) != 3:
@@ -94,7 +132,7 @@ def _check_layer_args(
             dtypes=BF16,
             device=ws.device,
         )
-    return inner, shared_inner
+    return shared_inner
 
 
 def check_errors(ws: Workspace) -> None:
@@ -151,10 +189,14 @@ def forward(
 
     x: [T, H] bf16; router_weights: [T, K] float; routed: (Wg, Wu [El, I, H], Wd [El, H, I])
     bf16; shared: (Wg_s, Wu_s [Is, H], Wd_s [H, Is]) bf16 or None.
+
+    With `precision="mxfp8"`, routed may also be three `MXFP8Tensor` (mok.mxfp8_quantize, both
+    copies): the user's prequantized weights; bf16 weights are quantized inside the call.
+    H and I must then be multiples of 32; the shared expert stays bf16.
     """
     _check_config(cfg, ws)
     sched = _check_schedule(sched, ws)
-    _check_layer_args(ws, sched, x, router_weights, routed, shared)
+    _check_layer_args(ws, sched, x, router_weights, routed, shared, cfg.precision)
     backend = resolve_backend(cfg, ws.device)
     return backend.forward(cfg, ws, sched, x, router_weights, tuple(routed), None if shared is None else tuple(shared))
 
@@ -170,7 +212,7 @@ def recompute_forward_context(
     """The context `forward` would return, without computing y (activation checkpointing)."""
     _check_config(cfg, ws)
     sched = _check_schedule(sched, ws)
-    _check_layer_args(ws, sched, x, None, routed, shared)
+    _check_layer_args(ws, sched, x, None, routed, shared, cfg.precision)
     backend = resolve_backend(cfg, ws.device)
     return backend.recompute_forward_context(
         cfg, ws, sched, x, tuple(routed), None if shared is None else tuple(shared)
@@ -197,7 +239,7 @@ def backward(
     """
     _check_config(cfg, ws)
     sched = _check_schedule(sched, ws)
-    _check_layer_args(ws, sched, x, router_weights, routed, shared)
+    _check_layer_args(ws, sched, x, router_weights, routed, shared, cfg.precision)
     check_tensor("dy", dy, dtypes=BF16, shape=[("T", sched.num_tokens), ("H", ws.hidden_size)], device=ws.device)
     if not isinstance(ctx, ForwardContext):
         raise TypeError(f"ctx must be the ForwardContext of forward(), got {type(ctx).__name__}")

@@ -208,6 +208,21 @@ def mxfp8_quantize(
     return MXFP8Tensor(data, scales, data_t, scales_t, rule)
 
 
+def pack_rows(x: torch.Tensor) -> torch.Tensor:
+    """Rows x [N, C] as MXFP8 rows: uint8 [N, C + C/32], C E4M3 bytes then C/32 E8M0 scales.
+
+    The form activations travel in between ranks: a row and its scales move as one unit
+    (RCEIL). A zero row of bytes is the value 0 (scale byte 0 is 2^-127).
+    """
+    data, scales = quantize_rows_torch(x)
+    return torch.cat([data, scales], dim=-1)
+
+
+def unpack_rows(packed: torch.Tensor, cols: int) -> torch.Tensor:
+    """float32 values [..., C] of MXFP8 rows [..., C + C/32] (exact)."""
+    return dequantize_blocks(packed[..., :cols], packed[..., cols:])
+
+
 def fake_quantize(x: torch.Tensor, dim: int = -1, rule: str = "rceil") -> torch.Tensor:
     """x quantized along `dim` in blocks of 32 and dequantized: float32 values of x's shape.
 
@@ -218,4 +233,13 @@ def fake_quantize(x: torch.Tensor, dim: int = -1, rule: str = "rceil") -> torch.
     return dequantize_blocks(data, scales).movedim(-1, dim)
 
 
-__all__ = ["BLOCK", "MXFP8Tensor", "dequantize_blocks", "fake_quantize", "mxfp8_quantize", "quantize_rows_torch"]
+__all__ = [
+    "BLOCK",
+    "MXFP8Tensor",
+    "dequantize_blocks",
+    "fake_quantize",
+    "mxfp8_quantize",
+    "pack_rows",
+    "quantize_rows_torch",
+    "unpack_rows",
+]

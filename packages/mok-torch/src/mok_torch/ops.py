@@ -172,13 +172,18 @@ def _(
     T, H = x.shape
     inner = wg.shape[1]
     rows = torch.library.get_ctx().new_dynamic_size()  # rows of macrobatch 0: data dependent
+    # the saved routed x: bf16 rows, or MXFP8 rows (H E4M3 bytes then H/32 scale bytes)
+    if MoKConfig.from_key(config).precision == "mxfp8":
+        x_routed = x.new_empty(rows, H + H // 32, dtype=torch.uint8)
+    else:
+        x_routed = x.new_empty(rows, H, dtype=BF16)
     if wg_s is None:
         shared = [x.new_empty(0, dtype=BF16), x.new_empty(0, dtype=BF16)]
     else:
         shared = [x.new_empty(T, wg_s.shape[0], dtype=BF16), x.new_empty(T, wg_s.shape[0], dtype=BF16)]
     return [
         x.new_empty(T, H),
-        x.new_empty(rows, H, dtype=BF16),
+        x_routed,
         x.new_empty(rows, inner, dtype=BF16),
         x.new_empty(rows, inner, dtype=BF16),
         *shared,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ...config import MoKConfig
+from ...mxfp8 import MXFP8Tensor, mxfp8_quantize, pack_rows, unpack_rows
 from ...structs import ForwardContext, Grads, Schedule
 from ...workspace import Workspace
 from . import transport
@@ -33,14 +34,34 @@ from .schedule import build_schedule as _build_schedule
 Weights3 = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
+def expert_weights(cfg: MoKConfig, routed: tuple) -> ExpertWeights:
+    """The routed experts' GEMM weights; MXFP8 weights may come as bf16 (quantized here) or
+    as MXFP8Tensor (the user's, with both copies)."""
+    if cfg.precision == "mxfp8":
+        q = [r if isinstance(r, MXFP8Tensor) else mxfp8_quantize(r, compiled=False) for r in routed]
+        return ExpertWeights.from_mxfp8(*q)
+    return ExpertWeights.from_weights(*routed)
+
+
+def pull_activations(cfg: MoKConfig, sched: Schedule, rows_TH: torch.Tensor) -> torch.Tensor:
+    """x or dy rows gathered onto the table [C, ...]: bf16, or MXFP8 rows quantized before they
+    travel (half the bytes)."""
+    if cfg.precision == "mxfp8":
+        return transport.pull(sched, pack_rows(rows_TH))
+    return transport.pull(sched, rows_TH)
+
+
+def activation_values(cfg: MoKConfig, rows: torch.Tensor, hidden: int) -> torch.Tensor:
+    """A GEMM's view of pulled rows: bf16 as they are, MXFP8 rows as their float32 values."""
+    return unpack_rows(rows, hidden) if cfg.precision == "mxfp8" else rows
+
+
 class ReferenceBackend:
     name = "reference"
     reference_experts = True  # the expert GEMMs are sequential elementwise loops
 
     def unavailable_reason(self, precision: str, device: torch.device) -> str | None:
-        if precision != "bf16":
-            return f"the reference backend implements precision 'bf16' only, not {precision!r}"
-        return None
+        return None  # bf16 and mxfp8, on any device
 
     def build_schedule(self, ws: Workspace, cfg: MoKConfig, top_experts_TK: torch.Tensor) -> Schedule:
         return _build_schedule(ws, top_experts_TK)
@@ -58,9 +79,9 @@ class ReferenceBackend:
         ws = sched.workspace
         inner = weights.intermediate_size
         plan = plan_ring(cfg, ws, sched, inner)
-        x_C = transport.pull(sched, x_TH)
+        x_C = pull_activations(cfg, sched, x_TH)
         out_C = x_TH.new_zeros(ws.capacity, ws.hidden_size) if outputs else None
-        ring_x = x_TH.new_empty(plan.ring_rows, ws.hidden_size)
+        ring_x = x_C.new_empty(plan.ring_rows, x_C.shape[1])
         ring_a = x_TH.new_empty(plan.ring_rows, inner)
         ring_b = x_TH.new_empty(plan.ring_rows, inner)
         macrobatches = plan.macrobatches()
@@ -70,7 +91,7 @@ class ReferenceBackend:
                 ring_x[mlo - lo : mhi - lo] = x_C[mlo:mhi]
                 block = Block(plan.offsets, mlo, mhi, x_TH.device)
                 w = weights.select(block.first, block.last)
-                a, b = gate_up(block.gather(ring_x, lo), w)
+                a, b = gate_up(activation_values(cfg, block.gather(ring_x, lo), ws.hidden_size), w)
                 block.scatter(a, ring_a, lo)
                 block.scatter(b, ring_b, lo)
                 if out_C is not None:
@@ -88,9 +109,7 @@ class ReferenceBackend:
         shared: Weights3 | None,
     ) -> tuple[torch.Tensor, ForwardContext]:
         T, K = sched.num_tokens, sched.topk
-        out_C, ring_x, ring_a, ring_b = self._routed_pass(
-            cfg, sched, x_TH, ExpertWeights.from_weights(*routed), outputs=True
-        )
+        out_C, ring_x, ring_a, ring_b = self._routed_pass(cfg, sched, x_TH, expert_weights(cfg, routed), outputs=True)
         assert out_C is not None
         rows_TKH = transport.push(sched, out_C).view(T, K, ws.hidden_size)
         ys_TH, shared_a, shared_b = shared_forward(x_TH, shared, cfg.swiglu_limit)
@@ -107,9 +126,7 @@ class ReferenceBackend:
         routed: Weights3,
         shared: Weights3 | None,
     ) -> ForwardContext:
-        _, ring_x, ring_a, ring_b = self._routed_pass(
-            cfg, sched, x_TH, ExpertWeights.from_weights(*routed), outputs=False
-        )
+        _, ring_x, ring_a, ring_b = self._routed_pass(cfg, sched, x_TH, expert_weights(cfg, routed), outputs=False)
         _, shared_a, shared_b = shared_forward(x_TH, shared, cfg.swiglu_limit, outputs=False)
         return ForwardContext(sched, self.name, ring_x, ring_a, ring_b, shared_a, shared_b)
 
@@ -128,14 +145,14 @@ class ReferenceBackend:
     ) -> Grads:
         T, K, H = sched.num_tokens, sched.topk, ws.hidden_size
         El = ws.num_local_experts
-        weights = ExpertWeights.from_weights(*routed)
+        weights = expert_weights(cfg, routed)
         inner = weights.intermediate_size
         plan = plan_ring(cfg, ws, sched, inner)
-        dy_C = transport.pull(sched, dy_TH)
+        dy_C = pull_activations(cfg, sched, dy_TH)
         w_C = transport.pull(sched, router_weights_TK.float().reshape(-1), per_route=True)
         # Replay re-pulls x for the macrobatches the ring no longer holds.
-        x_C = transport.pull(sched, x_TH) if replays_in_backward(cfg, ws) else None
-        dx_C = dy_TH.new_zeros(ws.capacity, H)
+        x_C = pull_activations(cfg, sched, x_TH) if replays_in_backward(cfg, ws) else None
+        dx_C = dy_TH.new_zeros(ws.capacity, H)  # bf16 rows
         dw_C = torch.zeros(ws.capacity, dtype=torch.float32, device=dy_TH.device)
         # fp32 weight-gradient partials, carried across every minibatch and macrobatch.
         d_gate_up = torch.zeros(El, 2 * inner, H, dtype=torch.float32, device=dy_TH.device)
@@ -145,18 +162,24 @@ class ReferenceBackend:
                 block = Block(plan.offsets, mlo, mhi, dy_TH.device)
                 w = weights.select(block.first, block.last)
                 if m == 0:
-                    xs = block.gather(ctx.x_routed_MH, lo)
+                    xs = activation_values(cfg, block.gather(ctx.x_routed_MH, lo), H)
                     a, b = block.gather(ctx.a_MI, lo), block.gather(ctx.b_MI, lo)
                 else:
                     assert x_C is not None
-                    xs = block.gather(x_C)
+                    xs = activation_values(cfg, block.gather(x_C), H)
                     a, b = gate_up(xs, w)
-                dys, ws_ = block.gather(dy_C), block.gather(w_C)
+                dys, ws_ = activation_values(cfg, block.gather(dy_C), H), block.gather(w_C)
                 rg = row_backward(xs, a, b, dys, ws_, w, cfg.swiglu_limit)
                 block.scatter(rg.dx, dx_C)
                 block.scatter(rg.d_w, dw_C)
                 accumulate_wgrads(
-                    xs, dys, ws_, rg, d_gate_up[block.first : block.last], d_down[block.first : block.last]
+                    xs,
+                    dys,
+                    ws_,
+                    rg,
+                    d_gate_up[block.first : block.last],
+                    d_down[block.first : block.last],
+                    weights=w,
                 )
         dxr_TKH = transport.push(sched, dx_C).view(T, K, H)
         d_router = transport.push(sched, dw_C).view(T, K).to(router_weights_TK.dtype)

@@ -5,6 +5,16 @@ Rows are processed as [n, L, ...] blocks: the rows of each expert in the chunk, 
 with zero rows. A zero row contributes exact zeros to every sum and never lands anywhere,
 so the padding cannot change a bit (an fp32 accumulator that starts at +0 never becomes
 -0, and adding +-0 to it leaves it unchanged).
+
+MXFP8 (DESIGN.md §8; `ExpertWeights.block` = 32): every GEMM operand holds MXFP8 values
+(E4M3 times a per-32 power-of-two scale, quantized along the GEMM's reduction dimension),
+and each reduction is cut into blocks of 32: a block's partial is a sequential fp32 sum
+from +0 (the products of MXFP8 values are exact in fp32), and the partials are added in
+block order to an accumulator that starts at +0. That is what an FP8 wgmma of K = 32 whose
+result is rescaled and added on the CUDA cores computes. Weight-gradient operands are
+quantized along rows, in 32-row blocks counted from the expert's segment start (segments
+and minibatches start at multiples of the expert alignment, itself a multiple of 32, so
+the blocks are the same however the rows are chunked).
 """
 
 from __future__ import annotations
@@ -13,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...mxfp8 import MXFP8Tensor, fake_quantize
 from .arith import (
     seq_matmul,
     seq_matmul_rows,
@@ -24,6 +35,7 @@ from .arith import (
 )
 
 BF16 = torch.bfloat16
+MX_BLOCK = 32
 
 
 class Grouped:
@@ -69,6 +81,7 @@ class ExpertWeights:
     down_T_EIH: torch.Tensor
     down_EHI: torch.Tensor
     gate_up_E2IH: torch.Tensor
+    block: int | None = None  # MXFP8: reductions in blocks of 32 over quantized operands
 
     @property
     def intermediate_size(self) -> int:
@@ -85,18 +98,71 @@ class ExpertWeights:
             gate_up_E2IH=gate_up,
         )
 
+    @staticmethod
+    def from_mxfp8(wg: MXFP8Tensor, wu: MXFP8Tensor, wd: MXFP8Tensor) -> ExpertWeights:
+        """The dequantized values of MXFP8 weights, each GEMM's copy quantized along its reduction."""
+        gate_up_H = torch.cat([wg.dequantize(), wu.dequantize()], dim=1)  # [E, 2I, H], blocks along H
+        gate_up_I = torch.cat([wg.dequantize(transposed=True), wu.dequantize(transposed=True)], dim=2)  # [E, H, 2I]
+        return ExpertWeights(
+            gate_up_T_EH2I=gate_up_H.transpose(1, 2).contiguous(),
+            down_T_EIH=wd.dequantize().transpose(1, 2).contiguous(),  # blocks along I
+            down_EHI=wd.dequantize(transposed=True).transpose(1, 2).contiguous(),  # blocks along H
+            gate_up_E2IH=gate_up_I.transpose(1, 2).contiguous(),  # blocks along I (gate, then up)
+            block=MX_BLOCK,
+        )
+
     def select(self, first: int, last: int) -> ExpertWeights:
         return ExpertWeights(
             self.gate_up_T_EH2I[first:last],
             self.down_T_EIH[first:last],
             self.down_EHI[first:last],
             self.gate_up_E2IH[first:last],
+            self.block,
         )
+
+    def operand(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """t as a GEMM operand reduced along `dim`: fp32 values (MXFP8-quantized along `dim`)."""
+        if self.block is None:
+            return t.float()
+        return fake_quantize(_pad_to(t, dim, self.block), dim).narrow(dim, 0, t.shape[dim])
+
+    def mm(self, layout: Layout, a: torch.Tensor, w_EKN: torch.Tensor) -> torch.Tensor:
+        """a @ w over the shared dimension, in blocks of `block` for MXFP8."""
+        if self.block is None:
+            return layout.mm(a, w_EKN)
+        acc = None
+        for k0 in range(0, a.shape[-1], self.block):
+            part = layout.mm(a[..., k0 : k0 + self.block], w_EKN[..., k0 : k0 + self.block, :])
+            acc = (torch.zeros_like(part) if acc is None else acc) + part
+        assert acc is not None
+        return acc
+
+    def outer_sum(self, layout: Layout, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+        """out += sum over rows of a^T b, MXFP8: operands quantized along rows, 32-row partials."""
+        if self.block is None:
+            layout.outer_sum(a, b, out)
+            return
+        assert isinstance(layout, Grouped), "MXFP8 runs on grouped row blocks only"
+        aq, bq = self.operand(a, -2), self.operand(b, -2)
+        for r0 in range(0, a.shape[-2], self.block):
+            part = torch.zeros_like(out)
+            layout.outer_sum(aq[..., r0 : r0 + self.block, :], bq[..., r0 : r0 + self.block, :], part)
+            out.add_(part)
+
+
+def _pad_to(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
+    """t with zeros appended along `dim` up to a multiple of `multiple` (zeros change no amax)."""
+    extra = -t.shape[dim] % multiple
+    if extra == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = extra
+    return torch.cat([t, t.new_zeros(shape)], dim=dim)
 
 
 def gate_up(x_nLH: torch.Tensor, w: ExpertWeights, layout: Layout = GROUPED) -> tuple[torch.Tensor, torch.Tensor]:
     """Pre-activations a = x @ Wg^T, b = x @ Wu^T (bf16)."""
-    acc = layout.mm(x_nLH.float(), w.gate_up_T_EH2I)
+    acc = w.mm(layout, w.operand(x_nLH), w.gate_up_T_EH2I)
     inner = w.intermediate_size
     return acc[..., :inner].to(BF16), acc[..., inner:].to(BF16)
 
@@ -117,7 +183,7 @@ def swiglu(a: torch.Tensor, b: torch.Tensor, limit: float | None) -> torch.Tenso
 
 def down(h_nLI: torch.Tensor, w: ExpertWeights, layout: Layout = GROUPED) -> torch.Tensor:
     """Expert output rows h @ Wd^T (bf16)."""
-    return layout.mm(h_nLI.float(), w.down_T_EIH).to(BF16)
+    return w.mm(layout, w.operand(h_nLI), w.down_T_EIH).to(BF16)
 
 
 @dataclass
@@ -139,7 +205,7 @@ def row_backward(
     layout: Layout = GROUPED,
 ) -> RowGrads:
     """Per-row backward of DESIGN.md §1 (w_nL None means weight 1: the shared expert)."""
-    g = layout.mm(dy_nLH.float(), w.down_EHI)  # unweighted down-projection input gradient
+    g = w.mm(layout, w.operand(dy_nLH), w.down_EHI)  # unweighted down-projection input gradient
     af, bf = _clamped(a_nLI, b_nLI, limit)
     s = sigmoid(af)
     silu = af * s
@@ -154,7 +220,7 @@ def row_backward(
         d_a = torch.where(a_nLI.float() <= limit, d_a, torch.zeros_like(d_a))
         d_b = torch.where(b_nLI.float().abs() <= limit, d_b, torch.zeros_like(d_b))
     d_ab = torch.cat([d_a, d_b], dim=-1).to(BF16)
-    dx = layout.mm(d_ab.float(), w.gate_up_E2IH).to(BF16)
+    dx = w.mm(layout, w.operand(d_ab), w.gate_up_E2IH).to(BF16)
     return RowGrads(h=h, d_w=d_w, d_ab=d_ab, dx=dx)
 
 
@@ -166,15 +232,21 @@ def accumulate_wgrads(
     d_gate_up_n2IH: torch.Tensor,
     d_down_nHI: torch.Tensor,
     layout: Layout = GROUPED,
+    weights: ExpertWeights | None = None,
 ) -> None:
     """Add this block's rows to the fp32 weight-gradient accumulators, rows in order.
 
     dWd += (w dy)^T h, d[Wg; Wu] += [d_a, d_b]^T x. `w dy` is rounded to bf16, as the
-    kernels feed it to the tensor cores.
+    kernels feed it to the tensor cores. `weights`: the experts' weights when they are MXFP8 (the
+    operands are then quantized along rows and summed in 32-row blocks).
     """
     wdy = dy_nLH.float() if w_nL is None else to_bf16_values(w_nL[..., None] * dy_nLH.float())
-    layout.outer_sum(wdy, rg.h.float(), d_down_nHI)
-    layout.outer_sum(rg.d_ab.float(), x_nLH.float(), d_gate_up_n2IH)
+    if weights is None or weights.block is None:
+        layout.outer_sum(wdy, rg.h.float(), d_down_nHI)
+        layout.outer_sum(rg.d_ab.float(), x_nLH.float(), d_gate_up_n2IH)
+        return
+    weights.outer_sum(layout, wdy, rg.h, d_down_nHI)
+    weights.outer_sum(layout, rg.d_ab, x_nLH, d_gate_up_n2IH)
 
 
 def combine_epilogue(
