@@ -234,3 +234,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     run_process(opts, ns)
     return 0
+
+
+def component_parser(prog: str, description: str, *, iters: int, warmup: int) -> argparse.ArgumentParser:
+    """The options every component benchmark (`mok bench-transport`, `mok bench-quantize`) takes."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--shapes", default="seed", help="as for mok bench (default: seed)")
+    p.add_argument("--iters", type=int, default=iters)
+    p.add_argument("--warmup", type=int, default=warmup)
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    return p

@@ -30,7 +30,7 @@ import torch
 from ..mxfp8 import BLOCK, _compiled, mxfp8_quantize
 from . import ceilings as ceilings_mod
 from . import report
-from .launch import _device
+from .launch import _device, component_parser
 from .shapes import resolve_shapes
 from .timing import Ranks, median, time_ms
 
@@ -121,13 +121,7 @@ def _print(doc: dict[str, Any]) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mok bench-quantize", description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", default="seed", help="as for mok bench (default: seed)")
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--out", default="benchmarks/results")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    return p
+    return component_parser("mok bench-quantize", __doc__.split("\n\n")[0], iters=20, warmup=3)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,7 +40,7 @@ from ..testing import make_routing
 from . import ceilings as ceilings_mod
 from . import report
 from .inputs import case_seed, make_call, make_weights
-from .launch import NO_MULTICAST, _device, _free_port, _init_group
+from .launch import NO_MULTICAST, _device, _free_port, _init_group, component_parser
 from .providers import Settings, TorchA2AProvider
 from .shapes import resolve_shapes
 from .timing import Ranks, median, reduce_max, synchronize, time_ms
@@ -251,12 +251,7 @@ def _spawned(local: int, world: int, port: int, argv: list[str]) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mok bench-transport", description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", default="seed", help="as for mok bench (default: seed)")
-    p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--out", default="benchmarks/results")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p = component_parser("mok bench-transport", __doc__.split("\n\n")[0], iters=50, warmup=5)
     p.add_argument("--nproc", type=int, default=1)
     return p
 
