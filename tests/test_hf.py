@@ -11,7 +11,7 @@ import importlib
 
 import pytest
 import torch
-from helpers import DEVICE, assert_close, config
+from helpers import DEVICE, assert_close, config, cosine
 from multiproc import run_ranks
 
 pytest.importorskip(
@@ -373,3 +373,25 @@ def test_rejects_bad_configs_and_models():
         hf.convert_model(nn.Linear(4, 4))
     with pytest.raises(ValueError, match="no experts module"):
         hf.configure_experts(nn.Linear(4, 4))
+
+
+def test_mxfp8_experts_in_a_converted_model():
+    """precision="mxfp8" through the HF block: the config reaches the layer, which runs quantized.
+
+    The layer-level accuracy bar (cosine >= 0.996 per gradient) is tested in
+    test_mxfp8_layer.py; through a whole model the errors of two quantized MoE layers and the
+    attention between them compound, so this checks every gradient at cosine >= 0.99.
+    """
+    mx = mok.MoKConfig(precision="mxfp8", backend="reference", expert_alignment=32)
+    model = _qwen3_model()
+    ref = _reference(model)
+    got = _forward_backward(hf.convert_model(copy.deepcopy(model), config=mx))
+    want = _forward_backward(ref)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.isfinite(got[name].float()).all(), name
+        assert cosine(got[name], want[name]) >= 0.99, f"{name}: cosine {cosine(got[name], want[name]):.5f}"
+    # it really ran in MXFP8: the experts' gradients differ from the BF16 layer's
+    bf16 = _forward_backward(hf.convert_model(copy.deepcopy(model), config=_mok_config()))
+    expert_grads = [n for n in want if "experts" in n]
+    assert expert_grads and all(not torch.equal(got[n], bf16[n]) for n in expert_grads)
