@@ -208,6 +208,20 @@ def test_compiled_and_torch_quantizers_agree(rule, dtype, shape):
         assert torch.equal(a.scales_t.view(torch.uint8), t.scales.view(torch.uint8))
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+def test_empty_and_strided_inputs(compiled):
+    if compiled:
+        compiled_or_skip("cpu")
+    q = mok.mxfp8_quantize(torch.zeros(0, 64), compiled=compiled)
+    assert q.data.shape == (0, 64) and q.scales.shape == (2, 0) and q.data_t.shape == (64, 0)
+    q = mok.mxfp8_quantize(torch.zeros(2, 0, 32, 64, dtype=torch.bfloat16), compiled=compiled)
+    assert q.data.shape == (2, 0, 32, 64) and q.scales.shape == (2, 0, 2, 32)
+    w = torch.randn(3, 64, 96, generator=torch.Generator().manual_seed(4))[:, :, :64]  # not contiguous
+    got, want = mok.mxfp8_quantize(w, compiled=compiled), mok.mxfp8_quantize(w.contiguous(), compiled=False)
+    for field in ("data", "scales", "data_t", "scales_t"):
+        assert torch.equal(getattr(got, field).view(torch.uint8), getattr(want, field).view(torch.uint8)), field
+
+
 def test_threads_do_not_change_bytes():
     mod = compiled_or_skip("cpu")
     x = torch.randn(257, 512)

@@ -27,6 +27,7 @@ travel between ranks one at a time.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +42,7 @@ _NAN_SCALE = 0xFF
 _E4M3_NAN = 0x7F
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # identity equality: comparing tensors has no single truth value
 class MXFP8Tensor:
     """A tensor quantized to MXFP8, as a normal copy, a transposed copy, or both.
 
@@ -197,7 +198,7 @@ def mxfp8_quantize(
     if transposed and R % BLOCK:
         raise ValueError(f"w: dim -2 R ({R}) must be a multiple of 32 for the transposed copy")
     lead = w.shape[:-2]
-    x = w.detach().reshape(-1, R, C)
+    x = w.detach().reshape(math.prod(lead), R, C)
     data = scales = data_t = scales_t = None
     if normal:
         d, s = _quantize_3d(x, False, rule, compiled)
