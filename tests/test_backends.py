@@ -35,12 +35,13 @@ def test_missing_backend_says_why():
         mok.resolve_backend(mok.MoKConfig(backend="cuda"), "cpu")
 
 
-def test_unsupported_precision_says_why():
+def test_backend_on_the_wrong_device_says_why():
     if "cpu" not in mok.backends.registered_backends():
         pytest.skip("the native cpu backend is not installed (mok-core missing)")
-    with pytest.raises(ValueError, match="'cpu' backend runs precision 'bf16' only so far, not 'mxfp8'"):
-        mok.resolve_backend(mok.MoKConfig(backend="cpu", precision="mxfp8"), "cpu")
-    # the reference backend runs both precisions
+    for precision in ("bf16", "mxfp8"):
+        with pytest.raises(ValueError, match="'cpu' backend runs on cpu tensors, not cuda"):
+            mok.resolve_backend(mok.MoKConfig(backend="cpu", precision=precision), "cuda")
+    # the reference backend runs both precisions anywhere
     assert mok.resolve_backend(mok.MoKConfig(backend="reference", precision="mxfp8"), "cpu").name == "reference"
 
 

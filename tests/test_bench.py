@@ -89,6 +89,15 @@ def test_skips_are_reported_with_a_reason(tmp_path):
     assert by[("deepseek-v4-pro", "deepep")].startswith("not importable")
 
 
+def test_mxfp8_experts_are_skipped_at_real_shapes(tmp_path):
+    """No FP8 kernels yet: MXFP8 runs the reference arithmetic on every backend, so the real
+    shapes are skipped with that reason (the native cpu backend has bf16 kernels, not FP8)."""
+    argv = ["--shapes", "deepseek-v4-pro", "--providers", "mok", "--precision", "mxfp8", "--no-plot", *FAST]
+    assert launch.main([*argv, "--out", str(tmp_path)]) == 0
+    (row,) = _report(tmp_path)["results"]
+    assert row["status"] == "skipped" and "MXFP8 experts run the reference arithmetic" in row["reason"]
+
+
 def test_shapes():
     seed = {s.name: s for s in resolve_shapes("seed", 2)}
     assert (seed["kimi-k2.7-code"].experts, seed["kimi-k2.7-code"].local_experts) == (12, 6)

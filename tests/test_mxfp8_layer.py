@@ -303,9 +303,37 @@ def test_bad_mxfp8_arguments():
         mok.forward(odd_h, ws_h, sched_h, small.x_TH, small.router_weights_TK, small.routed)
 
 
-def test_native_backends_say_they_have_no_mxfp8_and_auto_picks_reference():
-    for name in ("cpu", "cuda"):
-        b = mok.backends.registered_backends().get(name)
-        if b is not None:
-            assert "mxfp8" in (b.unavailable_reason("mxfp8", torch.device(name)) or "mxfp8")
-    assert mok.resolve_backend(mok.MoKConfig(precision="mxfp8"), torch.device("cpu")).name == "reference"
+@pytest.mark.parametrize("per_row", [False, True], ids=["grouped", "per-row"])
+def test_cpu_backend_in_mxfp8_is_bitwise_the_reference(per_row, monkeypatch):
+    """mok-core's transport moving MXFP8 rows, the experts in PyTorch: the reference's bits.
+
+    per-row: the GPU's plan (every row of the capacity in static minibatches, each row with its
+    expert, no host read), run on the CPU, so the cuda backend's MXFP8 path is covered here.
+    """
+    if "cpu" not in mok.backends.registered_backends():
+        pytest.skip("the native cpu backend is not installed (mok-core missing)")
+    import mok_torch.backends.native as native
+
+    if per_row:
+        plan = native.NativeBackend._rows_plan
+
+        def gpu_plan(self, cfg, ws, sched, inner):
+            rows, macro, mini, _ = plan(self, cfg, ws, sched, inner)
+            rows = ws.capacity
+            if cfg.macrobatch_size is None:
+                macro = max(-(-rows // mini) * mini, mini)
+            return rows, macro, mini, None
+
+        monkeypatch.setattr(native.NativeBackend, "_rows_plan", gpu_plan)
+    inp = make_inputs(37, 64, 32, 4, 2, 32, "skewed", seed=13)
+    for kw in (dict(expert_alignment=32), dict(expert_alignment=32, minibatch_size=32, macrobatch_size=64)):
+        ref = run_functional(inp, mok.MoKConfig(precision="mxfp8", backend="reference", **kw), device="cpu")
+        got = run_functional(inp, mok.MoKConfig(precision="mxfp8", backend="cpu", **kw), device="cpu")
+        keys = ("y", "dx", "d_router_weights", "dWg", "dWu", "dWd", "dWg_s", "dWu_s", "dWd_s")
+        assert_bitwise(ref, got, keys + (() if per_row else ("saved_rows",)), what=f"cpu backend MXFP8 {kw}: ")
+
+
+def test_auto_picks_the_native_backend_for_mxfp8_too():
+    if "cpu" not in mok.backends.registered_backends():
+        pytest.skip("the native cpu backend is not installed (mok-core missing)")
+    assert mok.resolve_backend(mok.MoKConfig(precision="mxfp8"), torch.device("cpu")).name == "cpu"

@@ -134,10 +134,12 @@ class MokProvider(Provider):
         except ValueError as exc:
             return str(exc)
         work = shape.tokens * shape.topk * shape.hidden * shape.inner
-        if getattr(backend, "reference_experts", False) and work > REFERENCE_MAX_WORK and not settings.allow_slow:
+        # MXFP8 experts run the reference arithmetic on every backend (no FP8 kernels yet)
+        slow = getattr(backend, "reference_experts", False) or self.precision == "mxfp8"
+        if slow and work > REFERENCE_MAX_WORK and not settings.allow_slow:
             return (
-                f"{backend.name} backend: its experts run the reference arithmetic (no expert kernels yet), "
-                "too slow for this shape (use --allow-slow)"
+                f"{backend.name} backend: its {'MXFP8 ' if self.precision == 'mxfp8' else ''}experts run the "
+                "reference arithmetic (no expert kernels yet), too slow for this shape (use --allow-slow)"
             )
         return None
 

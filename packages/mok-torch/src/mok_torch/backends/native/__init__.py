@@ -15,6 +15,11 @@ captured in one CUDA graph. On the CPU the host reads the segment offsets; mok-b
 flat rows, each with its local expert (-1 for padding rows, which it skips), and the PyTorch
 fallback works on expert blocks, as the reference does.
 
+MXFP8 (`precision="mxfp8"`): x and dy are quantized on their source rank and travel as MXFP8
+rows (H E4M3 bytes then H/32 scale bytes, in the first bytes of the bf16-sized source rows);
+the routed experts run the reference's MXFP8 arithmetic in PyTorch (no FP8 kernels yet), the
+shared expert stays bf16.
+
 Shape letters: T tokens, K top-k, H hidden, I inner size, El local experts, C capacity.
 """
 
@@ -27,8 +32,10 @@ from typing import Any
 import torch
 
 from ...config import MoKConfig, resolve_batching
+from ...mxfp8 import pack_rows, unpack_rows
 from ...structs import ForwardContext, Grads, Schedule
 from ...workspace import Workspace
+from ..reference import expert_weights
 from ..reference.experts import (
     BF16,
     ExpertWeights,
@@ -171,8 +178,6 @@ class NativeBackend:
 
         if device.type != self.device_type:
             return f"the {self.name!r} backend runs on {self.device_type} tensors, not {device.type}"
-        if precision != "bf16":
-            return f"the {self.name!r} backend runs precision 'bf16' only so far, not {precision!r}"
         core = compiled_packages().get("core")
         if core is None:
             return "mok-core is not installed (pip install mok-torch[bf16])"
@@ -219,6 +224,33 @@ class NativeBackend:
 
     def _stream(self, tr: Transport) -> int:
         return tr._stream()
+
+    def _routed_kernels(self, cfg: MoKConfig) -> Any | None:
+        """mok-bf16's entry points for the routed experts (bf16 only: MXFP8 runs in PyTorch)."""
+        return self.expert_kernels if cfg.precision == "bf16" else None
+
+    @staticmethod
+    def _write_rows(cfg: MoKConfig, tr: Transport, field: str, rows_TH: torch.Tensor) -> None:
+        """x or dy into this rank's `field` for the expert ranks to pull: bf16 rows, or MXFP8
+        rows (H + H/32 bytes, quantized before they travel) in the first bytes of each row."""
+        T = rows_TH.shape[0]
+        if cfg.precision == "mxfp8":
+            packed = pack_rows(rows_TH)
+            tr.view[field].view(torch.uint8)[:T, : packed.shape[1]].copy_(packed)
+        else:
+            tr.view[field][:T].copy_(rows_TH)
+
+    @staticmethod
+    def _pulled_rows(cfg: MoKConfig, n: int, H: int, device: torch.device) -> torch.Tensor:
+        """A buffer for n pulled x or dy rows, in the form they travel."""
+        if cfg.precision == "mxfp8":
+            return torch.zeros(n, H + H // 32, dtype=torch.uint8, device=device)
+        return torch.zeros(n, H, dtype=BF16, device=device)
+
+    @staticmethod
+    def _values(cfg: MoKConfig, rows: torch.Tensor, H: int) -> torch.Tensor:
+        """The GEMM operand view of pulled rows (MXFP8 rows as their float32 values)."""
+        return unpack_rows(rows, H) if cfg.precision == "mxfp8" else rows
 
     def _rows_plan(
         self, cfg: MoKConfig, ws: Workspace, sched: Schedule, inner: int
@@ -314,15 +346,15 @@ class NativeBackend:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         H, K, inner = ws.hidden_size, ws.topk, routed[2].shape[2]
         rows, macro, mini, offsets = self._rows_plan(cfg, ws, sched, inner)
-        kernels = self.expert_kernels
+        kernels = self._routed_kernels(cfg)
         if kernels is not None:
             experts = _Experts(kernels, routed, cfg.swiglu_limit)
             experts_R = _row_experts(sched, rows)
         else:
-            weights = ExpertWeights.from_weights(*routed)
+            weights = expert_weights(cfg, routed)
         ring_rows = min(macro, rows)
         dev = ws.device
-        ring_x = torch.zeros(ring_rows, H, dtype=BF16, device=dev)
+        ring_x = self._pulled_rows(cfg, ring_rows, H, dev)
         ring_a = torch.zeros(ring_rows, inner, dtype=BF16, device=dev)
         ring_b = torch.zeros(ring_rows, inner, dtype=BF16, device=dev)
         macrobatches = [(lo, min(lo + macro, rows)) for lo in range(0, rows, macro)]
@@ -340,11 +372,12 @@ class NativeBackend:
                     experts.forward(experts_R[mlo:mhi], xs, ring_a[ring], ring_b[ring], y)
                 else:
                     r = _Rows(sched, mlo, mhi, offsets, weights)
-                    a, b = gate_up(r.grid(xs), r.w, r.layout)
+                    a, b = gate_up(self._values(cfg, r.grid(xs), H), r.w, r.layout)
                     ring_a[ring] = r.flat(a, ring_a[ring])
                     ring_b[ring] = r.flat(b, ring_b[ring])
                     if outputs:
-                        y = r.flat(down(swiglu(a, b, cfg.swiglu_limit), r.w, r.layout), xs).contiguous()
+                        y_rows = down(swiglu(a, b, cfg.swiglu_limit), r.w, r.layout)
+                        y = r.flat(y_rows, torch.empty(mhi - mlo, H, dtype=BF16, device=dev)).contiguous()
                 if y is not None:
                     tr.push(y, "rows", table, num_workers=cfg.fwd_num_comm_sms)
         return ring_x, ring_a, ring_b
@@ -370,7 +403,7 @@ class NativeBackend:
     ) -> tuple[torch.Tensor, ForwardContext]:  # fmt: skip
         tr = self._transport(ws, cfg)
         T, K, H = sched.num_tokens, sched.topk, ws.hidden_size
-        tr.view["x_src"][:T].copy_(x_TH)
+        self._write_rows(cfg, tr, "x_src", x_TH)
         tr.barrier(3)
         ring_x, ring_a, ring_b = self._routed_forward(cfg, ws, sched, tr, routed, outputs=True)
         ys, shared_a, shared_b = self._shared_forward(x_TH, shared, cfg.swiglu_limit, outputs=True)
@@ -390,7 +423,7 @@ class NativeBackend:
         shared: Weights3 | None,
     ) -> ForwardContext:
         tr = self._transport(ws, cfg)
-        tr.view["x_src"][: sched.num_tokens].copy_(x_TH)
+        self._write_rows(cfg, tr, "x_src", x_TH)
         tr.barrier(7)
         ring_x, ring_a, ring_b = self._routed_forward(cfg, ws, sched, tr, routed, outputs=False)
         _, shared_a, shared_b = self._shared_forward(x_TH, shared, cfg.swiglu_limit, outputs=False)
@@ -428,21 +461,21 @@ class NativeBackend:
         T, K, H, El = sched.num_tokens, sched.topk, ws.hidden_size, ws.num_local_experts
         inner = routed[2].shape[2]
         replay = replays_in_backward(cfg, ws)
-        tr.view["dy_src"][:T].copy_(dy_TH)
+        self._write_rows(cfg, tr, "dy_src", dy_TH)
         tr.view["w_src"][: T * K].copy_(router_weights_TK.float().reshape(-1))
         if replay:
-            tr.view["x_src"][:T].copy_(x_TH)
+            self._write_rows(cfg, tr, "x_src", x_TH)
         tr.barrier(5)
         rows, macro, mini, offsets = self._rows_plan(cfg, ws, sched, inner)
         dev, nw = ws.device, cfg.bwd_num_comm_sms
         d_gate_up = torch.zeros(El, 2 * inner, H, dtype=torch.float32, device=dev)
         d_down = torch.zeros(El, H, inner, dtype=torch.float32, device=dev)
-        kernels = self.expert_kernels
+        kernels = self._routed_kernels(cfg)
         if kernels is not None:
             experts = _Experts(kernels, routed, cfg.swiglu_limit)
             experts_R = _row_experts(sched, rows)
         else:
-            weights = ExpertWeights.from_weights(*routed)
+            weights = expert_weights(cfg, routed)
         for m, lo in enumerate(range(0, rows, macro)):  # first to last
             hi = min(lo + macro, rows)
             for mlo in range(lo, hi, mini):
@@ -452,9 +485,9 @@ class NativeBackend:
                 if m == 0:
                     xs = ctx.x_routed_MH[ring]
                 else:  # replay: re-pull x (and recompute the pre-activations below)
-                    xs = torch.empty(mhi - mlo, H, dtype=BF16, device=dev)
+                    xs = self._pulled_rows(cfg, mhi - mlo, H, dev)
                     tr.pull(xs, "x_src", table, route_divisor=K, num_workers=nw)
-                dys = torch.empty(mhi - mlo, H, dtype=BF16, device=dev)
+                dys = self._pulled_rows(cfg, mhi - mlo, H, dev)
                 tr.pull(dys, "dy_src", table, route_divisor=K, num_workers=nw)
                 wr = torch.empty(mhi - mlo, dtype=torch.float32, device=dev)
                 tr.pull(wr, "w_src", table, route_divisor=1, num_workers=nw)
@@ -470,14 +503,15 @@ class NativeBackend:
                     experts.backward(experts_M, xs, a, b, dys, wr, dx, d_w, d_gate_up, d_down)
                 else:
                     r = _Rows(sched, mlo, mhi, offsets, weights)
+                    xg, dyg, wg = self._values(cfg, r.grid(xs), H), self._values(cfg, r.grid(dys), H), r.grid(wr)
                     if m == 0:
                         a, b = r.grid(ctx.a_MI[ring]), r.grid(ctx.b_MI[ring])
                     else:
-                        a, b = gate_up(r.grid(xs), r.w, r.layout)
-                    xg, dyg, wg = r.grid(xs), r.grid(dys), r.grid(wr)
+                        a, b = gate_up(xg, r.w, r.layout)
                     rg = row_backward(xg, a, b, dyg, wg, r.w, cfg.swiglu_limit, r.layout)
-                    accumulate_wgrads(xg, dyg, wg, rg, r.acc(d_gate_up), r.acc(d_down), r.layout)
-                    dx, d_w = r.flat(rg.dx, dys).contiguous(), r.flat(rg.d_w, wr).contiguous()
+                    accumulate_wgrads(xg, dyg, wg, rg, r.acc(d_gate_up), r.acc(d_down), r.layout, weights=r.w)
+                    dx_rows = torch.empty(mhi - mlo, H, dtype=BF16, device=dev)
+                    dx, d_w = r.flat(rg.dx, dx_rows).contiguous(), r.flat(rg.d_w, wr).contiguous()
                 tr.push(dx, "rows", table, num_workers=nw)
                 tr.push(d_w, "d_w", table, num_workers=nw)
         dxs, d_shared = self._shared_backward(

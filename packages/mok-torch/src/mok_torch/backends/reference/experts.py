@@ -41,6 +41,10 @@ MX_BLOCK = 32
 class Grouped:
     """Rows as an [n, L] grid, expert i of the group owning row block i (host-planned)."""
 
+    def rows(self, first: int, last: int) -> Grouped:
+        """The layout of rows [first, last) of every block."""
+        return self
+
     @staticmethod
     def mm(a: torch.Tensor, w_EKN: torch.Tensor) -> torch.Tensor:
         return seq_matmul(a, w_EKN)
@@ -55,6 +59,10 @@ class PerRow:
 
     def __init__(self, experts_M: torch.Tensor) -> None:
         self.e = experts_M
+
+    def rows(self, first: int, last: int) -> PerRow:
+        """The layout of rows [first, last)."""
+        return PerRow(self.e[first:last])
 
     def mm(self, a: torch.Tensor, w_EKN: torch.Tensor) -> torch.Tensor:
         return seq_matmul_rows(a, w_EKN, self.e)
@@ -142,11 +150,13 @@ class ExpertWeights:
         if self.block is None:
             layout.outer_sum(a, b, out)
             return
-        assert isinstance(layout, Grouped), "MXFP8 runs on grouped row blocks only"
+        # Flat rows (PerRow) are table rows from a multiple of the alignment, so each 32-row
+        # block lies in one expert's segment, as in the grouped layout.
         aq, bq = self.operand(a, -2), self.operand(b, -2)
         for r0 in range(0, a.shape[-2], self.block):
+            r1 = r0 + self.block
             part = torch.zeros_like(out)
-            layout.outer_sum(aq[..., r0 : r0 + self.block, :], bq[..., r0 : r0 + self.block, :], part)
+            layout.rows(r0, r1).outer_sum(aq[..., r0:r1, :], bq[..., r0:r1, :], part)
             out.add_(part)
 
 
