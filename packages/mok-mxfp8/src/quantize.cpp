@@ -3,13 +3,11 @@
 
 #include <algorithm>
 #include <cstring>
-#include <exception>
 #include <limits>
 #include <stdexcept>
 #include <string>
-#include <string_view>
-#include <thread>
-#include <vector>
+
+#include "mok/core/threads.h"
 
 namespace mok::mxfp8 {
 namespace {
@@ -96,32 +94,11 @@ void quantize_range(const QuantizeArgs& a, std::int64_t begin, std::int64_t end)
 
 void quantize_cpu(const QuantizeArgs& a) {
   const std::int64_t total = a.batch * a.rows * (a.cols / kBlock);
+  // at least 64 blocks per thread: fewer are not worth a thread
   const std::int64_t workers = std::max<std::int64_t>(1, std::min(a.num_threads, total / 64));
-  if (workers == 1) {
-    quantize_range(a, 0, total);
-    return;
-  }
-  std::vector<std::thread> threads;
-  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(workers));
-  threads.reserve(static_cast<std::size_t>(workers - 1));
-  try {
-    for (std::int64_t w = 1; w < workers; ++w) {
-      threads.emplace_back([&a, &errors, w, workers, total] {
-        try {
-          quantize_range(a, total * w / workers, total * (w + 1) / workers);
-        } catch (...) {
-          errors[static_cast<std::size_t>(w)] = std::current_exception();
-        }
-      });
-    }
-    quantize_range(a, 0, total / workers);
-  } catch (...) {
-    errors[0] = std::current_exception();
-  }
-  for (std::thread& t : threads) t.join();
-  for (const std::exception_ptr& e : errors) {
-    if (e) std::rethrow_exception(e);
-  }
+  core::parallel_ranges(total, workers, [&a](std::int64_t begin, std::int64_t end) {
+    quantize_range(a, begin, end);
+  });
 }
 
 void quantize(const std::string& device, const QuantizeArgs& args, std::uintptr_t stream) {

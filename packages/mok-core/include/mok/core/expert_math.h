@@ -1,0 +1,153 @@
+// The per-element arithmetic of the experts (DESIGN.md §1, docs/determinism.md "The reference
+// backend's arithmetic"), shared by every precision package's CPU loops and CUDA kernels, so
+// that all give the bits of mok-torch's reference backend
+// (mok_torch/backends/reference/arith.py and experts.py).
+//
+// Every operation rounds on its own, in the order the reference writes it: a product before
+// the add that follows it, never a fused multiply-add. On the device the __f*_rn/__d*_rn
+// intrinsics forbid nvcc's contraction; host code must be compiled with -ffp-contract=off
+// (mok_configure_target sets it). In the GEMM and weight-gradient reductions both operands
+// are bf16 values, so the product is exact and an FMA would give the same bits; every other
+// product (w * g, silu * b, the float64 polynomial of exp, ...) is not, and there it matters.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "mok/core/bf16.h"
+#include "mok/core/hd.h"
+#include "mok/core/rounding.h"
+
+namespace mok::core {
+
+// One step of a sequential reduction: acc + fl(a * b).
+MOK_HD inline float mac_rn(float acc, float a, float b) { return add_rn(acc, mul_rn(a, b)); }
+
+// ------------------------------------------------------------------ exp and sigmoid
+
+// exp(x) in float64 exactly as the reference's exp_f64: Cody-Waite reduction by ln 2 and a
+// degree-13 Taylor polynomial, from +, -, * and exponent bits only (libm, SLEEF and CUDA exp
+// differ in the last bit). NaN passes through; beyond +-700 the result is inf or 0.
+MOK_HD inline double exp_f64(double x) {
+  constexpr double kClamp = 700.0;
+  constexpr double kInvLn2 = 1.4426950408889634;
+  // n * kLn2Hi is exact for |n| < 2**11.
+  constexpr double kLn2Hi = 6.93147180369123816490e-01;
+  constexpr double kLn2Lo = 1.90821492927058770002e-10;
+  if (x != x) return x;
+  if (x > kClamp) return INFINITY;
+  if (x < -kClamp) return 0.0;
+  // Nearest integer, ties to even (torch.round); the default rounding mode is to nearest.
+#if defined(__CUDA_ARCH__)
+  const double n = rint(mul_rn(x, kInvLn2));
+#else
+  const double n = std::nearbyint(mul_rn(x, kInvLn2));
+#endif
+  const double r = sub_rn(sub_rn(x, mul_rn(n, kLn2Hi)), mul_rn(n, kLn2Lo));
+  // Horner with the coefficients 1/k! for k = 13..0, each step p = fl(fl(p * r) + c); the
+  // literals are the reference's `1.0 / math.factorial(k)`, correctly rounded alike.
+  double p = 1.0 / 6227020800.0;                // 1/13!
+  p = add_rn(mul_rn(p, r), 1.0 / 479001600.0);  // 1/12!
+  p = add_rn(mul_rn(p, r), 1.0 / 39916800.0);   // 1/11!
+  p = add_rn(mul_rn(p, r), 1.0 / 3628800.0);    // 1/10!
+  p = add_rn(mul_rn(p, r), 1.0 / 362880.0);     // 1/9!
+  p = add_rn(mul_rn(p, r), 1.0 / 40320.0);      // 1/8!
+  p = add_rn(mul_rn(p, r), 1.0 / 5040.0);       // 1/7!
+  p = add_rn(mul_rn(p, r), 1.0 / 720.0);        // 1/6!
+  p = add_rn(mul_rn(p, r), 1.0 / 120.0);        // 1/5!
+  p = add_rn(mul_rn(p, r), 1.0 / 24.0);         // 1/4!
+  p = add_rn(mul_rn(p, r), 1.0 / 6.0);          // 1/3!
+  p = add_rn(mul_rn(p, r), 1.0 / 2.0);          // 1/2!
+  p = add_rn(mul_rn(p, r), 1.0);                // 1/1!
+  p = add_rn(mul_rn(p, r), 1.0);                // 1/0!
+  // 2**n from its exponent bits: |n| <= 1010 keeps it a normal number.
+  const std::int64_t bits = (static_cast<std::int64_t>(n) + 1023) << 52;
+#if defined(__CUDA_ARCH__)
+  const double two_n = __longlong_as_double(bits);
+#else
+  double two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+#endif
+  return mul_rn(p, two_n);
+}
+
+// sigmoid(a) = fp32(1 / (1 + exp(-a))) computed in float64 and rounded once, as the reference.
+MOK_HD inline float sigmoid(float a) {
+  const double s = div_rn(1.0, add_rn(1.0, exp_f64(-static_cast<double>(a))));
+#if defined(__CUDA_ARCH__)
+  return __double2float_rn(s);
+#else
+  return static_cast<float>(s);
+#endif
+}
+
+// ------------------------------------------------------------------ SwiGLU
+
+// The optional gpt-oss clamp `a <= limit`, `-limit <= b <= limit`. The limit is used as an
+// fp32 value: torch compares and clamps an fp32 tensor against a Python float in fp32.
+struct SwigluLimit {
+  bool on = false;
+  float limit = 0.0f;
+};
+
+// min(a, limit), NaN passing through (torch.clamp).
+MOK_HD inline float clamp_gate(float a, SwigluLimit lim) {
+  return lim.on && a > lim.limit ? lim.limit : a;
+}
+
+// clamp(b, -limit, limit), NaN passing through (torch.clamp).
+MOK_HD inline float clamp_up(float b, SwigluLimit lim) {
+  if (!lim.on) return b;
+  if (b < -lim.limit) return -lim.limit;
+  return b > lim.limit ? lim.limit : b;
+}
+
+// h = bf16((a_c * sigmoid(a_c)) * b_c): the forward activation of one element.
+MOK_HD inline std::uint16_t swiglu_h(std::uint16_t a, std::uint16_t b, SwigluLimit lim) {
+  const float af = clamp_gate(bf16_to_float(a), lim);
+  const float bf = clamp_up(bf16_to_float(b), lim);
+  return float_to_bf16(mul_rn(mul_rn(af, sigmoid(af)), bf));
+}
+
+// The SwiGLU backward of one element i of a row.
+struct SwigluGrad {
+  float h;            // fp32(h), h recomputed as in the forward (bf16 value)
+  std::uint16_t d_a;  // bf16 gradient of the pre-activation a
+  std::uint16_t d_b;  // bf16 gradient of the pre-activation b
+};
+
+// g: the unweighted down-projection input gradient (dy @ Wd)[i]; w: the row's router weight
+// (1 for an unweighted row: w * g is then exactly g). The router-weight gradient of the row is
+// the sequential sum over i of fl(g * h), which the caller accumulates.
+//
+//   d_h = w * g;  d_silu = s * (1 + a_c * (1 - s));  d_a = (d_h * b_c) * d_silu;
+//   d_b = d_h * silu;  zero where the clamp bit (a > limit, |b| > limit, or NaN)
+MOK_HD inline SwigluGrad swiglu_backward(float g, float w, std::uint16_t a, std::uint16_t b,
+                                         SwigluLimit lim) {
+  const float a_raw = bf16_to_float(a);
+  const float b_raw = bf16_to_float(b);
+  const float af = clamp_gate(a_raw, lim);
+  const float bf = clamp_up(b_raw, lim);
+  const float s = sigmoid(af);
+  const float silu = mul_rn(af, s);
+  const float h = bf16_to_float(float_to_bf16(mul_rn(silu, bf)));
+  const float d_h = mul_rn(w, g);
+  const float d_silu = mul_rn(s, add_rn(1.0f, mul_rn(af, sub_rn(1.0f, s))));
+  float d_a = mul_rn(mul_rn(d_h, bf), d_silu);
+  float d_b = mul_rn(d_h, silu);
+  if (lim.on) {
+    // The clamp passes gradient only where it did not bite (a comparison with NaN is false).
+    if (!(a_raw <= lim.limit)) d_a = 0.0f;
+    if (!((b_raw < 0.0f ? -b_raw : b_raw) <= lim.limit)) d_b = 0.0f;
+  }
+  return {h, float_to_bf16(d_a), float_to_bf16(d_b)};
+}
+
+// bf16(w * dy): the down-projection weight gradient's left operand, rounded to bf16 as the
+// kernels feed it to the tensor cores (w = 1 leaves dy unchanged).
+MOK_HD inline std::uint16_t weighted_bf16(float w, float dy) {
+  return float_to_bf16(mul_rn(w, dy));
+}
+
+}  // namespace mok::core
