@@ -303,16 +303,26 @@ def test_bad_mxfp8_arguments():
         mok.forward(odd_h, ws_h, sched_h, small.x_TH, small.router_weights_TK, small.routed)
 
 
-@pytest.mark.parametrize("per_row", [False, True], ids=["grouped", "per-row"])
-def test_cpu_backend_in_mxfp8_is_bitwise_the_reference(per_row, monkeypatch):
-    """mok-core's transport moving MXFP8 rows, the experts in PyTorch: the reference's bits.
+@pytest.mark.parametrize(
+    "per_row,kernels", [(False, True), (False, False), (True, True), (True, False)],
+    ids=["grouped-kernels", "grouped-pytorch", "per-row-kernels", "per-row-pytorch"],
+)  # fmt: skip
+def test_cpu_backend_in_mxfp8_is_bitwise_the_reference(per_row, kernels, monkeypatch):
+    """mok-core's transport moving MXFP8 rows; the experts in mok-mxfp8's CPU entry points
+    (kernels) or in PyTorch: the reference's bits.
 
     per-row: the GPU's plan (every row of the capacity in static minibatches, each row with its
-    expert, no host read), run on the CPU, so the cuda backend's MXFP8 path is covered here.
+    expert, no host read), run on the CPU; with the PyTorch experts it is the cuda backend's
+    MXFP8 path, covered here.
     """
     if "cpu" not in mok.backends.registered_backends():
         pytest.skip("the native cpu backend is not installed (mok-core missing)")
     import mok_torch.backends.native as native
+
+    if kernels and native._mxfp8_kernels("cpu") is None:
+        pytest.skip("the installed mok-mxfp8 has no CPU expert entry points")
+    if not kernels:
+        monkeypatch.setattr(native, "_mxfp8_kernels", lambda device_type: None)
 
     if per_row:
         plan = native.NativeBackend._rows_plan

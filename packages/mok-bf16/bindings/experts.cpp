@@ -1,29 +1,15 @@
 // Python bindings of the expert entry points (include/mok/bf16/experts.h).
 #include <pybind11/stl.h>
 
-#include <cmath>
 #include <cstdint>
 #include <optional>
-#include <stdexcept>
 #include <string>
 
 #include "mok/bf16/experts.h"
+#include "mok/core/pybind/swiglu_limit.h"
 #include "register.h"
 
 namespace mok::bf16::bindings {
-namespace {
-
-// None: no clamp. The limit is applied in fp32, as torch applies a Python float to fp32 data.
-SwigluLimit to_limit(const char* fn, std::optional<double> limit) {
-  if (!limit) return {};
-  if (!(*limit >= 0.0)) {
-    throw std::invalid_argument(std::string(fn) + ": limit must be None or a number >= 0, got " +
-                                std::to_string(*limit));
-  }
-  return {true, static_cast<float>(*limit)};
-}
-
-}  // namespace
 
 void register_experts(pybind11::module_& m) {
   namespace py = pybind11;
@@ -44,7 +30,7 @@ void register_experts(pybind11::module_& m) {
         a.out_b = out_b;
         a.out_y = out_y;
         a.shape = {num_rows, hidden, inner, num_experts};
-        a.limit = to_limit("swiglu_forward", limit);
+        a.limit = core::swiglu_limit("swiglu_forward", limit);
         a.num_threads = num_threads;
         swiglu_forward(device, a, stream);
       },
@@ -87,7 +73,7 @@ void register_experts(pybind11::module_& m) {
         args.acc_gate_up = acc_gate_up;
         args.acc_down = acc_down;
         args.shape = {num_rows, hidden, inner, num_experts};
-        args.limit = to_limit("swiglu_backward", limit);
+        args.limit = core::swiglu_limit("swiglu_backward", limit);
         args.num_threads = num_threads;
         swiglu_backward(device, args, stream);
       },

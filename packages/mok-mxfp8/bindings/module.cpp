@@ -5,4 +5,5 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "mok MXFP8 quantization and FP8 expert kernels (no torch dependency)";
   mok::mxfp8::bindings::register_build_info(m);
   mok::mxfp8::bindings::register_quantize(m);
+  mok::mxfp8::bindings::register_experts(m);
 }

@@ -9,11 +9,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._C import build_info, quantize, version
+from ._C import build_info, quantize, swiglu_backward, swiglu_forward, version
 
 __version__: str = version()
 
-__all__ = ["__version__", "backend_info", "build_info", "quantize", "version"]
+__all__ = [
+    "__version__",
+    "backend_info",
+    "build_info",
+    "quantize",
+    "swiglu_backward",
+    "swiglu_forward",
+    "version",
+]
 
 
 def backend_info() -> dict[str, Any]:

@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 from typing import Any
 
 import torch
 
 from ...config import MoKConfig, resolve_batching
-from ...mxfp8 import pack_rows, unpack_rows
+from ...mxfp8 import MXFP8Tensor, mxfp8_quantize, pack_rows, unpack_rows
 from ...structs import ForwardContext, Grads, Schedule
 from ...workspace import Workspace
 from ..reference import expert_weights
@@ -56,16 +57,27 @@ from .transport import Transport, raise_transport_error
 Weights3 = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-@functools.cache
-def _expert_kernels(device_type: str) -> Any | None:
-    """The mok_bf16 module when it has the expert entry points for `device_type`, else None."""
+def _entry_points(module: str, device_type: str) -> Any | None:
+    """The compiled package `module` when it has the expert entry points for `device_type`."""
     if device_type != "cpu":  # no CUDA kernels yet
         return None
     try:
-        import mok_bf16
+        mod = importlib.import_module(module)
     except ImportError:
         return None
-    return mok_bf16 if hasattr(mok_bf16, "swiglu_forward") and hasattr(mok_bf16, "swiglu_backward") else None
+    return mod if hasattr(mod, "swiglu_forward") and hasattr(mod, "swiglu_backward") else None
+
+
+@functools.cache
+def _expert_kernels(device_type: str) -> Any | None:
+    """mok_bf16's expert entry points for `device_type`, or None."""
+    return _entry_points("mok_bf16", device_type)
+
+
+@functools.cache
+def _mxfp8_kernels(device_type: str) -> Any | None:
+    """mok_mxfp8's MXFP8 expert entry points for `device_type`, or None."""
+    return _entry_points("mok_mxfp8", device_type)
 
 
 def _row_experts(sched: Schedule, rows: int) -> torch.Tensor:
@@ -92,8 +104,9 @@ class _Experts:
 
     def __init__(self, bf16: Any, weights: Weights3, limit: float | None) -> None:
         self.bf16, self.limit = bf16, limit
-        self.wg, self.wu, self.wd = (w.contiguous() for w in weights)
-        self.El, self.I, self.H = self.wg.shape
+        self._keep = [w.contiguous() for w in weights]
+        self.wg, self.wu, self.wd = (_ptr(w) for w in self._keep)
+        self.El, self.I, self.H = self._keep[0].shape
         self.threads = torch.get_num_threads()
 
     def forward(
@@ -102,7 +115,7 @@ class _Experts:
     ) -> None:  # fmt: skip
         """a, b (and y unless None) of the rows, written into the given tensors."""
         self.bf16.swiglu_forward(
-            "cpu", _ptr(x_MH), _ptr(experts_M), _ptr(self.wg), _ptr(self.wu), _ptr(self.wd),
+            "cpu", _ptr(x_MH), _ptr(experts_M), self.wg, self.wu, self.wd,
             _ptr(a_MI), _ptr(b_MI), _ptr(y_MH), x_MH.shape[0], self.H, self.I, self.El, self.limit, self.threads,
         )  # fmt: skip
 
@@ -114,10 +127,31 @@ class _Experts:
         """dx and d_w of the rows (w None: unweighted), into the given tensors; the weight
         gradients added in place, each expert's rows in order."""
         self.bf16.swiglu_backward(
-            "cpu", _ptr(x_MH), _ptr(a_MI), _ptr(b_MI), _ptr(dy_MH), _ptr(w_M), _ptr(experts_M), _ptr(self.wg),
-            _ptr(self.wu), _ptr(self.wd), _ptr(dx_MH), _ptr(d_w_M), _ptr(d_gate_up_E2IH), _ptr(d_down_EHI),
+            "cpu", _ptr(x_MH), _ptr(a_MI), _ptr(b_MI), _ptr(dy_MH), _ptr(w_M), _ptr(experts_M), self.wg,
+            self.wu, self.wd, _ptr(dx_MH), _ptr(d_w_M), _ptr(d_gate_up_E2IH), _ptr(d_down_EHI),
             x_MH.shape[0], self.H, self.I, self.El, self.limit, self.threads,
         )  # fmt: skip
+
+
+class _MxExperts(_Experts):
+    """mok_mxfp8's expert entry points: the same calls as _Experts, with x and dy as MXFP8 rows
+    and the weights quantized both ways (the user's MXFP8Tensor, or bf16 quantized here)."""
+
+    def __init__(self, mx: Any, weights: tuple, limit: float | None) -> None:
+        self.bf16, self.limit = mx, limit  # the entry points have the same names and order
+        q = [w if isinstance(w, MXFP8Tensor) else mxfp8_quantize(w) for w in weights]
+        quads: list[tuple[int, ...]] = []
+        self._keep = []
+        for w in q:
+            parts = [
+                t.view(torch.uint8).contiguous() for t in (w.data, w.scales, w.data_t, w.scales_t) if t is not None
+            ]
+            assert len(parts) == 4, "MXFP8 weights need both copies (checked by the functional API)"
+            self._keep += parts
+            quads.append(tuple(t.data_ptr() for t in parts))
+        self.wg, self.wu, self.wd = quads  # type: ignore[assignment]
+        self.El, self.I, self.H = q[0].shape
+        self.threads = torch.get_num_threads()
 
 
 def _on(ws: Workspace) -> Any:
@@ -225,9 +259,13 @@ class NativeBackend:
     def _stream(self, tr: Transport) -> int:
         return tr._stream()
 
-    def _routed_kernels(self, cfg: MoKConfig) -> Any | None:
-        """mok-bf16's entry points for the routed experts (bf16 only: MXFP8 runs in PyTorch)."""
-        return self.expert_kernels if cfg.precision == "bf16" else None
+    def _routed_experts(self, cfg: MoKConfig, routed: tuple) -> _Experts | None:
+        """The compiled routed experts for cfg's precision on this device, or None (PyTorch)."""
+        if cfg.precision == "mxfp8":
+            mx = _mxfp8_kernels(self.device_type)
+            return None if mx is None else _MxExperts(mx, routed, cfg.swiglu_limit)
+        kernels = self.expert_kernels
+        return None if kernels is None else _Experts(kernels, routed, cfg.swiglu_limit)
 
     @staticmethod
     def _write_rows(cfg: MoKConfig, tr: Transport, field: str, rows_TH: torch.Tensor) -> None:
@@ -346,9 +384,8 @@ class NativeBackend:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         H, K, inner = ws.hidden_size, ws.topk, routed[2].shape[2]
         rows, macro, mini, offsets = self._rows_plan(cfg, ws, sched, inner)
-        kernels = self._routed_kernels(cfg)
-        if kernels is not None:
-            experts = _Experts(kernels, routed, cfg.swiglu_limit)
+        experts = self._routed_experts(cfg, routed)
+        if experts is not None:
             experts_R = _row_experts(sched, rows)
         else:
             weights = expert_weights(cfg, routed)
@@ -367,8 +404,8 @@ class NativeBackend:
                 xs = ring_x[ring]
                 tr.pull(xs, "x_src", table, route_divisor=K, num_workers=cfg.fwd_num_comm_sms)
                 y: torch.Tensor | None = None
-                if kernels is not None:
-                    y = torch.empty_like(xs) if outputs else None
+                if experts is not None:
+                    y = torch.empty(mhi - mlo, H, dtype=BF16, device=dev) if outputs else None
                     experts.forward(experts_R[mlo:mhi], xs, ring_a[ring], ring_b[ring], y)
                 else:
                     r = _Rows(sched, mlo, mhi, offsets, weights)
@@ -470,9 +507,8 @@ class NativeBackend:
         dev, nw = ws.device, cfg.bwd_num_comm_sms
         d_gate_up = torch.zeros(El, 2 * inner, H, dtype=torch.float32, device=dev)
         d_down = torch.zeros(El, H, inner, dtype=torch.float32, device=dev)
-        kernels = self._routed_kernels(cfg)
-        if kernels is not None:
-            experts = _Experts(kernels, routed, cfg.swiglu_limit)
+        experts = self._routed_experts(cfg, routed)
+        if experts is not None:
             experts_R = _row_experts(sched, rows)
         else:
             weights = expert_weights(cfg, routed)
@@ -491,7 +527,7 @@ class NativeBackend:
                 tr.pull(dys, "dy_src", table, route_divisor=K, num_workers=nw)
                 wr = torch.empty(mhi - mlo, dtype=torch.float32, device=dev)
                 tr.pull(wr, "w_src", table, route_divisor=1, num_workers=nw)
-                if kernels is not None:
+                if experts is not None:
                     experts_M = experts_R[mlo:mhi]
                     if m == 0:
                         a, b = ctx.a_MI[ring], ctx.b_MI[ring]
@@ -499,7 +535,7 @@ class NativeBackend:
                         a = torch.empty(mhi - mlo, inner, dtype=BF16, device=dev)
                         b = torch.empty_like(a)
                         experts.forward(experts_M, xs, a, b)
-                    dx, d_w = torch.empty_like(dys), torch.empty_like(wr)
+                    dx, d_w = torch.empty(mhi - mlo, H, dtype=BF16, device=dev), torch.empty_like(wr)
                     experts.backward(experts_M, xs, a, b, dys, wr, dx, d_w, d_gate_up, d_down)
                 else:
                     r = _Rows(sched, mlo, mhi, offsets, weights)

@@ -1,0 +1,99 @@
+// Python bindings of the MXFP8 expert entry points (include/mok/mxfp8/experts.h).
+#include "mok/mxfp8/experts.h"
+
+#include <pybind11/stl.h>
+
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "mok/core/pybind/swiglu_limit.h"
+#include "register.h"
+
+namespace mok::mxfp8::bindings {
+namespace {
+
+using Quad = std::array<std::uintptr_t, 4>;
+
+MxWeight weight(const Quad& q) { return {q[0], q[1], q[2], q[3]}; }
+
+}  // namespace
+
+void register_experts(pybind11::module_& m) {
+  namespace py = pybind11;
+  m.def(
+      "swiglu_forward",
+      [](const std::string& device, std::uintptr_t x, std::uintptr_t experts, const Quad& gate,
+         const Quad& up, const Quad& down, std::uintptr_t out_a, std::uintptr_t out_b,
+         std::uintptr_t out_y, std::int64_t num_rows, std::int64_t hidden, std::int64_t inner,
+         std::int64_t num_experts, std::optional<double> limit, std::int64_t num_threads,
+         std::uintptr_t stream) {
+        MxForwardArgs a;
+        a.x = x;
+        a.experts = experts;
+        a.gate = weight(gate);
+        a.up = weight(up);
+        a.down = weight(down);
+        a.out_a = out_a;
+        a.out_b = out_b;
+        a.out_y = out_y;
+        a.shape = {num_rows, hidden, inner, num_experts};
+        a.limit = core::swiglu_limit("swiglu_forward", limit);
+        a.num_threads = num_threads;
+        swiglu_forward(device, a, stream);
+      },
+      py::arg("device"), py::arg("x"), py::arg("experts"), py::arg("gate"), py::arg("up"),
+      py::arg("down"), py::arg("out_a"), py::arg("out_b"), py::arg("out_y"), py::arg("num_rows"),
+      py::arg("hidden"), py::arg("inner"), py::arg("num_experts"), py::arg("limit") = py::none(),
+      py::arg("num_threads") = 1, py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+      "MXFP8 SwiGLU expert forward on M table rows (docs/mxfp8.md). x: uint8 MXFP8 rows [M, H + "
+      "H/32]; experts: int64 [M] in [-1, El) (-1: padding, zero outputs); gate, up, down: "
+      "(data, scales, data_t, scales_t) addresses of mok.mxfp8_quantize's copies of Wg, Wu [El, I, "
+      "H] and Wd [El, H, I]. Writes out_a, out_b = bf16 pre-activations [M, I] and, unless out_y "
+      "is 0, out_y = bf16(Q_I(h) @ Wd^T) [M, H]. Every reduction in blocks of 32, each block's "
+      "partial summed from +0: the reference backend's MXFP8 bits. device 'cpu'; 'cuda' raises "
+      "RuntimeError (no GPU kernels yet). Raises ValueError naming a bad argument.");
+  m.def(
+      "swiglu_backward",
+      [](const std::string& device, std::uintptr_t x, std::uintptr_t a, std::uintptr_t b,
+         std::uintptr_t dy, std::uintptr_t router_weights, std::uintptr_t experts, const Quad& gate,
+         const Quad& up, const Quad& down, std::uintptr_t out_dx, std::uintptr_t out_d_w,
+         std::uintptr_t acc_gate_up, std::uintptr_t acc_down, std::int64_t num_rows,
+         std::int64_t hidden, std::int64_t inner, std::int64_t num_experts,
+         std::optional<double> limit, std::int64_t num_threads, std::uintptr_t stream) {
+        MxBackwardArgs args;
+        args.x = x;
+        args.a = a;
+        args.b = b;
+        args.dy = dy;
+        args.router_weights = router_weights;
+        args.experts = experts;
+        args.gate = weight(gate);
+        args.up = weight(up);
+        args.down = weight(down);
+        args.out_dx = out_dx;
+        args.out_d_w = out_d_w;
+        args.acc_gate_up = acc_gate_up;
+        args.acc_down = acc_down;
+        args.shape = {num_rows, hidden, inner, num_experts};
+        args.limit = core::swiglu_limit("swiglu_backward", limit);
+        args.num_threads = num_threads;
+        swiglu_backward(device, args, stream);
+      },
+      py::arg("device"), py::arg("x"), py::arg("a"), py::arg("b"), py::arg("dy"),
+      py::arg("router_weights"), py::arg("experts"), py::arg("gate"), py::arg("up"),
+      py::arg("down"), py::arg("out_dx"), py::arg("out_d_w"), py::arg("acc_gate_up"),
+      py::arg("acc_down"), py::arg("num_rows"), py::arg("hidden"), py::arg("inner"),
+      py::arg("num_experts"), py::arg("limit") = py::none(), py::arg("num_threads") = 1,
+      py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+      "MXFP8 SwiGLU expert backward on M table rows (docs/mxfp8.md). x, dy: MXFP8 rows; a, b: "
+      "bf16 [M, I]; router_weights: fp32 [M] or 0 (ones); experts and weights as in "
+      "swiglu_forward. Writes out_dx (bf16 [M, H]) and out_d_w (fp32 [M]); adds the weight "
+      "gradients to acc_gate_up (fp32 [El, 2I, H]) and acc_down (fp32 [El, H, I]), operands "
+      "quantized along rows in 32-row blocks from the call's first row, which must be a table row "
+      "at a multiple of 32 (a block holding two experts is an error). Bits as the reference "
+      "backend's MXFP8; device and errors as in swiglu_forward.");
+}
+
+}  // namespace mok::mxfp8::bindings

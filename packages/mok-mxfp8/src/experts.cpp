@@ -1,0 +1,127 @@
+// The MXFP8 expert entry points' host side: argument checks and the device dispatch.
+#include <cstdint>
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+#include "mok/mxfp8/experts.h"
+
+namespace mok::mxfp8 {
+namespace {
+
+[[noreturn]] void invalid(const std::string& fn, const std::string& what) {
+  throw std::invalid_argument(fn + ": " + what);
+}
+
+std::string got(std::int64_t v) { return ", got " + std::to_string(v); }
+
+void check_pointer(const std::string& fn, const std::string& name, std::uintptr_t p,
+                   std::uintptr_t align) {
+  if (p == 0) invalid(fn, name + " must not be 0 (a null pointer)");
+  if (p % align != 0) invalid(fn, name + " must be aligned to " + std::to_string(align) + " bytes");
+}
+
+void check_weight(const std::string& fn, const std::string& name, const MxWeight& w) {
+  check_pointer(fn, name + ".data", w.data, 1);
+  check_pointer(fn, name + ".scales", w.scales, 1);
+  check_pointer(fn, name + ".data_t", w.data_t, 1);
+  check_pointer(fn, name + ".scales_t", w.scales_t, 1);
+}
+
+void check_common(const std::string& fn, const MxExpertShape& s, SwigluLimit limit,
+                  std::int64_t num_threads, std::uintptr_t experts) {
+  if (s.num_rows < 0) invalid(fn, "num_rows must be >= 0" + got(s.num_rows));
+  if (s.hidden <= 0 || s.hidden % kBlock)
+    invalid(fn, "hidden must be a positive multiple of 32" + got(s.hidden));
+  if (s.inner <= 0 || s.inner % kBlock)
+    invalid(fn, "inner must be a positive multiple of 32" + got(s.inner));
+  if (s.num_experts < 1) invalid(fn, "num_experts must be >= 1" + got(s.num_experts));
+  constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max() / 16;
+  const std::int64_t wide = s.hidden > 2 * s.inner ? s.hidden : 2 * s.inner;
+  if ((s.num_rows > 0 && wide > kMax / s.num_rows) || s.inner > kMax / s.hidden ||
+      s.num_experts > kMax / (2 * s.inner * s.hidden)) {
+    invalid(fn, "the arrays are too large");
+  }
+  if (limit.on && !(limit.limit >= 0.0f)) invalid(fn, "limit must be None or a number >= 0");
+  if (num_threads < 1 || num_threads > kMaxExpertThreads) {
+    invalid(fn, "num_threads must be in [1, " + std::to_string(kMaxExpertThreads) + "]" +
+                    got(num_threads));
+  }
+  if (s.num_rows == 0) return;
+  check_pointer(fn, "experts", experts, 8);
+  // Every expert id in [-1, El), and every 32-row block holding at most one expert.
+  const auto* e = reinterpret_cast<const std::int64_t*>(experts);
+  std::int64_t block_expert = -1;
+  for (std::int64_t m = 0; m < s.num_rows; ++m) {
+    if (m % kBlock == 0) block_expert = -1;
+    if (e[m] < -1 || e[m] >= s.num_experts) {
+      invalid(fn, "experts[" + std::to_string(m) + "] must be in [-1, num_experts = " +
+                      std::to_string(s.num_experts) + ")" + got(e[m]));
+    }
+    if (e[m] >= 0) {
+      if (block_expert >= 0 && e[m] != block_expert) {
+        invalid(fn,
+                "rows " + std::to_string(m / kBlock * kBlock) + ".." +
+                    std::to_string(m / kBlock * kBlock + kBlock - 1) +
+                    " hold two experts: the call must start at a table row that is a multiple of "
+                    "32, with segments aligned to multiples of 32");
+      }
+      block_expert = e[m];
+    }
+  }
+}
+
+[[noreturn]] void no_cuda(const std::string& fn) {
+  throw std::runtime_error(fn +
+                           ": device=\"cuda\": the MXFP8 expert kernels for the GPU are not "
+                           "written yet (the CPU implementation runs with device=\"cpu\")");
+}
+
+void check_device(const std::string& fn, const std::string& device) {
+  if (device != "cpu" && device != "cuda") {
+    invalid(fn, "device must be \"cpu\" or \"cuda\", got \"" + device + "\"");
+  }
+}
+
+}  // namespace
+
+void swiglu_forward(const std::string& device, const MxForwardArgs& args,
+                    std::uintptr_t /*stream*/) {
+  const std::string fn = "swiglu_forward";
+  check_device(fn, device);
+  check_common(fn, args.shape, args.limit, args.num_threads, args.experts);
+  if (args.shape.num_rows == 0) return;
+  check_pointer(fn, "x", args.x, 1);
+  check_weight(fn, "gate", args.gate);
+  check_weight(fn, "up", args.up);
+  if (args.out_y != 0) check_weight(fn, "down", args.down);
+  check_pointer(fn, "out_a", args.out_a, 2);
+  check_pointer(fn, "out_b", args.out_b, 2);
+  if (args.out_y % 2 != 0) invalid(fn, "out_y must be aligned to 2 bytes");
+  if (device == "cuda") no_cuda(fn);
+  swiglu_forward_cpu(args);
+}
+
+void swiglu_backward(const std::string& device, const MxBackwardArgs& args,
+                     std::uintptr_t /*stream*/) {
+  const std::string fn = "swiglu_backward";
+  check_device(fn, device);
+  check_common(fn, args.shape, args.limit, args.num_threads, args.experts);
+  if (args.shape.num_rows == 0) return;
+  check_pointer(fn, "x", args.x, 1);
+  check_pointer(fn, "a", args.a, 2);
+  check_pointer(fn, "b", args.b, 2);
+  check_pointer(fn, "dy", args.dy, 1);
+  if (args.router_weights % 4 != 0) invalid(fn, "router_weights must be aligned to 4 bytes");
+  check_weight(fn, "gate", args.gate);
+  check_weight(fn, "up", args.up);
+  check_weight(fn, "down", args.down);
+  check_pointer(fn, "out_dx", args.out_dx, 2);
+  check_pointer(fn, "out_d_w", args.out_d_w, 4);
+  check_pointer(fn, "acc_gate_up", args.acc_gate_up, 4);
+  check_pointer(fn, "acc_down", args.acc_down, 4);
+  if (device == "cuda") no_cuda(fn);
+  swiglu_backward_cpu(args);
+}
+
+}  // namespace mok::mxfp8

@@ -1,0 +1,293 @@
+// The CPU implementation of the MXFP8 experts (mok/mxfp8/experts.h).
+//
+// Plain loops in the reference's order: every GEMM element is a sum over blocks of 32, each
+// block's partial a sequential fp32 sum from +0; the weight gradients add, per expert and in
+// ascending order, the partials of its 32-row blocks. Threads split rows (the row phases),
+// 32-row blocks (quantizing the weight-gradient operands along rows) and accumulator rows
+// (the weight gradients); they change who computes an element, never how.
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <vector>
+
+#include "mok/core/threads.h"
+#include "mok/mxfp8/experts.h"
+
+namespace mok::mxfp8 {
+namespace {
+
+using core::add_rn;
+using core::bf16_to_float;
+using core::float_bits;
+using core::float_to_bf16;
+using core::mac_rn;
+using core::parallel_items;
+using core::parallel_ranges;
+using u8 = std::uint8_t;
+using u16 = std::uint16_t;
+
+constexpr std::int64_t kWgradRows = 8;  // accumulator rows per weight-gradient work item
+
+// fp32 values of every E4M3 and E8M0 byte.
+struct Tables {
+  std::array<float, 256> e4m3{};
+  std::array<float, 256> scale{};
+  Tables() {
+    for (int b = 0; b < 256; ++b) {
+      e4m3[b] = decode_e4m3(static_cast<u8>(b));
+      scale[b] = scale_value(static_cast<u8>(b));
+    }
+  }
+};
+
+const Tables& tables() {
+  static const Tables t;
+  return t;
+}
+
+// A weight [El, R, C] as values: normal (blocks along C) and transposed (blocks along R).
+struct WeightView {
+  const u8* data;
+  const u8* scales;
+  const u8* data_t;
+  const u8* scales_t;
+  std::int64_t R, C;
+
+  WeightView(const MxWeight& w, std::int64_t rows, std::int64_t cols)
+      : data(reinterpret_cast<const u8*>(w.data)),
+        scales(reinterpret_cast<const u8*>(w.scales)),
+        data_t(reinterpret_cast<const u8*>(w.data_t)),
+        scales_t(reinterpret_cast<const u8*>(w.scales_t)),
+        R(rows),
+        C(cols) {}
+
+  // w[e, r, c] quantized along C (the normal copy).
+  float along_c(std::int64_t e, std::int64_t r, std::int64_t c) const {
+    const Tables& t = tables();
+    return t.e4m3[data[(e * R + r) * C + c]] *
+           t.scale[scales[(e * (C / kBlock) + c / kBlock) * R + r]];
+  }
+
+  // w[e, r, c] quantized along R (the transposed copy holds w^T [El, C, R]).
+  float along_r(std::int64_t e, std::int64_t r, std::int64_t c) const {
+    const Tables& t = tables();
+    return t.e4m3[data_t[(e * C + c) * R + r]] *
+           t.scale[scales_t[(e * (R / kBlock) + r / kBlock) * C + c]];
+  }
+};
+
+// Values of one MXFP8 row of `cols` elements (cols E4M3 bytes, then cols/32 scales).
+void row_values(const u8* row, std::int64_t cols, float* out) {
+  const Tables& t = tables();
+  for (std::int64_t c = 0; c < cols; ++c) out[c] = t.e4m3[row[c]] * t.scale[row[cols + c / kBlock]];
+}
+
+// in[0, n) quantized in blocks of 32 (RCEIL) and dequantized, in place.
+void fake_quantize(float* values, std::int64_t n) {
+  const Tables& t = tables();
+  for (std::int64_t j = 0; j < n; j += kBlock) {
+    u8 q[kBlock];
+    const u8 s = quantize_block(
+        kBlock, ScaleRule::kRceil, [&](int i) { return float_bits(values[j + i]); },
+        [&](int i, u8 v) { q[i] = v; });
+    for (int i = 0; i < kBlock; ++i) values[j + i] = t.e4m3[q[i]] * t.scale[s];
+  }
+}
+
+// sum over blocks of 32 of (sum_k in[k] * w(k)): the blocked reduction of one output element.
+template <typename Weight>
+float blocked_dot(const float* in, std::int64_t K, const Weight& w) {
+  float acc = 0.0f;
+  for (std::int64_t k0 = 0; k0 < K; k0 += kBlock) {
+    float part = 0.0f;
+    for (std::int64_t k = k0; k < k0 + kBlock; ++k) part = mac_rn(part, in[k], w(k));
+    acc = add_rn(acc, part);
+  }
+  return acc;
+}
+
+// The expert of each 32-row block (-1: padding only), from the rows' experts.
+std::vector<std::int64_t> block_experts(const std::int64_t* experts, std::int64_t M) {
+  std::vector<std::int64_t> out(static_cast<std::size_t>((M + kBlock - 1) / kBlock), -1);
+  for (std::int64_t m = 0; m < M; ++m) {
+    if (experts[m] >= 0) out[static_cast<std::size_t>(m / kBlock)] = experts[m];
+  }
+  return out;
+}
+
+// Columns of u [M, N] quantized along rows in 32-row blocks (rows past M are zero): the
+// weight-gradient operand, [blocks * 32, N] values.
+std::vector<float> quantize_along_rows(const std::vector<float>& u, std::int64_t M, std::int64_t N,
+                                       std::int64_t num_threads) {
+  const std::int64_t blocks = (M + kBlock - 1) / kBlock;
+  std::vector<float> out(static_cast<std::size_t>(blocks * kBlock * N), 0.0f);
+  parallel_ranges(blocks * N, num_threads, [&](std::int64_t begin, std::int64_t end) {
+    float column[kBlock];
+    for (std::int64_t item = begin; item < end; ++item) {
+      const std::int64_t blk = item / N, n = item % N;
+      for (std::int64_t i = 0; i < kBlock; ++i) {
+        const std::int64_t m = blk * kBlock + i;
+        column[i] = m < M ? u[static_cast<std::size_t>(m * N + n)] : 0.0f;
+      }
+      fake_quantize(column, kBlock);
+      for (std::int64_t i = 0; i < kBlock; ++i)
+        out[static_cast<std::size_t>((blk * kBlock + i) * N + n)] = column[i];
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------ forward
+
+void swiglu_forward_cpu(const MxForwardArgs& args) {
+  const std::int64_t M = args.shape.num_rows, H = args.shape.hidden, I = args.shape.inner;
+  const auto* x = reinterpret_cast<const u8*>(args.x);
+  const auto* experts = reinterpret_cast<const std::int64_t*>(args.experts);
+  auto* out_a = reinterpret_cast<u16*>(args.out_a);
+  auto* out_b = reinterpret_cast<u16*>(args.out_b);
+  auto* out_y = reinterpret_cast<u16*>(args.out_y);
+  const WeightView gate(args.gate, I, H), up(args.up, I, H), down(args.down, H, I);
+  const std::int64_t row_bytes = H + H / kBlock;
+
+  parallel_ranges(M, args.num_threads, [&](std::int64_t begin, std::int64_t end) {
+    std::vector<float> xv(static_cast<std::size_t>(H)), h(static_cast<std::size_t>(I));
+    for (std::int64_t m = begin; m < end; ++m) {
+      const std::int64_t e = experts[m];
+      if (e < 0) {  // padding
+        std::fill(out_a + m * I, out_a + (m + 1) * I, u16{0});
+        std::fill(out_b + m * I, out_b + (m + 1) * I, u16{0});
+        if (out_y != nullptr) std::fill(out_y + m * H, out_y + (m + 1) * H, u16{0});
+        continue;
+      }
+      row_values(x + m * row_bytes, H, xv.data());
+      for (std::int64_t i = 0; i < I; ++i) {
+        const u16 a = float_to_bf16(
+            blocked_dot(xv.data(), H, [&](std::int64_t k) { return gate.along_c(e, i, k); }));
+        const u16 b = float_to_bf16(
+            blocked_dot(xv.data(), H, [&](std::int64_t k) { return up.along_c(e, i, k); }));
+        out_a[m * I + i] = a;
+        out_b[m * I + i] = b;
+        h[i] = bf16_to_float(core::swiglu_h(a, b, args.limit));
+      }
+      if (out_y == nullptr) continue;
+      fake_quantize(h.data(), I);  // h is quantized along I before the down GEMM
+      for (std::int64_t j = 0; j < H; ++j) {
+        out_y[m * H + j] = float_to_bf16(
+            blocked_dot(h.data(), I, [&](std::int64_t i) { return down.along_c(e, j, i); }));
+      }
+    }
+  });
+}
+
+// ------------------------------------------------------------------ backward
+
+void swiglu_backward_cpu(const MxBackwardArgs& args) {
+  const std::int64_t M = args.shape.num_rows, H = args.shape.hidden, I = args.shape.inner;
+  const std::int64_t El = args.shape.num_experts;
+  const auto* x = reinterpret_cast<const u8*>(args.x);
+  const auto* a = reinterpret_cast<const u16*>(args.a);
+  const auto* b = reinterpret_cast<const u16*>(args.b);
+  const auto* dy = reinterpret_cast<const u8*>(args.dy);
+  const auto* router_weights = reinterpret_cast<const float*>(args.router_weights);
+  const auto* experts = reinterpret_cast<const std::int64_t*>(args.experts);
+  auto* out_dx = reinterpret_cast<u16*>(args.out_dx);
+  auto* out_d_w = reinterpret_cast<float*>(args.out_d_w);
+  auto* acc_gate_up = reinterpret_cast<float*>(args.acc_gate_up);
+  auto* acc_down = reinterpret_cast<float*>(args.acc_down);
+  const WeightView gate(args.gate, I, H), up(args.up, I, H), down(args.down, H, I);
+  const std::int64_t row_bytes = H + H / kBlock;
+
+  // The weight gradients' operands, per row (values; zero rows for padding).
+  std::vector<float> xs(static_cast<std::size_t>(M * H), 0.0f),
+      w_dy(static_cast<std::size_t>(M * H), 0.0f);
+  std::vector<float> h(static_cast<std::size_t>(M * I), 0.0f),
+      d_ab(static_cast<std::size_t>(M * 2 * I), 0.0f);
+
+  // Phase 1, rows independent: g, d_w, d_a, d_b, dx.
+  parallel_ranges(M, args.num_threads, [&](std::int64_t begin, std::int64_t end) {
+    std::vector<float> dyv(static_cast<std::size_t>(H)), g(static_cast<std::size_t>(I));
+    std::vector<float> dab_q(static_cast<std::size_t>(2 * I));
+    for (std::int64_t m = begin; m < end; ++m) {
+      const std::int64_t e = experts[m];
+      if (e < 0) {  // padding
+        std::fill(out_dx + m * H, out_dx + (m + 1) * H, u16{0});
+        out_d_w[m] = 0.0f;
+        continue;
+      }
+      const float w = router_weights != nullptr ? router_weights[m] : 1.0f;
+      row_values(x + m * row_bytes, H, xs.data() + m * H);
+      row_values(dy + m * row_bytes, H, dyv.data());
+      // g = dy @ Wd, Wd quantized along H (its transposed copy)
+      for (std::int64_t i = 0; i < I; ++i) {
+        g[i] = blocked_dot(dyv.data(), H, [&](std::int64_t j) { return down.along_r(e, j, i); });
+      }
+      float d_w = 0.0f;
+      for (std::int64_t i = 0; i < I; ++i) {
+        const core::SwigluGrad grad =
+            core::swiglu_backward(g[i], w, a[m * I + i], b[m * I + i], args.limit);
+        d_w = mac_rn(d_w, g[i], grad.h);
+        h[m * I + i] = grad.h;
+        d_ab[m * 2 * I + i] = bf16_to_float(grad.d_a);
+        d_ab[m * 2 * I + I + i] = bf16_to_float(grad.d_b);
+      }
+      out_d_w[m] = d_w;
+      // dx = Q([d_a, d_b]) @ [Wg; Wu], the weights quantized along I: one reduction over 2I.
+      std::copy(d_ab.begin() + m * 2 * I, d_ab.begin() + (m + 1) * 2 * I, dab_q.begin());
+      fake_quantize(dab_q.data(), 2 * I);
+      for (std::int64_t j = 0; j < H; ++j) {
+        out_dx[m * H + j] = float_to_bf16(blocked_dot(dab_q.data(), 2 * I, [&](std::int64_t c) {
+          return c < I ? gate.along_r(e, c, j) : up.along_r(e, c - I, j);
+        }));
+        w_dy[m * H + j] = bf16_to_float(core::weighted_bf16(w, dyv[j]));
+      }
+    }
+  });
+
+  // Phase 2: the operands quantized along rows, in 32-row blocks.
+  const std::vector<float> w_dy_q = quantize_along_rows(w_dy, M, H, args.num_threads);
+  const std::vector<float> h_q = quantize_along_rows(h, M, I, args.num_threads);
+  const std::vector<float> d_ab_q = quantize_along_rows(d_ab, M, 2 * I, args.num_threads);
+  const std::vector<float> x_q = quantize_along_rows(xs, M, H, args.num_threads);
+  const std::vector<std::int64_t> block_expert = block_experts(experts, M);
+  const auto num_blocks = static_cast<std::int64_t>(block_expert.size());
+
+  // Phase 3, the weight gradients: work items are kWgradRows accumulator rows of one expert
+  // (first the 2I rows of d[Wg; Wu], then the H rows of dWd); each adds the partials of the
+  // expert's 32-row blocks in ascending order.
+  const std::int64_t gate_up_items = (2 * I + kWgradRows - 1) / kWgradRows;
+  const std::int64_t down_items = (H + kWgradRows - 1) / kWgradRows;
+  const std::int64_t per_expert = gate_up_items + down_items;
+  parallel_items(El * per_expert, args.num_threads, [&](std::int64_t item) {
+    const std::int64_t e = item / per_expert, k = item % per_expert;
+    const bool gate_up = k < gate_up_items;
+    const std::int64_t J = gate_up ? 2 * I : H, N = gate_up ? H : I;
+    const std::int64_t j0 = (gate_up ? k : k - gate_up_items) * kWgradRows;
+    const std::int64_t j1 = std::min(j0 + kWgradRows, J);
+    const std::vector<float>& u = gate_up ? d_ab_q : w_dy_q;
+    const std::vector<float>& v = gate_up ? x_q : h_q;
+    float* acc = gate_up ? acc_gate_up + e * 2 * I * H : acc_down + e * H * I;
+    std::vector<float> part(static_cast<std::size_t>((j1 - j0) * N));
+    for (std::int64_t blk = 0; blk < num_blocks; ++blk) {
+      if (block_expert[static_cast<std::size_t>(blk)] != e) continue;
+      std::fill(part.begin(), part.end(), 0.0f);
+      for (std::int64_t r = blk * kBlock; r < std::min((blk + 1) * kBlock, M); ++r) {
+        if (experts[r] < 0) continue;  // a zero row adds nothing
+        const float* v_r = v.data() + r * N;
+        for (std::int64_t j = j0; j < j1; ++j) {
+          const float u_rj = u[static_cast<std::size_t>(r * J + j)];
+          float* p = part.data() + (j - j0) * N;
+          for (std::int64_t n = 0; n < N; ++n) p[n] = mac_rn(p[n], u_rj, v_r[n]);
+        }
+      }
+      for (std::int64_t j = j0; j < j1; ++j) {
+        float* acc_j = acc + j * N;
+        const float* p = part.data() + (j - j0) * N;
+        for (std::int64_t n = 0; n < N; ++n) acc_j[n] = add_rn(acc_j[n], p[n]);
+      }
+    }
+  });
+}
+
+}  // namespace mok::mxfp8
