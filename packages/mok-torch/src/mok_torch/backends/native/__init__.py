@@ -103,7 +103,7 @@ class _Experts:
     """
 
     def __init__(self, bf16: Any, weights: Weights3, limit: float | None) -> None:
-        self.bf16, self.limit = bf16, limit
+        self.entry, self.limit = bf16, limit  # the module with the entry points
         self._keep = [w.contiguous() for w in weights]
         self.wg, self.wu, self.wd = (_ptr(w) for w in self._keep)
         self.El, self.I, self.H = self._keep[0].shape
@@ -114,7 +114,7 @@ class _Experts:
         y_MH: torch.Tensor | None = None,
     ) -> None:  # fmt: skip
         """a, b (and y unless None) of the rows, written into the given tensors."""
-        self.bf16.swiglu_forward(
+        self.entry.swiglu_forward(
             "cpu", _ptr(x_MH), _ptr(experts_M), self.wg, self.wu, self.wd,
             _ptr(a_MI), _ptr(b_MI), _ptr(y_MH), x_MH.shape[0], self.H, self.I, self.El, self.limit, self.threads,
         )  # fmt: skip
@@ -126,7 +126,7 @@ class _Experts:
     ) -> None:  # fmt: skip
         """dx and d_w of the rows (w None: unweighted), into the given tensors; the weight
         gradients added in place, each expert's rows in order."""
-        self.bf16.swiglu_backward(
+        self.entry.swiglu_backward(
             "cpu", _ptr(x_MH), _ptr(a_MI), _ptr(b_MI), _ptr(dy_MH), _ptr(w_M), _ptr(experts_M), self.wg,
             self.wu, self.wd, _ptr(dx_MH), _ptr(d_w_M), _ptr(d_gate_up_E2IH), _ptr(d_down_EHI),
             x_MH.shape[0], self.H, self.I, self.El, self.limit, self.threads,
@@ -138,7 +138,7 @@ class _MxExperts(_Experts):
     and the weights quantized both ways (the user's MXFP8Tensor, or bf16 quantized here)."""
 
     def __init__(self, mx: Any, weights: tuple, limit: float | None) -> None:
-        self.bf16, self.limit = mx, limit  # the entry points have the same names and order
+        self.entry, self.limit = mx, limit  # the entry points have the same names and order
         q = [w if isinstance(w, MXFP8Tensor) else mxfp8_quantize(w) for w in weights]
         quads: list[tuple[int, ...]] = []
         self._keep = []
