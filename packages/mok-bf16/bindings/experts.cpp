@@ -95,6 +95,46 @@ void register_experts(pybind11::module_& m) {
       "rows get dx = 0, d_w = 0 and add nothing. Bitwise mok-torch's reference (row_backward, "
       "accumulate_wgrads). num_threads: CPU threads over rows, then over experts' accumulator "
       "rows (the bits do not depend on it). Devices and errors as in swiglu_forward.");
+
+  m.def(
+      "grouped_forward",
+      [](const std::string& device, std::uintptr_t x, std::uintptr_t offsets, std::uintptr_t w_gate,
+         std::uintptr_t w_up, std::uintptr_t w_down, std::uintptr_t out_a, std::uintptr_t out_b,
+         std::uintptr_t out_h, std::uintptr_t out_y, std::int64_t num_rows, std::int64_t hidden,
+         std::int64_t inner, std::int64_t num_experts, std::optional<double> limit,
+         std::int64_t num_sms, std::int64_t num_threads, std::uintptr_t stream) {
+        GroupedForwardArgs a;
+        a.x = x;
+        a.offsets = offsets;
+        a.w_gate = w_gate;
+        a.w_up = w_up;
+        a.w_down = w_down;
+        a.out_a = out_a;
+        a.out_b = out_b;
+        a.out_h = out_h;
+        a.out_y = out_y;
+        a.shape = {num_rows, hidden, inner, num_experts};
+        a.limit = core::swiglu_limit("grouped_forward", limit);
+        a.num_sms = num_sms;
+        a.num_threads = num_threads;
+        grouped_forward(device, a, stream);
+      },
+      py::arg("device"), py::arg("x"), py::arg("offsets"), py::arg("w_gate"), py::arg("w_up"),
+      py::arg("w_down"), py::arg("out_a"), py::arg("out_b"), py::arg("out_h"), py::arg("out_y"),
+      py::arg("num_rows"), py::arg("hidden"), py::arg("inner"), py::arg("num_experts"),
+      py::arg("limit") = py::none(), py::arg("num_sms") = 0, py::arg("num_threads") = 1,
+      py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+      "SwiGLU expert forward over segments of consecutive rows (the schedule table's layout): "
+      "rows [offsets[e], offsets[e+1]) of x (bf16 [M, H]) belong to local expert e; offsets: "
+      "int64 [El + 1]. Writes out_a, out_b (bf16 [M, I]: x @ Wg^T, x @ Wu^T rounded to bf16), "
+      "out_h (bf16 [M, I]: bf16(silu(a_c) * b_c), 0 allowed when out_y is 0) and, unless out_y "
+      "is 0, out_y = bf16(h @ Wd^T) (bf16 [M, H]); rows outside every segment are not written. "
+      "'cuda': tensor-core GEMMs (sm_90a wgmma, fp32 accumulation in one fixed order: a row's "
+      "bits do not depend on the other rows, the grid or num_sms), the offsets read on the "
+      "device only (clamped to [0, M]); H and I multiples of 64, El <= 1024, 16-byte aligned "
+      "arrays. 'cpu': the reference arithmetic (as swiglu_forward), offsets checked. num_sms: "
+      "most CTAs per GEMM on cuda (0: every SM); num_threads: CPU threads. Raises ValueError "
+      "naming a bad argument.");
 }
 
 }  // namespace mok::bf16::bindings

@@ -1,4 +1,5 @@
 // The expert entry points' host side: argument checks and the device dispatch.
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <stdexcept>
@@ -140,6 +141,67 @@ void swiglu_backward(std::string_view device, const SwigluBackwardArgs& a, std::
   if (!rows) return;
   check_experts(fn, a.experts, s);
   swiglu_backward_cpu(a);
+}
+
+void grouped_forward(std::string_view device, const GroupedForwardArgs& a, std::uintptr_t stream) {
+  constexpr std::string_view fn = "grouped_forward";
+  const Device kind = parse_device(device, fn);
+  const ExpertShape& s = a.shape;
+  check_shape(fn, s);
+  check_limit(fn, a.limit);
+  check_threads(fn, a.num_threads);
+  if (a.num_sms < 0) invalid(fn, "num_sms must be >= 0 (0: every SM)" + got(a.num_sms));
+  const bool rows = s.num_rows > 0;
+  const bool gemm = rows && s.hidden > 0 && s.inner > 0;
+  // The copy engine reads 16-byte aligned arrays; the CPU loops any bf16 array.
+  const std::uintptr_t al = kind == Device::kCuda ? 16 : 2;
+  check_pointer(fn, "x", a.x, al, rows && s.hidden > 0);
+  check_pointer(fn, "offsets", a.offsets, 8, true);
+  check_pointer(fn, "w_gate", a.w_gate, al, gemm);
+  check_pointer(fn, "w_up", a.w_up, al, gemm);
+  check_pointer(fn, "out_a", a.out_a, al, rows && s.inner > 0);
+  check_pointer(fn, "out_b", a.out_b, al, rows && s.inner > 0);
+  check_pointer(fn, "out_y", a.out_y, al, false);
+  check_pointer(fn, "out_h", a.out_h, al, gemm && a.out_y != 0);
+  check_pointer(fn, "w_down", a.w_down, al, gemm && a.out_y != 0);
+  if (kind == Device::kCuda) {
+    // The tensor-core tiles: 64 columns of bf16 per copy, every dimension a multiple of it.
+    if (s.hidden % 64 != 0 || s.hidden == 0) {
+      invalid(fn, "hidden must be a positive multiple of 64 on cuda" + got(s.hidden));
+    }
+    if (s.inner % 64 != 0 || s.inner == 0) {
+      invalid(fn, "inner must be a positive multiple of 64 on cuda" + got(s.inner));
+    }
+    if (s.num_experts > kMaxGroupedExperts) {
+      invalid(fn, "num_experts must be <= " + std::to_string(kMaxGroupedExperts) + " on cuda" +
+                      got(s.num_experts));
+    }
+    constexpr std::int64_t kMaxInt = std::numeric_limits<std::int32_t>::max();
+    if (s.num_rows > kMaxInt || s.num_experts * std::max(s.inner, s.hidden) > kMaxInt) {
+      invalid(fn, "num_rows and num_experts * max(hidden, inner) must fit int32 on cuda");
+    }
+#if MOK_WITH_CUDA
+    if (!rows) return;
+    grouped_forward_cuda(a, stream);
+    return;
+#else
+    (void)stream;
+    throw std::runtime_error(
+        "grouped_forward: device=\"cuda\" but mok-bf16 was built without CUDA (MOK_CUDA=OFF, or "
+        "no nvcc when it was built)");
+#endif
+  }
+  // The CPU reads the offsets: check them before anything is written.
+  const auto* off = reinterpret_cast<const std::int64_t*>(a.offsets);
+  for (std::int64_t e = 0; e <= s.num_experts; ++e) {
+    const std::int64_t lo = e == 0 ? 0 : off[e - 1];
+    if (off[e] < lo || off[e] > s.num_rows) {
+      invalid(fn,
+              "offsets must be non-decreasing within [0, num_rows = " + std::to_string(s.num_rows) +
+                  "]: offsets[" + std::to_string(e) + "]" + got(off[e]));
+    }
+  }
+  if (gemm || rows) grouped_forward_cpu(a);
 }
 
 }  // namespace mok::bf16

@@ -261,4 +261,34 @@ void swiglu_backward_cpu(const SwigluBackwardArgs& args) {
   });
 }
 
+// Each segment through the per-row forward with every row's expert set to the segment's, then
+// h from the written a and b; rows outside the segments are left alone.
+void grouped_forward_cpu(const GroupedForwardArgs& args) {
+  const std::int64_t El = args.shape.num_experts, H = args.shape.hidden, I = args.shape.inner;
+  const auto* offsets = reinterpret_cast<const std::int64_t*>(args.offsets);
+  for (std::int64_t e = 0; e < El; ++e) {
+    const std::int64_t lo = offsets[e], n = offsets[e + 1] - lo;
+    if (n == 0) continue;
+    const std::vector<std::int64_t> experts(static_cast<std::size_t>(n), e);
+    SwigluForwardArgs f;
+    f.x = args.x + static_cast<std::uintptr_t>(lo * H * 2);
+    f.experts = reinterpret_cast<std::uintptr_t>(experts.data());
+    f.w_gate = args.w_gate;
+    f.w_up = args.w_up;
+    f.w_down = args.w_down;
+    f.out_a = args.out_a + static_cast<std::uintptr_t>(lo * I * 2);
+    f.out_b = args.out_b + static_cast<std::uintptr_t>(lo * I * 2);
+    f.out_y = args.out_y == 0 ? 0 : args.out_y + static_cast<std::uintptr_t>(lo * H * 2);
+    f.shape = {n, H, I, El};
+    f.limit = args.limit;
+    f.num_threads = args.num_threads;
+    swiglu_forward_cpu(f);
+    if (args.out_h == 0) continue;
+    const auto* a = reinterpret_cast<const u16*>(f.out_a);
+    const auto* b = reinterpret_cast<const u16*>(f.out_b);
+    auto* h = reinterpret_cast<u16*>(args.out_h) + lo * I;
+    for (std::int64_t i = 0; i < n * I; ++i) h[i] = mok::core::swiglu_h(a[i], b[i], args.limit);
+  }
+}
+
 }  // namespace mok::bf16

@@ -21,6 +21,26 @@ def swiglu_forward(
     num_threads: int = 1,
     stream: int = 0,
 ) -> None: ...
+def grouped_forward(
+    device: str,
+    x: int,
+    offsets: int,
+    w_gate: int,
+    w_up: int,
+    w_down: int,
+    out_a: int,
+    out_b: int,
+    out_h: int,
+    out_y: int,
+    num_rows: int,
+    hidden: int,
+    inner: int,
+    num_experts: int,
+    limit: float | None = None,
+    num_sms: int = 0,
+    num_threads: int = 1,
+    stream: int = 0,
+) -> None: ...
 def swiglu_backward(
     device: str,
     x: int,

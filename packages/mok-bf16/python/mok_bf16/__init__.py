@@ -12,6 +12,11 @@ Expert entry points (``include/mok/bf16/experts.h``), bitwise mok-torch's refere
   weight gradients accumulated in place (each expert's rows in ascending order).
 
 They run on the CPU so far (``device="cpu"``); ``"cuda"`` raises until the kernels land.
+
+- ``grouped_forward``: the forward over segments of consecutive rows (the schedule table's
+  layout). On ``"cuda"`` it runs the sm_90a tensor-core GEMMs (``cuda/grouped_gemm.cuh``):
+  deterministic and batch invariant, but each element is one fixed-order fp32 sum of the
+  tensor cores, not the reference's sequential one; on ``"cpu"`` the reference arithmetic.
 ``exp_f64`` and ``sigmoid`` expose the element functions they share, for tests.
 """
 
@@ -19,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._C import build_info, exp_f64, sigmoid, swiglu_backward, swiglu_forward, version
+from ._C import build_info, exp_f64, grouped_forward, sigmoid, swiglu_backward, swiglu_forward, version
 
 __version__: str = version()
 
@@ -28,6 +33,7 @@ __all__ = [
     "backend_info",
     "build_info",
     "exp_f64",
+    "grouped_forward",
     "sigmoid",
     "swiglu_backward",
     "swiglu_forward",

@@ -1,4 +1,4 @@
-"""The `mok` command: `mok demo`, `mok info`, `mok bench`, `mok bench-transport`, `mok bench-quantize`."""
+"""The `mok` command: `mok demo`, `mok info`, `mok bench` and the component benchmarks `mok bench-*`."""
 
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ COMMANDS = {
     "bench": ("the layer benchmark against baselines (torchrun for several GPUs)", "mok_torch.bench:main"),
     "bench-transport": ("dispatch/combine GB/s, barrier latency, schedule time", "mok_torch.bench.transport:main"),
     "bench-quantize": ("MXFP8 quantizer GB/s (activations, weights) against the HBM copy rate", None),
+    "bench-experts": ("BF16 expert GEMMs (GPU) against torch._grouped_mm and the dense matmul rate", None),
 }
 
 
@@ -65,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         from mok_torch.bench.quantize import main as quantize_main
 
         return quantize_main(rest)
+    if command == "bench-experts":
+        from mok_torch.bench.experts import main as experts_main
+
+        return experts_main(rest)
     if command == "bench":
         from mok_torch.bench import main as bench_main
 

@@ -90,6 +90,37 @@ struct SwigluBackwardArgs {
   std::int64_t num_threads = 1;  // CPU threads: over rows, then over experts' output blocks
 };
 
+// grouped_forward: the forward over experts' segments of consecutive rows, the layout of the
+// schedule table (DESIGN.md §4): rows [offsets[e], offsets[e+1]) belong to local expert e.
+//
+//   [a, b] = x @ [Wg_e; Wu_e]^T,  h = bf16(silu(a_c) * b_c),  y = h @ Wd_e^T
+//
+// On "cuda" these are the tensor-core GEMMs (cuda/grouped_gemm.cuh): each element an fp32 sum
+// over K in one fixed order (blocks of 64, wgmma k16 steps ascending), then rounded to bf16;
+// not the reference's sequential sum, but the same bits for a row wherever it sits, whatever
+// the other rows, the grid or the SM count. h is the reference's element math applied to a and
+// b. On "cpu" the reference arithmetic (as swiglu_forward). The offsets stay in device memory
+// on "cuda" (never read by the host): out-of-range offsets are clamped to [0, M] and a segment
+// ending before it starts is empty. Rows outside every segment are not written.
+struct GroupedForwardArgs {
+  std::uintptr_t x = 0;        // bf16 [M, H]
+  std::uintptr_t offsets = 0;  // int64 [El + 1]: segment starts, non-decreasing, in [0, M]
+  std::uintptr_t w_gate = 0;   // bf16 [El, I, H]
+  std::uintptr_t w_up = 0;     // bf16 [El, I, H]
+  std::uintptr_t w_down = 0;   // bf16 [El, H, I]; may be 0 when out_y is 0
+  std::uintptr_t out_a = 0;    // bf16 [M, I]
+  std::uintptr_t out_b = 0;    // bf16 [M, I]
+  std::uintptr_t out_h = 0;    // bf16 [M, I]; required when out_y is given (the down GEMM's A)
+  std::uintptr_t out_y = 0;    // bf16 [M, H], or 0
+  ExpertShape shape;
+  SwigluLimit limit;
+  std::int64_t num_sms = 0;      // CUDA: most CTAs per GEMM (0: every SM of the device)
+  std::int64_t num_threads = 1;  // CPU threads
+};
+
+// Largest El of grouped_forward on "cuda" (the tile list lives in shared memory).
+inline constexpr std::int64_t kMaxGroupedExperts = 1024;
+
 // Checked calls. `device` is "cpu" or "cuda"; `stream` a cudaStream_t as an integer (unused on
 // the CPU). Throw std::invalid_argument (Python ValueError) naming a bad argument, and
 // std::runtime_error for "cuda", which has no kernels yet. On "cpu" the expert ids are checked
@@ -97,9 +128,14 @@ struct SwigluBackwardArgs {
 void swiglu_forward(std::string_view device, const SwigluForwardArgs& args, std::uintptr_t stream);
 void swiglu_backward(std::string_view device, const SwigluBackwardArgs& args,
                      std::uintptr_t stream);
+void grouped_forward(std::string_view device, const GroupedForwardArgs& args,
+                     std::uintptr_t stream);
 
 // The CPU implementations, for arguments already checked.
 void swiglu_forward_cpu(const SwigluForwardArgs& args);
 void swiglu_backward_cpu(const SwigluBackwardArgs& args);
+void grouped_forward_cpu(const GroupedForwardArgs& args);
+// The CUDA implementation (built with CUDA only), for checked arguments.
+void grouped_forward_cuda(const GroupedForwardArgs& args, std::uintptr_t stream);
 
 }  // namespace mok::bf16

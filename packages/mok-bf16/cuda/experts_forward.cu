@@ -1,0 +1,165 @@
+// The grouped SwiGLU forward on the GPU: two persistent wgmma GEMMs over the experts' segments.
+//
+//   gate/up:  [a, b] = x @ [Wg_e; Wu_e]^T  (one pass over x, both weights; BN = 128 per weight)
+//             epilogue: a, b rounded to bf16, h = bf16(silu(a_c) * b_c) by mok-core's element
+//             math (the reference's, bit for bit, given a and b)
+//   down:     y = h @ Wd_e^T                (BN = 256)
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "grouped_gemm.cuh"
+#include "hopper.cuh"
+#include "mok/bf16/experts.h"
+#include "mok/core/bf16.h"
+#include "mok/core/expert_math.h"
+
+namespace mok::bf16 {
+namespace {
+
+using gemm::Accumulators;
+using gemm::frag_col;
+using gemm::frag_row;
+using gemm::Tile;
+
+constexpr int kGateUpN = 128;
+constexpr int kDownN = 256;
+constexpr int kStages = 4;
+
+// Two bf16 bit patterns as one 32-bit store (low half first in memory).
+__device__ inline void store_pair(std::uint16_t* p, std::uint16_t lo, std::uint16_t hi) {
+  *reinterpret_cast<std::uint32_t*>(p) =
+      static_cast<std::uint32_t>(lo) | (static_cast<std::uint32_t>(hi) << 16);
+}
+
+struct GateUpEpilogue {
+  std::uint16_t* a;
+  std::uint16_t* b;
+  std::uint16_t* h;  // may be null
+  int inner;
+  core::SwigluLimit limit;
+
+  __device__ void operator()(const Tile& tile, int consumer,
+                             Accumulators<kGateUpN, true>& acc) const {
+    const int t = threadIdx.x % 128;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const std::int64_t row = tile.row0 + 64 * consumer + frag_row(t, 2 * half);
+      if (row >= tile.row_end) continue;
+#pragma unroll
+      for (int j = 0; j < kGateUpN / 8; ++j) {
+        const int col = tile.col0 + frag_col(t, j, 0);
+        if (col >= inner) continue;
+        const int q = 4 * j + 2 * half;
+        const std::uint16_t a0 = core::float_to_bf16(acc.d0[q]);
+        const std::uint16_t a1 = core::float_to_bf16(acc.d0[q + 1]);
+        const std::uint16_t b0 = core::float_to_bf16(acc.d1[q]);
+        const std::uint16_t b1 = core::float_to_bf16(acc.d1[q + 1]);
+        const std::int64_t at = row * inner + col;
+        store_pair(a + at, a0, a1);
+        store_pair(b + at, b0, b1);
+        if (h != nullptr) {
+          store_pair(h + at, core::swiglu_h(a0, b0, limit), core::swiglu_h(a1, b1, limit));
+        }
+      }
+    }
+  }
+};
+
+struct StoreEpilogue {
+  std::uint16_t* out;
+  int n;
+
+  __device__ void operator()(const Tile& tile, int consumer,
+                             Accumulators<kDownN, false>& acc) const {
+    const int t = threadIdx.x % 128;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const std::int64_t row = tile.row0 + 64 * consumer + frag_row(t, 2 * half);
+      if (row >= tile.row_end) continue;
+#pragma unroll
+      for (int j = 0; j < kDownN / 8; ++j) {
+        const int col = tile.col0 + frag_col(t, j, 0);
+        if (col >= n) continue;
+        const int q = 4 * j + 2 * half;
+        store_pair(out + row * n + col, core::float_to_bf16(acc.d0[q]),
+                   core::float_to_bf16(acc.d0[q + 1]));
+      }
+    }
+  }
+};
+
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    throw std::runtime_error(std::string("grouped_forward: ") + what + ": " +
+                             cudaGetErrorString(err));
+  }
+}
+
+// Launches one grouped GEMM on `stream` with at most `num_sms` CTAs.
+template <int kBlockN, bool kDual, class Epilogue>
+void launch(const CUtensorMap& map_a, const CUtensorMap& map_b0, const CUtensorMap& map_b1,
+            const gemm::Problem& p, const Epilogue& epilogue, int num_sms, cudaStream_t stream) {
+  using R = gemm::Ring<kBlockN, kDual, kStages>;
+  auto* kernel = gemm::grouped_gemm_kernel<kBlockN, kDual, kStages, Epilogue>;
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, R::kSharedBytes),
+        "setting the shared memory size");
+  // No more CTAs than tiles can exist: every expert adds at most one partial row tile.
+  const std::int64_t n_tiles = (p.n + kBlockN - 1) / kBlockN;
+  const std::int64_t most =
+      ((p.num_rows + gemm::kBlockM - 1) / gemm::kBlockM + p.num_experts) * n_tiles;
+  const int grid =
+      static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>(num_sms, most)));
+  kernel<<<grid, gemm::kThreads, R::kSharedBytes, stream>>>(map_a, map_b0, map_b1, p, epilogue);
+  check(cudaGetLastError(), "launching the GEMM");
+}
+
+int device_sms() {
+  int device = 0;
+  check(cudaGetDevice(&device), "cudaGetDevice");
+  int sms = 0;
+  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
+        "reading the SM count");
+  return sms;
+}
+
+}  // namespace
+
+void grouped_forward_cuda(const GroupedForwardArgs& args, std::uintptr_t stream_handle) {
+  const ExpertShape& s = args.shape;
+  auto* stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  const int sms = args.num_sms > 0 ? static_cast<int>(args.num_sms) : device_sms();
+  const auto* x = reinterpret_cast<const void*>(args.x);
+  const std::uint64_t M = static_cast<std::uint64_t>(s.num_rows);
+  const std::uint64_t H = static_cast<std::uint64_t>(s.hidden);
+  const std::uint64_t I = static_cast<std::uint64_t>(s.inner);
+  const std::uint64_t El = static_cast<std::uint64_t>(s.num_experts);
+
+  const CUtensorMap map_x = hopper::make_tensor_map(x, M, H, gemm::kBlockM);
+  const CUtensorMap map_wg =
+      hopper::make_tensor_map(reinterpret_cast<const void*>(args.w_gate), El * I, H, kGateUpN);
+  const CUtensorMap map_wu =
+      hopper::make_tensor_map(reinterpret_cast<const void*>(args.w_up), El * I, H, kGateUpN);
+  const gemm::Problem gate_up{reinterpret_cast<const std::int64_t*>(args.offsets), s.num_rows,
+                              static_cast<int>(s.num_experts), static_cast<int>(s.inner),
+                              static_cast<int>(s.hidden)};
+  const GateUpEpilogue e1{
+      reinterpret_cast<std::uint16_t*>(args.out_a), reinterpret_cast<std::uint16_t*>(args.out_b),
+      reinterpret_cast<std::uint16_t*>(args.out_h), static_cast<int>(I), args.limit};
+  launch<kGateUpN, true>(map_x, map_wg, map_wu, gate_up, e1, sms, stream);
+  if (args.out_y == 0) return;
+
+  const CUtensorMap map_h =
+      hopper::make_tensor_map(reinterpret_cast<const void*>(args.out_h), M, I, gemm::kBlockM);
+  const CUtensorMap map_wd =
+      hopper::make_tensor_map(reinterpret_cast<const void*>(args.w_down), El * H, I, kDownN);
+  const gemm::Problem down{gate_up.offsets, s.num_rows, gate_up.num_experts,
+                           static_cast<int>(s.hidden), static_cast<int>(s.inner)};
+  const StoreEpilogue e2{reinterpret_cast<std::uint16_t*>(args.out_y), static_cast<int>(H)};
+  launch<kDownN, false>(map_h, map_wd, map_wd, down, e2, sms, stream);
+}
+
+}  // namespace mok::bf16

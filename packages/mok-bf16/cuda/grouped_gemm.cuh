@@ -1,0 +1,234 @@
+// The grouped GEMM of the experts on sm_90a: C_e = A[rows of segment e] @ B_e^T for every local
+// expert e, both operands K-major bf16, fp32 accumulators, an epilogue per output tile.
+//
+// Segments are rows [offsets[e], offsets[e+1]) of A, read from device memory (the schedule
+// table's), never by the host. A CTA is persistent: it walks output tiles t = blockIdx.x,
+// blockIdx.x + gridDim.x, ... of the list "expert by expert, then column tile, then row tile"
+// (row tiles fastest, so the CTAs of a wave share the expert's B tiles). Warpgroup 0 is the
+// producer (one thread issues the copy engine's loads into a ring of kStages stages), warpgroups
+// 1 and 2 the consumers: each owns 64 of the tile's 128 rows and issues wgmma for them.
+//
+// Determinism (DESIGN.md §2): an output element is one CTA's fp32 sum over K in blocks of 64,
+// each block four wgmma k16 steps in ascending order, with no split of K. Nothing depends on
+// which CTA computes a tile, on the grid size, on where the tile's rows sit in A or on the other
+// rows of the tile: a row's result depends only on that row and the expert's weights, so the
+// GEMMs are batch invariant and invariant under any split of the rows into calls.
+#pragma once
+
+#include <cstdint>
+
+#include "hopper.cuh"
+
+namespace mok::bf16::gemm {
+
+inline constexpr int kBlockM = 128;   // rows of an output tile (two consumer warpgroups)
+inline constexpr int kBlockK = 64;    // K per stage: one 128-byte swizzle row of bf16
+inline constexpr int kThreads = 384;  // producer warpgroup + two consumer warpgroups
+inline constexpr int kMaxExperts = 1024;
+
+// What the tile walk needs, in device memory or by value.
+struct Problem {
+  const std::int64_t* offsets;  // [El + 1] segment starts (device)
+  std::int64_t num_rows;        // rows of A (offsets are clamped to [0, num_rows])
+  int num_experts;              // El in [1, kMaxExperts]
+  int n;                        // output columns per expert (a multiple of 64)
+  int k;                        // reduction size (a multiple of 64)
+};
+
+// The tile list of a CTA: per-expert tile counts, prefix-summed in shared memory.
+struct TileList {
+  int* prefix;  // [El + 1] in shared memory: tiles before expert e
+  int n_tiles;  // column tiles per expert
+
+  // Fills `prefix` (one warp; the caller synchronises the CTA afterwards).
+  __device__ void build(const Problem& p, int block_n, int lane) {
+    n_tiles = (p.n + block_n - 1) / block_n;
+    const int per_lane = (p.num_experts + 31) / 32;
+    const int first = lane * per_lane;
+    int sum = 0;
+    for (int e = first; e < first + per_lane && e < p.num_experts; ++e) sum += tiles_of(p, e);
+    int before = sum;  // inclusive scan across the warp, then exclusive
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int v = __shfl_up_sync(0xFFFFFFFFu, before, d);
+      if (lane >= d) before += v;
+    }
+    before -= sum;
+    for (int e = first; e < first + per_lane && e < p.num_experts; ++e) {
+      prefix[e] = before;
+      before += tiles_of(p, e);
+    }
+    if (lane == 31) prefix[p.num_experts] = before;
+  }
+
+  __device__ int total(const Problem& p) const { return prefix[p.num_experts]; }
+
+  __device__ int tiles_of(const Problem& p, int e) const {
+    const std::int64_t lo = segment_start(p, e), hi = segment_end(p, e);
+    return static_cast<int>((hi - lo + kBlockM - 1) / kBlockM) * n_tiles;
+  }
+
+  __device__ static std::int64_t clamp_row(const Problem& p, std::int64_t r) {
+    return r < 0 ? 0 : (r > p.num_rows ? p.num_rows : r);
+  }
+  __device__ static std::int64_t segment_start(const Problem& p, int e) {
+    return clamp_row(p, p.offsets[e]);
+  }
+  __device__ static std::int64_t segment_end(const Problem& p, int e) {
+    const std::int64_t lo = segment_start(p, e), hi = clamp_row(p, p.offsets[e + 1]);
+    return hi < lo ? lo : hi;
+  }
+};
+
+// One output tile: expert, first row of A, end of the expert's rows, first column.
+struct Tile {
+  int expert;
+  std::int64_t row0;
+  std::int64_t row_end;
+  int col0;
+};
+
+__device__ inline Tile locate(const Problem& p, const TileList& list, int t, int block_n) {
+  int lo = 0, hi = p.num_experts - 1;  // the last expert whose prefix is <= t
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (list.prefix[mid] <= t)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  const int local = t - list.prefix[lo];
+  const std::int64_t start = TileList::segment_start(p, lo);
+  const std::int64_t end = TileList::segment_end(p, lo);
+  const int m_tiles = static_cast<int>((end - start + kBlockM - 1) / kBlockM);
+  return {lo, start + static_cast<std::int64_t>(local % m_tiles) * kBlockM, end,
+          (local / m_tiles) * block_n};
+}
+
+// The shared-memory ring: stage s holds A [128 x 64], B0 [BN x 64] and, for a dual GEMM (two
+// weight matrices against the same rows, as gate and up), B1 [BN x 64].
+template <int kBlockN, bool kDual, int kStages>
+struct Ring {
+  static constexpr int kABytes = kBlockM * kBlockK * 2;
+  static constexpr int kBBytes = kBlockN * kBlockK * 2;
+  static constexpr int kStageBytes = kABytes + (kDual ? 2 : 1) * kBBytes;
+  static constexpr int kBytes = kStages * kStageBytes;
+  static constexpr int kSharedBytes = kBytes + 1024;  // + alignment of the swizzled tiles
+
+  unsigned char* base;  // 1024-byte aligned
+  __device__ unsigned char* a(int s) const { return base + s * kStageBytes; }
+  __device__ unsigned char* b0(int s) const { return a(s) + kABytes; }
+  __device__ unsigned char* b1(int s) const { return b0(s) + kBBytes; }
+};
+
+// The accumulators of one consumer warpgroup: 64 rows x BN columns per weight matrix.
+template <int kBlockN, bool kDual>
+struct Accumulators {
+  float d0[kBlockN / 2];
+  float d1[kDual ? kBlockN / 2 : 1];
+};
+
+// Where the fragment element (j, q) of thread `t` of a consumer warpgroup sits in the tile.
+__device__ inline int frag_row(int t, int q) { return 16 * (t / 32) + (t % 32) / 4 + 8 * (q / 2); }
+__device__ inline int frag_col(int t, int j, int q) { return 8 * j + 2 * (t % 4) + (q % 2); }
+
+// The persistent kernel. Epilogue: `void operator()(const Tile&, int consumer,
+// Accumulators&) const` on the consumer warpgroup's 128 threads.
+template <int kBlockN, bool kDual, int kStages, class Epilogue>
+__global__ void __launch_bounds__(kThreads, 1)
+    grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
+                        const __grid_constant__ CUtensorMap map_b0,
+                        const __grid_constant__ CUtensorMap map_b1, Problem p, Epilogue epilogue) {
+  using R = Ring<kBlockN, kDual, kStages>;
+  extern __shared__ unsigned char smem_raw[];
+  __shared__ alignas(8) std::uint64_t full[kStages];
+  __shared__ alignas(8) std::uint64_t empty[kStages];
+  __shared__ int prefix[kMaxExperts + 1];
+
+  const R ring{reinterpret_cast<unsigned char*>(
+      (reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) & ~std::uintptr_t{1023})};
+  TileList list{prefix, 0};
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (warp == 0) list.build(p, kBlockN, lane);
+  list.n_tiles = (p.n + kBlockN - 1) / kBlockN;
+  if (threadIdx.x == 32) {
+    for (int s = 0; s < kStages; ++s) {
+      hopper::mbar_init(&full[s], 1);
+      hopper::mbar_init(&empty[s], 2);
+    }
+    hopper::fence_barrier_init();
+  }
+  __syncthreads();
+  const int total = list.total(p);
+  const int k_blocks = p.k / kBlockK;
+
+  if (threadIdx.x < 128) {  // ---------------------------------------------- producer
+    hopper::regs_dealloc<40>();
+    if (threadIdx.x != 0) return;
+    hopper::prefetch_tensor_map(&map_a);
+    hopper::prefetch_tensor_map(&map_b0);
+    if constexpr (kDual) hopper::prefetch_tensor_map(&map_b1);
+    int stage = 0;
+    std::uint32_t phase = 0;
+    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+      const Tile tile = locate(p, list, t, kBlockN);
+      const int a_row = static_cast<int>(tile.row0);
+      const int b_row = tile.expert * p.n + tile.col0;
+      for (int kb = 0; kb < k_blocks; ++kb) {
+        hopper::mbar_wait(&empty[stage], phase ^ 1);
+        hopper::mbar_expect_tx(&full[stage], R::kStageBytes);
+        hopper::tma_load_2d(ring.a(stage), &map_a, &full[stage], kb * kBlockK, a_row);
+        hopper::tma_load_2d(ring.b0(stage), &map_b0, &full[stage], kb * kBlockK, b_row);
+        if constexpr (kDual) {
+          hopper::tma_load_2d(ring.b1(stage), &map_b1, &full[stage], kb * kBlockK, b_row);
+        }
+        if (++stage == kStages) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------------ consumers
+  hopper::regs_alloc<232>();
+  const int consumer = threadIdx.x / 128 - 1;  // 0 or 1: rows [64 c, 64 c + 64) of the tile
+  int stage = 0;
+  std::uint32_t phase = 0;
+  Accumulators<kBlockN, kDual> acc;
+  for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    const Tile tile = locate(p, list, t, kBlockN);
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      hopper::mbar_wait(&full[stage], phase);
+      const std::uint32_t a = hopper::smem_addr(ring.a(stage)) + consumer * 64 * 128;
+      const std::uint32_t b0 = hopper::smem_addr(ring.b0(stage));
+      const std::uint32_t b1 = hopper::smem_addr(ring.b1(stage));
+      hopper::wgmma_fence();
+      hopper::fence_regs(acc.d0);
+      if constexpr (kDual) hopper::fence_regs(acc.d1);
+#pragma unroll
+      for (int k = 0; k < kBlockK / 16; ++k) {
+        const int accumulate = (kb | k) != 0;
+        hopper::Wgmma<kBlockN>::mma(acc.d0, hopper::smem_desc(a + 32 * k),
+                                    hopper::smem_desc(b0 + 32 * k), accumulate);
+        if constexpr (kDual) {
+          hopper::Wgmma<kBlockN>::mma(acc.d1, hopper::smem_desc(a + 32 * k),
+                                      hopper::smem_desc(b1 + 32 * k), accumulate);
+        }
+      }
+      hopper::wgmma_commit();
+      hopper::wgmma_wait<0>();
+      hopper::fence_regs(acc.d0);
+      if constexpr (kDual) hopper::fence_regs(acc.d1);
+      if (threadIdx.x % 128 == 0) hopper::mbar_arrive(&empty[stage]);
+      if (++stage == kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+    }
+    epilogue(tile, consumer, acc);
+  }
+}
+
+}  // namespace mok::bf16::gemm

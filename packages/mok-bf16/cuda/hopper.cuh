@@ -1,0 +1,210 @@
+// Hopper (sm_90a) building blocks of the expert GEMMs: mbarriers, bulk tensor copies (TMA),
+// wgmma on bf16 operands in 128-byte-swizzled shared memory, and tensor maps made on the host.
+//
+// Every tile the GEMMs stage is K-major: rows of 64 bf16 (128 bytes), written by the copy
+// engine with the 128-byte swizzle, so a wgmma descriptor needs only the tile's address (1024
+// byte aligned), the stride between 8-row groups (1024 bytes) and the swizzle mode. The k-th
+// 16-wide slice of a 64-wide tile starts 32 bytes further: the swizzle is applied to the
+// absolute address bits, so a plain offset selects it.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+namespace mok::bf16::hopper {
+
+// ------------------------------------------------------------------ shared memory and barriers
+
+__device__ inline std::uint32_t smem_addr(const void* p) {
+  return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ inline void mbar_init(std::uint64_t* bar, std::uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count));
+}
+
+// Makes the barriers' initialisation visible to the copy engine.
+__device__ inline void fence_barrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+__device__ inline void mbar_expect_tx(std::uint64_t* bar, std::uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
+               "r"(bytes)
+               : "memory");
+}
+
+__device__ inline void mbar_arrive(std::uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
+// Waits until the barrier's phase with parity `parity` has completed.
+__device__ inline void mbar_wait(std::uint64_t* bar, std::uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "wait_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait_%=;\n"
+      "}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+// A 2-D box of a tensor map into shared memory, completing on `bar` (coordinates: column, row).
+__device__ inline void tma_load_2d(void* dst, const CUtensorMap* map, std::uint64_t* bar, int col,
+                                   int row) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4}], [%2];" ::"r"(smem_addr(dst)),
+      "l"(reinterpret_cast<std::uint64_t>(map)), "r"(smem_addr(bar)), "r"(col), "r"(row)
+      : "memory");
+}
+
+__device__ inline void prefetch_tensor_map(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<std::uint64_t>(map)) : "memory");
+}
+
+// ------------------------------------------------------------------ registers per warpgroup
+
+template <int kRegs>
+__device__ inline void regs_dealloc() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegs));
+}
+
+template <int kRegs>
+__device__ inline void regs_alloc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegs));
+}
+
+// ------------------------------------------------------------------ wgmma
+
+// The descriptor of a K-major, 128-byte-swizzled bf16 tile at shared address `addr`.
+__device__ inline std::uint64_t smem_desc(std::uint32_t addr) {
+  constexpr std::uint64_t kStride8Rows = 1024;  // bytes between consecutive 8-row groups
+  std::uint64_t d = 0;
+  d |= static_cast<std::uint64_t>((addr & 0x3FFFF) >> 4);
+  d |= static_cast<std::uint64_t>(1) << 16;  // leading byte offset: unused with this swizzle
+  d |= (kStride8Rows >> 4) << 32;
+  d |= static_cast<std::uint64_t>(1) << 62;  // 128-byte swizzle
+  return d;
+}
+
+__device__ inline void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ inline void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int kPending>
+__device__ inline void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory");
+}
+
+// Keeps the compiler from moving accumulator reads or writes across a wgmma boundary.
+template <int kN>
+__device__ inline void fence_regs(float (&d)[kN]) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// D[64 x N] (+)= A[64 x 16] * B[N x 16]^T, bf16 operands from shared memory, fp32 accumulators;
+// `accumulate` 0 overwrites D. The fragment: thread t of the warpgroup holds, for the n8 block
+// j, d[4j + {0,1}] at row 16 (t / 32) + (t % 32) / 4 and columns 8 j + 2 (t % 4) + {0,1}, and
+// d[4j + {2,3}] eight rows below.
+template <int kN>
+struct Wgmma;
+
+#define MOK_WGMMA_ARGS8(i)                                                                        \
+  "+f"(d[i + 0]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+      "+f"(d[i + 6]), "+f"(d[i + 7])
+
+template <>
+struct Wgmma<128> {
+  __device__ static void mma(float (&d)[64], std::uint64_t a, std::uint64_t b, int accumulate) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "%64, %65, p, 1, 1, 0, 0;\n"
+        "}\n"
+        : MOK_WGMMA_ARGS8(0), MOK_WGMMA_ARGS8(8), MOK_WGMMA_ARGS8(16), MOK_WGMMA_ARGS8(24),
+          MOK_WGMMA_ARGS8(32), MOK_WGMMA_ARGS8(40), MOK_WGMMA_ARGS8(48), MOK_WGMMA_ARGS8(56)
+        : "l"(a), "l"(b), "r"(accumulate));
+  }
+};
+
+template <>
+struct Wgmma<256> {
+  __device__ static void mma(float (&d)[128], std::uint64_t a, std::uint64_t b, int accumulate) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, "
+        "%111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, "
+        "%125, %126, %127}, "
+        "%128, %129, p, 1, 1, 0, 0;\n"
+        "}\n"
+        : MOK_WGMMA_ARGS8(0), MOK_WGMMA_ARGS8(8), MOK_WGMMA_ARGS8(16), MOK_WGMMA_ARGS8(24),
+          MOK_WGMMA_ARGS8(32), MOK_WGMMA_ARGS8(40), MOK_WGMMA_ARGS8(48), MOK_WGMMA_ARGS8(56),
+          MOK_WGMMA_ARGS8(64), MOK_WGMMA_ARGS8(72), MOK_WGMMA_ARGS8(80), MOK_WGMMA_ARGS8(88),
+          MOK_WGMMA_ARGS8(96), MOK_WGMMA_ARGS8(104), MOK_WGMMA_ARGS8(112), MOK_WGMMA_ARGS8(120)
+        : "l"(a), "l"(b), "r"(accumulate));
+  }
+};
+
+#undef MOK_WGMMA_ARGS8
+
+// ------------------------------------------------------------------ tensor maps (host)
+
+// A row-major bf16 matrix [rows, cols] (cols contiguous, a multiple of 64) as a tensor map whose
+// boxes are [box_rows, 64] with the 128-byte swizzle; rows past the end read as zeros.
+inline CUtensorMap make_tensor_map(const void* base, std::uint64_t rows, std::uint64_t cols,
+                                   std::uint32_t box_rows) {
+  using Encode =
+      CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+  static Encode encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000,
+                                                             cudaEnableDefault, &found);
+    if (err != cudaSuccess || found != cudaDriverEntryPointSuccess || fn == nullptr) {
+      throw std::runtime_error("mok-bf16: the CUDA driver has no cuTensorMapEncodeTiled");
+    }
+    return reinterpret_cast<Encode>(fn);
+  }();
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {cols, rows};
+  const cuuint64_t strides[1] = {cols * 2};
+  const cuuint32_t box[2] = {64, box_rows};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult r =
+      encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box,
+             element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    throw std::runtime_error("mok-bf16: cuTensorMapEncodeTiled failed (error " +
+                             std::to_string(static_cast<int>(r)) + ") for a [" +
+                             std::to_string(rows) + ", " + std::to_string(cols) + "] matrix");
+  }
+  return map;
+}
+
+}  // namespace mok::bf16::hopper

@@ -1,0 +1,113 @@
+"""mok-bf16's grouped expert forward on tensors: the experts over segments of consecutive rows.
+
+`grouped_forward` checks its tensors, allocates the outputs and calls
+`mok_bf16.grouped_forward` on the current stream. On CUDA it runs the tensor-core GEMMs
+(sm_90a wgmma, `packages/mok-bf16/cuda/grouped_gemm.cuh`): each element one fp32 sum in a
+fixed order, so a row's bits depend only on that row and its expert's weights (not the
+reference's sequential sum: docs/determinism.md "The GPU GEMMs"). On the CPU it runs the
+reference arithmetic.
+
+Shape letters: M rows, H hidden, I inner size, El local experts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import NamedTuple
+
+import torch
+
+BF16 = torch.bfloat16
+
+
+class GroupedForward(NamedTuple):
+    a: torch.Tensor  # [M, I] bf16: x @ Wg^T
+    b: torch.Tensor  # [M, I] bf16: x @ Wu^T
+    h: torch.Tensor  # [M, I] bf16: silu(a_c) * b_c
+    y: torch.Tensor | None  # [M, H] bf16: h @ Wd^T, None when not asked for
+
+
+def _check(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device} (where x is), got {t.device}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def grouped_forward(
+    x_MH: torch.Tensor,
+    offsets_El1: torch.Tensor,
+    w_gate_EIH: torch.Tensor,
+    w_up_EIH: torch.Tensor,
+    w_down_EHI: torch.Tensor | None,
+    limit: float | None = None,
+    num_sms: int = 0,
+    out: GroupedForward | None = None,
+) -> GroupedForward:
+    """The SwiGLU experts on rows [offsets[e], offsets[e+1]) of x for each local expert e.
+
+    offsets: int64 [El + 1], non-decreasing within [0, M] (on CUDA they stay on the device and
+    are clamped there; on the CPU a bad one raises ValueError). Rows outside every segment are
+    left as `out` has them (zeros in fresh outputs). w_down None: a, b and h only.
+    """
+    import mok_bf16
+
+    if not isinstance(x_MH, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x_MH).__name__}")
+    if x_MH.dim() != 2:
+        raise ValueError(f"x must be [M, H], got shape {list(x_MH.shape)}")
+    if not isinstance(w_gate_EIH, torch.Tensor) or w_gate_EIH.dim() != 3:
+        raise ValueError("w_gate must be a tensor [El, I, H]")
+    dev = x_MH.device
+    M, H = x_MH.shape
+    El, I = w_gate_EIH.shape[:2]
+    _check("x", x_MH, BF16, (M, H), dev)
+    _check("offsets", offsets_El1, torch.int64, (El + 1,), dev)
+    _check("w_gate", w_gate_EIH, BF16, (El, I, H), dev)
+    _check("w_up", w_up_EIH, BF16, (El, I, H), dev)
+    if w_down_EHI is not None:
+        _check("w_down", w_down_EHI, BF16, (El, H, I), dev)
+    if not isinstance(num_sms, int) or num_sms < 0:
+        raise ValueError(f"num_sms must be an int >= 0 (0: every SM), got {num_sms!r}")
+    if out is None:
+        out = GroupedForward(
+            torch.zeros(M, I, dtype=BF16, device=dev),
+            torch.zeros(M, I, dtype=BF16, device=dev),
+            torch.zeros(M, I, dtype=BF16, device=dev),
+            None if w_down_EHI is None else torch.zeros(M, H, dtype=BF16, device=dev),
+        )
+    for name, t, shape in (("out.a", out.a, (M, I)), ("out.b", out.b, (M, I)), ("out.h", out.h, (M, I))):
+        _check(name, t, BF16, shape, dev)
+    if w_down_EHI is not None:
+        if out.y is None:
+            raise ValueError("out.y must be a tensor when w_down is given")
+        _check("out.y", out.y, BF16, (M, H), dev)
+    on_device = torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
+    with on_device:
+        mok_bf16.grouped_forward(
+            dev.type,
+            x_MH.data_ptr(),
+            offsets_El1.data_ptr(),
+            w_gate_EIH.data_ptr(),
+            w_up_EIH.data_ptr(),
+            0 if w_down_EHI is None else w_down_EHI.data_ptr(),
+            out.a.data_ptr(),
+            out.b.data_ptr(),
+            out.h.data_ptr(),
+            0 if out.y is None or w_down_EHI is None else out.y.data_ptr(),
+            M,
+            H,
+            I,
+            El,
+            limit=limit,
+            num_sms=num_sms,
+            num_threads=torch.get_num_threads() if dev.type == "cpu" else 1,
+            stream=torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0,
+        )
+    return out

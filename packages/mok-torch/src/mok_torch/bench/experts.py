@@ -1,0 +1,191 @@
+"""`mok bench-experts`: the BF16 expert GEMMs' component benchmark (issue 4, BENCHMARKS.md).
+
+For every shape, on one GPU, the routed SwiGLU experts' forward over the rows one rank
+receives (T * K rows, `--routing` balanced or skewed over its El local experts, each
+expert's rows rounded up to 16 as the schedule's alignment does) with:
+
+- `mok`: mok-bf16's grouped forward (sm_90a wgmma: gate+up with the SwiGLU epilogue, then
+  down), and its gate+up GEMM alone;
+- `torch-grouped-mm`: `torch._grouped_mm` for gate, up and down with `silu(gate) * up`
+  between (what BENCHMARKS.md measured at 500-692 TFLOP/s);
+
+and reports ms and TFLOP/s (6 * rows * H * I for the forward) against the dense BF16 matmul
+rate measured in the same run, mok's speedup, whether two mok runs gave the same bits, and
+mok's relative difference from torch's output.
+
+    mok bench-experts --out DIR [--shapes seed|public|all|...] [--ep 8] [--routing balanced,skewed]
+
+Seed slices keep their E/64 local experts; public models get E / --ep of them.
+Writes `<out>/<date>_<device>_experts.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..backends.native.grouped import grouped_forward
+from . import ceilings as ceilings_mod
+from . import report
+from .launch import _device, component_parser
+from .providers import GROUP_ALIGN
+from .shapes import Shape, resolve_shapes
+from .timing import Ranks, median, time_ms
+
+BF16 = torch.bfloat16
+
+
+def segment_sizes(shape: Shape, El: int, routing: str, g: torch.Generator) -> list[int]:
+    """Rows per local expert for T * K routed rows, each rounded up to GROUP_ALIGN."""
+    rows = shape.tokens * shape.topk
+    if routing == "skewed":  # Zipf over experts: the hottest gets several times the mean
+        p = 1.0 / torch.arange(1, El + 1, dtype=torch.float64)
+    else:
+        p = torch.ones(El, dtype=torch.float64)
+    counts = torch.bincount(torch.multinomial(p / p.sum(), rows, replacement=True, generator=g), minlength=El)
+    return [-(-int(n) // GROUP_ALIGN) * GROUP_ALIGN for n in counts.tolist()]
+
+
+def torch_grouped_mm(x, offs32, wg, wu, wd):
+    gate = torch._grouped_mm(x, wg.transpose(-2, -1), offs=offs32)
+    up = torch._grouped_mm(x, wu.transpose(-2, -1), offs=offs32)
+    return torch._grouped_mm(F.silu(gate) * up, wd.transpose(-2, -1), offs=offs32)
+
+
+def _case(ranks: Ranks, shape: Shape, El: int, routing: str, ns: argparse.Namespace, g: torch.Generator) -> dict:
+    H, I = shape.hidden, shape.inner
+    sizes = segment_sizes(shape, El, routing, g)
+    M = sum(sizes)
+    dev = ranks.device
+    x = torch.randn(M, H, device=dev, generator=g).to(BF16)
+    wg = (torch.randn(El, I, H, device=dev, generator=g) / H**0.5).to(BF16)
+    wu = (torch.randn(El, I, H, device=dev, generator=g) / H**0.5).to(BF16)
+    wd = (torch.randn(El, H, I, device=dev, generator=g) / I**0.5).to(BF16)
+    ends = torch.tensor(sizes, device=dev).cumsum(0)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64, device=dev), ends])
+    flops = 6 * M * H * I
+    row: dict[str, Any] = {
+        "shape_name": shape.name,
+        "routing": routing,
+        "local_experts": El,
+        "hidden": H,
+        "inner": I,
+        "rows": M,
+        "rows_per_expert": {"min": min(sizes), "max": max(sizes)},
+        "flops_forward": flops,
+    }
+
+    def ours() -> Any:
+        return grouped_forward(x, offsets, wg, wu, wd)
+
+    def ours_gate_up() -> Any:
+        return grouped_forward(x, offsets, wg, wu, None)
+
+    def theirs() -> Any:
+        return torch_grouped_mm(x, ends.to(torch.int32), wg, wu, wd)
+
+    providers = (
+        ("mok", ours, flops),
+        ("mok-gate-up", ours_gate_up, 4 * M * H * I),
+        ("torch-grouped-mm", theirs, flops),
+    )
+    for name, fn, f in providers:
+        try:
+            ms = median(time_ms(ranks, fn, iters=ns.iters, warmup=ns.warmup))
+            row[name] = {"status": "ok", "ms": ms, "TFLOPs": f / (ms * 1e-3) / 1e12}
+        except Exception as exc:  # a provider that fails is reported, not dropped
+            row[name] = {"status": "failed", "why": ceilings_mod.describe_error(exc)}
+    if row["mok"]["status"] == "ok":
+        first, second = ours(), ours()
+        row["mok"]["bitwise_repeatable"] = all(torch.equal(u, v) for u, v in zip(first, second, strict=True))
+        if row["torch-grouped-mm"]["status"] == "ok":
+            ref = theirs().float()
+            row["mok"]["rel_diff_vs_torch"] = ((first.y.float() - ref).norm() / ref.norm()).item()
+            row["speedup_vs_torch"] = row["torch-grouped-mm"]["ms"] / row["mok"]["ms"]
+    return row
+
+
+def bench(ns: argparse.Namespace, ranks: Ranks) -> dict[str, Any]:
+    if not ranks.cuda:
+        raise SystemExit("mok bench-experts measures the CUDA kernels: it needs a GPU (--device cuda)")
+    mm = ceilings_mod.bf16_matmul(ranks)
+    results = []
+    g = torch.Generator(device=ranks.device).manual_seed(0)
+    for shape in resolve_shapes(ns.shapes, ns.ep):
+        if shape.skip:
+            results.append({"shape_name": shape.name, "status": "skipped", "why": shape.skip})
+            continue
+        El = shape.experts // shape.world
+        for routing in ns.routing.split(","):
+            row = _case(ranks, shape, El, routing, ns, g)
+            for name in ("mok", "mok-gate-up", "torch-grouped-mm"):
+                if row[name]["status"] == "ok" and mm.value:
+                    row[name]["fraction_of_dense"] = row[name]["TFLOPs"] / mm.value
+            results.append(row)
+            torch.cuda.empty_cache()
+    created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    device = report.device_info(ranks.device)
+    doc = {
+        "schema": "mok-bench-experts/1",
+        "created": created,
+        "device": device,
+        "versions": report.versions(),
+        "git": report.git_state(),
+        "command": " ".join(["mok", "bench-experts", *ns.argv]),
+        "config": {"shapes": ns.shapes, "ep": ns.ep, "routing": ns.routing, "iters": ns.iters, "warmup": ns.warmup},
+        "ceilings": {"bf16_matmul": mm.asdict()},
+        "results": results,
+    }
+    _print(doc)
+    out = Path(ns.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{created[:10]}_{report.device_slug(device)}_experts.json"
+    n = 2
+    while path.exists():
+        path, n = out / f"{created[:10]}_{report.device_slug(device)}_experts-{n}.json", n + 1
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {path}")
+    return doc
+
+
+def _print(doc: dict[str, Any]) -> None:
+    mm = doc["ceilings"]["bf16_matmul"]["value"]
+    print(f"\nmok bench-experts: {doc['device']['name']}, dense bf16 {mm or 0:.0f} TFLOP/s (forward TFLOP/s)")
+    print(f"{'shape':<20}{'routing':<9}{'rows':>7}{'mok':>7}{'gate-up':>8}{'torch':>7}{'x':>6}  same bits")
+    for r in doc["results"]:
+        if r.get("status") == "skipped":
+            print(f"{r['shape_name']:<20}skipped: {r['why']}")
+            continue
+        names = ("mok", "mok-gate-up", "torch-grouped-mm")
+        cells = [f"{r[n]['TFLOPs']:.0f}" if r[n]["status"] == "ok" else "fail" for n in names]
+        speed = f"{r['speedup_vs_torch']:.2f}" if "speedup_vs_torch" in r else "-"
+        same = r["mok"].get("bitwise_repeatable", "-")
+        head = f"{r['shape_name']:<20}{r['routing']:<9}{r['rows']:>7}"
+        print(f"{head}{cells[0]:>7}{cells[1]:>8}{cells[2]:>7}{speed:>6}  {same}")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = component_parser("mok bench-experts", __doc__.split("\n\n")[0], iters=20, warmup=3)
+    p.set_defaults(device="cuda", shapes="all")
+    p.add_argument("--ep", type=int, default=8, help="EP degree that sizes the public models' local experts")
+    p.add_argument("--routing", default="balanced,skewed")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ns = parser().parse_args(argv)
+    ns.argv = argv
+    bench(ns, Ranks(_device(ns.device, 0), None, 0, 1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,254 @@
+"""mok-bf16's grouped expert forward (`grouped_forward`): experts over segments of rows.
+
+CPU: the reference arithmetic, bitwise the per-row entry point. CUDA (skipped, with the
+reason, without a GPU): the sm_90a tensor-core GEMMs against a float64 reference within bf16
+tolerance, h bitwise the reference's element math on the kernel's a and b, and the
+determinism contract (DESIGN.md §2) bitwise: run to run, any grid size, a row's bits
+independent of where it sits and of the other rows, a segment split over two calls.
+
+Shape letters: M rows, H hidden, I inner size, El local experts.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mok_bf16
+from mok_torch.backends.native.grouped import GroupedForward, grouped_forward
+from mok_torch.backends.reference.experts import swiglu
+
+BF16 = torch.bfloat16
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")
+
+
+def make(lengths: list[int], H: int, I: int, seed: int = 0) -> tuple:
+    """x with consecutive segments of `lengths` rows, weights, and the offsets (CPU tensors)."""
+    g = torch.Generator().manual_seed(seed)
+    El, M = len(lengths), sum(lengths)
+    offsets = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
+    x = torch.randn(M, H, generator=g).to(BF16)
+    wg = (torch.randn(El, I, H, generator=g) / H**0.5).to(BF16)
+    wu = (torch.randn(El, I, H, generator=g) / H**0.5).to(BF16)
+    wd = (torch.randn(El, H, I, generator=g) / I**0.5).to(BF16)
+    return x, offsets, wg, wu, wd
+
+
+def segments(offsets: torch.Tensor) -> list[tuple[int, int]]:
+    o = offsets.tolist()
+    return [(o[e], o[e + 1]) for e in range(len(o) - 1)]
+
+
+def per_row_cpu(x, offsets, wg, wu, wd, limit):
+    """The per-row CPU entry point over the same segments: the reference arithmetic."""
+    M, H = x.shape
+    El, I = wg.shape[:2]
+    experts = torch.full((M,), -1, dtype=torch.int64)
+    for e, (lo, hi) in enumerate(segments(offsets)):
+        experts[lo:hi] = e
+    a, b, y = (torch.zeros(M, n, dtype=BF16) for n in (I, I, H))
+    mok_bf16.swiglu_forward(
+        "cpu", x.data_ptr(), experts.data_ptr(), wg.data_ptr(), wu.data_ptr(), wd.data_ptr(),
+        a.data_ptr(), b.data_ptr(), y.data_ptr(), M, H, I, El, limit=limit, num_threads=2,
+    )  # fmt: skip
+    return a, b, y, experts
+
+
+# ------------------------------------------------------------------ CPU
+
+
+@pytest.mark.parametrize("lengths", [[5, 0, 9], [1], [0, 0], [13, 2, 0, 7]], ids=["three", "one-row", "empty", "four"])
+@pytest.mark.parametrize("limit", [None, 0.5])
+def test_cpu_equals_per_row_entry_point(lengths, limit):
+    x, offs, wg, wu, wd = make(lengths, 24, 10, seed=len(lengths))
+    # Two unused rows at the end, which must keep their sentinel.
+    x = torch.cat([x, torch.randn(2, x.shape[1]).to(BF16)])
+    M, I = x.shape[0], wg.shape[1]
+    out = GroupedForward(*(torch.full((M, n), 7.0, dtype=BF16) for n in (I, I, I, x.shape[1])))
+    got = grouped_forward(x, offs, wg, wu, wd, limit=limit, out=out)
+    a, b, y, experts = per_row_cpu(x, offs, wg, wu, wd, limit)
+    used = experts >= 0
+    assert torch.equal(got.a[used], a[used]) and torch.equal(got.b[used], b[used])
+    assert torch.equal(got.y[used], y[used])
+    assert torch.equal(got.h[used], swiglu(a[used], b[used], limit))
+    for t in got:
+        assert bool((t[~used] == 7.0).all()), "rows outside every segment must not be written"
+
+
+def test_cpu_without_down_writes_a_b_h_only():
+    x, offs, wg, wu, _ = make([4, 3], 16, 8)
+    got = grouped_forward(x, offs, wg, wu, None)
+    a, b, _, _ = per_row_cpu(x, offs, wg, wu, torch.zeros(2, 16, 8, dtype=BF16), None)
+    assert got.y is None
+    assert torch.equal(got.a, a) and torch.equal(got.b, b) and torch.equal(got.h, swiglu(a, b, None))
+
+
+@pytest.mark.parametrize(
+    "offsets, match",
+    [([0, 5, 3], r"offsets\[2\]"), ([1, 4, 9], r"offsets\[2\]"), ([-1, 4, 8], r"offsets\[0\]")],
+    ids=["decreasing", "past-the-end", "negative"],
+)
+def test_cpu_bad_offsets_raise(offsets, match):
+    x, _, wg, wu, wd = make([4, 4], 16, 8)
+    with pytest.raises(ValueError, match=match):
+        grouped_forward(x, torch.tensor(offsets), wg, wu, wd)
+
+
+def test_bad_tensors_raise_naming_the_argument():
+    x, offs, wg, wu, wd = make([4, 4], 16, 8)
+    with pytest.raises(TypeError, match=r"x must be torch\.bfloat16"):
+        grouped_forward(x.float(), offs, wg, wu, wd)
+    with pytest.raises(TypeError, match=r"offsets must be torch\.int64"):
+        grouped_forward(x, offs.int(), wg, wu, wd)
+    with pytest.raises(ValueError, match="w_up must have shape"):
+        grouped_forward(x, offs, wg, wu[:1], wd)
+    with pytest.raises(ValueError, match="w_down must have shape"):
+        grouped_forward(x, offs, wg, wu, wd.transpose(1, 2))
+    with pytest.raises(ValueError, match="x must be contiguous"):
+        grouped_forward(torch.randn(16, 8).to(BF16).t(), offs, wg, wu, wd)
+    with pytest.raises(ValueError, match="num_sms"):
+        grouped_forward(x, offs, wg, wu, wd, num_sms=-1)
+
+
+@pytest.mark.parametrize(
+    "H, I, El, match",
+    [(96, 64, 2, "hidden must be a positive multiple of 64"), (64, 32, 2, "inner must be a positive multiple of 64"),
+     (64, 64, 1025, "num_experts must be <= 1024")],
+    ids=["H96", "I32", "El1025"],
+)  # fmt: skip
+def test_cuda_shape_limits_raise_before_any_launch(H, I, El, match):
+    """Checked on the host before the device is touched, so this runs on any machine."""
+    with pytest.raises(ValueError, match=match):
+        mok_bf16.grouped_forward("cuda", 64, 64, 64, 64, 64, 64, 64, 64, 64, 4, H, I, El)
+
+
+# ------------------------------------------------------------------ CUDA
+
+
+def f64_forward(x, offsets, wg, wu, wd, limit, h_kernel):
+    """float64 a, b per segment, and y from the kernel's own h (so y's check is one GEMM's)."""
+    M, H = x.shape
+    I = wg.shape[1]
+    a = torch.zeros(M, I, dtype=torch.float64)
+    b = torch.zeros(M, I, dtype=torch.float64)
+    y = torch.zeros(M, H, dtype=torch.float64)
+    for e, (lo, hi) in enumerate(segments(offsets)):
+        xe = x[lo:hi].double()
+        a[lo:hi] = xe @ wg[e].double().T
+        b[lo:hi] = xe @ wu[e].double().T
+        y[lo:hi] = h_kernel[lo:hi].double() @ wd[e].double().T
+    return a, b, y
+
+
+def assert_bf16_close(got: torch.Tensor, want64: torch.Tensor, scale64: torch.Tensor, what: str) -> None:
+    """|got - want| <= one bf16 rounding of want plus fp32 accumulation error on the scale."""
+    err = (got.double() - want64).abs()
+    bound = want64.abs() * 2.0**-8 + scale64 * 2.0**-14 + 1e-30
+    worst = (err / bound).max().item() if err.numel() else 0.0
+    assert worst <= 1.0, f"{what}: error {worst:.3f} x the bf16 bound"
+
+
+def cuda_forward(x, offs, wg, wu, wd, limit=None, num_sms=0, fill=7.0):
+    M, H = x.shape
+    I = wg.shape[1]
+    out = GroupedForward(*(torch.full((M, n), fill, dtype=BF16, device="cuda") for n in (I, I, I, H)))
+    return grouped_forward(x, offs, wg, wu, wd, limit=limit, num_sms=num_sms, out=out)
+
+
+CUDA_CASES = [
+    pytest.param([300, 0, 129, 1], 128, 192, id="H128-I192-mixed"),
+    pytest.param([1], 64, 64, id="one-row"),
+    pytest.param([0, 0, 0], 64, 128, id="all-empty"),
+    pytest.param([517], 320, 256, id="one-expert-H320"),
+    pytest.param([64, 128, 127, 255, 257], 256, 128, id="tile-edges"),
+    pytest.param([1000, 3, 5, 0, 0, 2, 1, 24], 512, 384, id="skewed"),
+]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("lengths, H, I", CUDA_CASES)
+@pytest.mark.parametrize("limit", [None, 0.75])
+def test_cuda_against_float64(lengths, H, I, limit):
+    x, offs, wg, wu, wd = make(lengths, H, I, seed=H + I)
+    got = cuda_forward(*(t.cuda() for t in (x, offs, wg, wu, wd)), limit=limit)
+    torch.cuda.synchronize()
+    a, b, h, y = (t.cpu() for t in got)
+    a64, b64, y64 = f64_forward(x, offs, wg, wu, wd, limit, h)
+    M = x.shape[0]
+    used = torch.zeros(M, dtype=torch.bool)
+    for lo, hi in segments(offs):
+        used[lo:hi] = True
+    ax = x.double().abs()
+    scale_ab = torch.zeros(M, I, dtype=torch.float64)
+    scale_y = torch.zeros(M, H, dtype=torch.float64)
+    for e, (lo, hi) in enumerate(segments(offs)):
+        scale_ab[lo:hi] = ax[lo:hi] @ torch.maximum(wg[e].double().abs(), wu[e].double().abs()).T
+        scale_y[lo:hi] = h[lo:hi].double().abs() @ wd[e].double().abs().T
+    assert_bf16_close(a[used], a64[used], scale_ab[used], "a")
+    assert_bf16_close(b[used], b64[used], scale_ab[used], "b")
+    assert_bf16_close(y[used], y64[used], scale_y[used], "y")
+    assert torch.equal(h[used], swiglu(a[used], b[used], limit)), "h must be the reference's element math"
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_cuda_rows_outside_segments_untouched_and_offsets_clamped():
+    x, _, wg, wu, wd = (t.cuda() for t in make([40, 70], 128, 128, seed=3))
+    M = x.shape[0]
+    # Segment 1 claims rows far past the end: clamped to M, nothing read or written outside.
+    bad = torch.tensor([10, 30, 10**12], dtype=torch.int64, device="cuda")
+    got = cuda_forward(x, bad, wg, wu, wd)
+    good = cuda_forward(x, torch.tensor([10, 30, M], dtype=torch.int64, device="cuda"), wg, wu, wd)
+    torch.cuda.synchronize()
+    for t, u in zip(got, good, strict=True):
+        assert torch.equal(t, u)
+        assert bool((t[:10] == 7.0).all()), "rows before the first segment must not be written"
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_cuda_bitwise_run_to_run_and_any_grid():
+    x, offs, wg, wu, wd = (t.cuda() for t in make([700, 5, 0, 333, 64], 512, 256, seed=5))
+    first = cuda_forward(x, offs, wg, wu, wd)
+    for num_sms in (0, 0, 1, 3, 17):
+        again = cuda_forward(x, offs, wg, wu, wd, num_sms=num_sms)
+        for t, u in zip(first, again, strict=True):
+            assert torch.equal(t, u), f"num_sms={num_sms}"
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_cuda_batch_invariant_and_split_invariant():
+    """A row's bits do not depend on where it sits, on the other rows, or on the calls."""
+    lengths = [300, 41, 129]
+    x, offs, wg, wu, wd = (t.cuda() for t in make(lengths, 256, 192, seed=9))
+    whole = cuda_forward(x, offs, wg, wu, wd)
+    # The same rows shifted by 37 rows, behind rows of other data (not in any segment).
+    pad = torch.randn(37, x.shape[1], device="cuda").to(BF16)
+    shifted = cuda_forward(torch.cat([pad, x]), offs + 37, wg, wu, wd)
+    for t, u in zip(whole, shifted, strict=True):
+        assert torch.equal(t, u[37:])
+    # Segment 0 split at row 77 over two calls, its second half with other rows around it.
+    first = cuda_forward(x[:77].contiguous(), torch.tensor([0, 77, 77, 77], device="cuda"), wg, wu, wd)
+    rest = cuda_forward(x[77:].contiguous(), offs - 77 + torch.tensor([77, 0, 0, 0], device="cuda"), wg, wu, wd)
+    for t, u, v in zip(whole, first, rest, strict=True):
+        assert torch.equal(t[:77], u) and torch.equal(t[77:], v)
+    # One row alone.
+    r, e = 320, 1  # a row of expert 1
+    alone = torch.tensor([0] * (e + 1) + [1] * (len(lengths) - e), device="cuda")
+    one = cuda_forward(x[r : r + 1].contiguous(), alone, wg, wu, wd)
+    for t, u in zip(whole, one, strict=True):
+        assert torch.equal(t[r : r + 1], u)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_cuda_close_to_the_reference_arithmetic():
+    """Against the CPU entry point (sequential fp32 sums): within bf16 rounding."""
+    x, offs, wg, wu, wd = make([200, 90], 256, 128, seed=11)
+    got = [t.cpu() for t in cuda_forward(*(t.cuda() for t in (x, offs, wg, wu, wd)))]
+    a, b, y, _ = per_row_cpu(x, offs, wg, wu, wd, None)
+    for name, u, v in (("a", got[0], a), ("b", got[1], b), ("y", got[3], y)):
+        rel = (u.float() - v.float()).norm() / v.float().norm()
+        assert rel < 4e-3, f"{name}: relative error {rel:.2e}"
