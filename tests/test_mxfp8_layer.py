@@ -135,7 +135,7 @@ def test_against_the_bf16_layer(routing, capsys):
 
 def test_prequantized_weights_give_the_same_bits():
     """The user's MXFP8Tensor weights (either quantizer) equal bf16 weights quantized inside."""
-    inp = make_inputs(24, 64, 32, 4, 2, 0, "skewed", seed=7)
+    inp = make_inputs(24, 64, 32, 4, 2, 0, "skewed", seed=7).to(DEVICE)
     cfg = mx_config(expert_alignment=32)
     base = run_functional(inp, cfg)
     for compiled in (False, True):
@@ -153,7 +153,7 @@ def test_prequantized_weights_give_the_same_bits():
 
 def test_saved_activations_are_mxfp8_rows():
     """x is kept as it travelled: H E4M3 bytes and H/32 scale bytes per row (about half of bf16)."""
-    inp = make_inputs(20, 64, 32, 4, 2, 0, "balanced", seed=8)
+    inp = make_inputs(20, 64, 32, 4, 2, 0, "balanced", seed=8).to(DEVICE)
     cfg = mx_config(expert_alignment=32)
     ws = mok.get_workspace(cfg, None, device=DEVICE, max_tokens=20, hidden_size=64, topk=2, num_experts=4)
     sched = mok.build_schedule(ws, cfg, inp.top_experts_TK)
@@ -275,12 +275,12 @@ def test_bad_mxfp8_arguments():
     with pytest.raises(ValueError, match="expert_alignment must be a multiple of 32"):
         mok.MoKConfig(precision="mxfp8", expert_alignment=16)
     cfg = mx_config(expert_alignment=32)
-    inp = make_inputs(8, 64, 48, 4, 2, 0, "balanced", seed=11)  # I = 48: not a multiple of 32
+    inp = make_inputs(8, 64, 48, 4, 2, 0, "balanced", seed=11).to(DEVICE)  # I = 48: not a multiple of 32
     ws = mok.get_workspace(cfg, None, device=DEVICE, max_tokens=8, hidden_size=64, topk=2, num_experts=4)
     sched = mok.build_schedule(ws, cfg, inp.top_experts_TK)
     with pytest.raises(ValueError, match=r"intermediate size I \(48\) must be a multiple of 32"):
         mok.forward(cfg, ws, sched, inp.x_TH, inp.router_weights_TK, inp.routed)
-    good = make_inputs(8, 64, 32, 4, 2, 0, "balanced", seed=11)
+    good = make_inputs(8, 64, 32, 4, 2, 0, "balanced", seed=11).to(DEVICE)
     q = tuple(mok.mxfp8_quantize(w) for w in good.routed)
     with pytest.raises(TypeError, match="not a mix"):
         mok.forward(cfg, ws, sched, good.x_TH, good.router_weights_TK, (q[0], good.routed[1], q[2]))
@@ -297,7 +297,7 @@ def test_bad_mxfp8_arguments():
         mok.forward(bf_cfg, ws_bf, sched_bf, good.x_TH, good.router_weights_TK, q)
     odd_h = mok.MoKConfig(precision="mxfp8", backend="reference", expert_alignment=32)
     ws_h = mok.get_workspace(odd_h, None, device=DEVICE, max_tokens=8, hidden_size=48, topk=2, num_experts=4)
-    small = make_inputs(8, 48, 32, 4, 2, 0, "balanced", seed=11)
+    small = make_inputs(8, 48, 32, 4, 2, 0, "balanced", seed=11).to(DEVICE)
     sched_h = mok.build_schedule(ws_h, odd_h, small.top_experts_TK)
     with pytest.raises(ValueError, match=r"hidden_size \(48\) must be a multiple of 32"):
         mok.forward(odd_h, ws_h, sched_h, small.x_TH, small.router_weights_TK, small.routed)

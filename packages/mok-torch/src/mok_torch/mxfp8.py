@@ -40,6 +40,7 @@ E4M3 = torch.float8_e4m3fn
 E8M0 = torch.float8_e8m0fnu
 _NAN_SCALE = 0xFF
 _E4M3_NAN = 0x7F
+E4M3_MAX = 448.0  # the largest finite E4M3 value
 
 
 @dataclass(frozen=True, eq=False)  # identity equality: comparing tensors has no single truth value
@@ -105,7 +106,11 @@ def quantize_rows_torch(x: torch.Tensor, rule: str = "rceil") -> tuple[torch.Ten
     e = torch.where(amax == 0, torch.full_like(e, -127), e).clamp(-127, 127)
     # 2^-e from its exponent bits (e <= 120 for finite fp32, so 127 - e is a normal exponent).
     inv_scale = ((127 - e) << 23).view(torch.float32)
-    data = (blocks * inv_scale[..., None]).to(E4M3).view(torch.uint8)  # exact scaling, RNE, saturating
+    # Exact scaling, then saturation by hand: torch's float -> e4m3fn cast saturates on some
+    # builds and gives NaN on others (seen on the H200 machines' torch, CPU and CUDA alike).
+    # Clamping first is the spec's saturation: anything above 448 rounds to 448 or beyond.
+    scaled = (blocks * inv_scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX)
+    data = scaled.to(E4M3).view(torch.uint8)  # round to nearest even
     sign = (xf.view(torch.int32) < 0).to(torch.uint8).unflatten(-1, (-1, BLOCK)) << 7
     data = torch.where(finite[..., None], data, sign | _E4M3_NAN)
     scales = torch.where(finite, (e + 127).to(torch.uint8), torch.full_like(e, _NAN_SCALE, dtype=torch.uint8))

@@ -49,7 +49,8 @@ def segment_sizes(shape: Shape, El: int, routing: str, g: torch.Generator) -> li
         p = 1.0 / torch.arange(1, El + 1, dtype=torch.float64)
     else:
         p = torch.ones(El, dtype=torch.float64)
-    counts = torch.bincount(torch.multinomial(p / p.sum(), rows, replacement=True, generator=g), minlength=El)
+    picks = torch.multinomial(p / p.sum(), rows, replacement=True, generator=g)
+    counts = torch.bincount(picks, minlength=El)
     return [-(-int(n) // GROUP_ALIGN) * GROUP_ALIGN for n in counts.tolist()]
 
 
@@ -61,7 +62,7 @@ def torch_grouped_mm(x, offs32, wg, wu, wd):
 
 def _case(ranks: Ranks, shape: Shape, El: int, routing: str, ns: argparse.Namespace, g: torch.Generator) -> dict:
     H, I = shape.hidden, shape.inner
-    sizes = segment_sizes(shape, El, routing, g)
+    sizes = segment_sizes(shape, El, routing, torch.Generator().manual_seed(len(shape.name) + El))
     M = sum(sizes)
     dev = ranks.device
     x = torch.randn(M, H, device=dev, generator=g).to(BF16)
