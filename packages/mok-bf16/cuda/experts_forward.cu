@@ -1,9 +1,10 @@
 // The grouped SwiGLU forward on the GPU: two persistent wgmma GEMMs over the experts' segments.
 //
-//   gate/up:  [a, b] = x @ [Wg_e; Wu_e]^T  (one pass over x, both weights; BN = 128 per weight)
+//   gate/up:  [a, b] = x @ [Wg_e; Wu_e]^T  (one pass over x; 128 columns of each weight per tile,
+//             one m64n256 wgmma for both)
 //             epilogue: a, b rounded to bf16, h = bf16(silu(a_c) * b_c) by mok-core's element
 //             math (the reference's, bit for bit, given a and b)
-//   down:     y = h @ Wd_e^T                (BN = 256)
+//   down:     y = h @ Wd_e^T                (256 columns per tile)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -25,8 +26,8 @@ using gemm::frag_col;
 using gemm::frag_row;
 using gemm::Tile;
 
-constexpr int kGateUpN = 128;
-constexpr int kDownN = 256;
+constexpr int kGateUpN = gemm::kMmaN / 2;  // columns of each weight per tile
+constexpr int kDownN = gemm::kMmaN;
 constexpr int kStages = 4;
 
 // Two bf16 bit patterns as one 32-bit store (low half first in memory).
@@ -42,8 +43,7 @@ struct GateUpEpilogue {
   int inner;
   core::SwigluLimit limit;
 
-  __device__ void operator()(const Tile& tile, int consumer,
-                             Accumulators<kGateUpN, true>& acc) const {
+  __device__ void operator()(const Tile& tile, int consumer, const Accumulators& acc) const {
     const int t = threadIdx.x % 128;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -54,10 +54,11 @@ struct GateUpEpilogue {
         const int col = tile.col0 + frag_col(t, j, 0);
         if (col >= inner) continue;
         const int q = 4 * j + 2 * half;
-        const std::uint16_t a0 = core::float_to_bf16(acc.d0[q]);
-        const std::uint16_t a1 = core::float_to_bf16(acc.d0[q + 1]);
-        const std::uint16_t b0 = core::float_to_bf16(acc.d1[q]);
-        const std::uint16_t b1 = core::float_to_bf16(acc.d1[q + 1]);
+        constexpr int kUp = kGateUpN / 2;  // the up columns' fragment registers follow the gate's
+        const std::uint16_t a0 = core::float_to_bf16(acc.d[q]);
+        const std::uint16_t a1 = core::float_to_bf16(acc.d[q + 1]);
+        const std::uint16_t b0 = core::float_to_bf16(acc.d[kUp + q]);
+        const std::uint16_t b1 = core::float_to_bf16(acc.d[kUp + q + 1]);
         const std::int64_t at = row * inner + col;
         store_pair(a + at, a0, a1);
         store_pair(b + at, b0, b1);
@@ -73,8 +74,7 @@ struct StoreEpilogue {
   std::uint16_t* out;
   int n;
 
-  __device__ void operator()(const Tile& tile, int consumer,
-                             Accumulators<kDownN, false>& acc) const {
+  __device__ void operator()(const Tile& tile, int consumer, const Accumulators& acc) const {
     const int t = threadIdx.x % 128;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -85,8 +85,8 @@ struct StoreEpilogue {
         const int col = tile.col0 + frag_col(t, j, 0);
         if (col >= n) continue;
         const int q = 4 * j + 2 * half;
-        store_pair(out + row * n + col, core::float_to_bf16(acc.d0[q]),
-                   core::float_to_bf16(acc.d0[q + 1]));
+        store_pair(out + row * n + col, core::float_to_bf16(acc.d[q]),
+                   core::float_to_bf16(acc.d[q + 1]));
       }
     }
   }
@@ -100,11 +100,12 @@ void check(cudaError_t err, const char* what) {
 }
 
 // Launches one grouped GEMM on `stream` with at most `num_sms` CTAs.
-template <int kBlockN, bool kDual, class Epilogue>
+template <bool kPaired, class Epilogue>
 void launch(const CUtensorMap& map_a, const CUtensorMap& map_b0, const CUtensorMap& map_b1,
             const gemm::Problem& p, const Epilogue& epilogue, int num_sms, cudaStream_t stream) {
-  using R = gemm::Ring<kBlockN, kDual, kStages>;
-  auto* kernel = gemm::grouped_gemm_kernel<kBlockN, kDual, kStages, Epilogue>;
+  using R = gemm::Ring<kStages>;
+  constexpr int kBlockN = kPaired ? kGateUpN : kDownN;
+  auto* kernel = gemm::grouped_gemm_kernel<kPaired, kStages, Epilogue>;
   check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, R::kSharedBytes),
         "setting the shared memory size");
   // No more CTAs than tiles can exist: every expert adds at most one partial row tile.
@@ -149,7 +150,7 @@ void grouped_forward_cuda(const GroupedForwardArgs& args, std::uintptr_t stream_
   const GateUpEpilogue e1{
       reinterpret_cast<std::uint16_t*>(args.out_a), reinterpret_cast<std::uint16_t*>(args.out_b),
       reinterpret_cast<std::uint16_t*>(args.out_h), static_cast<int>(I), args.limit};
-  launch<kGateUpN, true>(map_x, map_wg, map_wu, gate_up, e1, sms, stream);
+  launch<true>(map_x, map_wg, map_wu, gate_up, e1, sms, stream);
   if (args.out_y == 0) return;
 
   const CUtensorMap map_h =
@@ -159,7 +160,7 @@ void grouped_forward_cuda(const GroupedForwardArgs& args, std::uintptr_t stream_
   const gemm::Problem down{gate_up.offsets, s.num_rows, gate_up.num_experts,
                            static_cast<int>(s.hidden), static_cast<int>(s.inner)};
   const StoreEpilogue e2{reinterpret_cast<std::uint16_t*>(args.out_y), static_cast<int>(H)};
-  launch<kDownN, false>(map_h, map_wd, map_wd, down, e2, sms, stream);
+  launch<false>(map_h, map_wd, map_wd, down, e2, sms, stream);
 }
 
 }  // namespace mok::bf16

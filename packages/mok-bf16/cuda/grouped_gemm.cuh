@@ -105,41 +105,47 @@ __device__ inline Tile locate(const Problem& p, const TileList& list, int t, int
           (local / m_tiles) * block_n};
 }
 
-// The shared-memory ring: stage s holds A [128 x 64], B0 [BN x 64] and, for a dual GEMM (two
-// weight matrices against the same rows, as gate and up), B1 [BN x 64].
-template <int kBlockN, bool kDual, int kStages>
+// The MMA width: every GEMM issues m64n256k16 (the widest wgmma, the fewest shared-memory
+// reads of A per flop). A paired GEMM (two weight matrices against the same rows, as gate and
+// up) stages 128 rows of each in the two halves of the 256-row B tile, so a thread's
+// accumulators hold the same output columns of both.
+inline constexpr int kMmaN = 256;
+
+// The shared-memory ring: stage s holds A [128 x 64] and B [256 x 64].
+template <int kStages>
 struct Ring {
   static constexpr int kABytes = kBlockM * kBlockK * 2;
-  static constexpr int kBBytes = kBlockN * kBlockK * 2;
-  static constexpr int kStageBytes = kABytes + (kDual ? 2 : 1) * kBBytes;
+  static constexpr int kBBytes = kMmaN * kBlockK * 2;
+  static constexpr int kStageBytes = kABytes + kBBytes;
   static constexpr int kBytes = kStages * kStageBytes;
   static constexpr int kSharedBytes = kBytes + 1024;  // + alignment of the swizzled tiles
 
   unsigned char* base;  // 1024-byte aligned
   __device__ unsigned char* a(int s) const { return base + s * kStageBytes; }
-  __device__ unsigned char* b0(int s) const { return a(s) + kABytes; }
-  __device__ unsigned char* b1(int s) const { return b0(s) + kBBytes; }
+  __device__ unsigned char* b(int s) const { return a(s) + kABytes; }
 };
 
-// The accumulators of one consumer warpgroup: 64 rows x BN columns per weight matrix.
-template <int kBlockN, bool kDual>
+// The accumulators of one consumer warpgroup: 64 rows x 256 columns. For a paired GEMM the
+// fragment's n8 blocks j < 16 are the first weight's columns 8 j.., j >= 16 the second's.
 struct Accumulators {
-  float d0[kBlockN / 2];
-  float d1[kDual ? kBlockN / 2 : 1];
+  float d[kMmaN / 2];
 };
 
 // Where the fragment element (j, q) of thread `t` of a consumer warpgroup sits in the tile.
 __device__ inline int frag_row(int t, int q) { return 16 * (t / 32) + (t % 32) / 4 + 8 * (q / 2); }
 __device__ inline int frag_col(int t, int j, int q) { return 8 * j + 2 * (t % 4) + (q % 2); }
 
-// The persistent kernel. Epilogue: `void operator()(const Tile&, int consumer,
-// Accumulators&) const` on the consumer warpgroup's 128 threads.
-template <int kBlockN, bool kDual, int kStages, class Epilogue>
+// The persistent kernel. kPaired: B's halves come from map_b0 and map_b1 (output tiles of
+// 128 columns of each weight); otherwise all 256 rows from map_b0 (tiles of 256 columns).
+// Epilogue: `void operator()(const Tile&, int consumer, const Accumulators&) const` on the
+// consumer warpgroup's 128 threads.
+template <bool kPaired, int kStages, class Epilogue>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                         const __grid_constant__ CUtensorMap map_b0,
                         const __grid_constant__ CUtensorMap map_b1, Problem p, Epilogue epilogue) {
-  using R = Ring<kBlockN, kDual, kStages>;
+  using R = Ring<kStages>;
+  constexpr int kBlockN = kPaired ? kMmaN / 2 : kMmaN;  // output columns per weight and tile
   extern __shared__ unsigned char smem_raw[];
   __shared__ alignas(8) std::uint64_t full[kStages];
   __shared__ alignas(8) std::uint64_t empty[kStages];
@@ -167,7 +173,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (threadIdx.x != 0) return;
     hopper::prefetch_tensor_map(&map_a);
     hopper::prefetch_tensor_map(&map_b0);
-    if constexpr (kDual) hopper::prefetch_tensor_map(&map_b1);
+    if constexpr (kPaired) hopper::prefetch_tensor_map(&map_b1);
     int stage = 0;
     std::uint32_t phase = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
@@ -178,9 +184,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         hopper::mbar_wait(&empty[stage], phase ^ 1);
         hopper::mbar_expect_tx(&full[stage], R::kStageBytes);
         hopper::tma_load_2d(ring.a(stage), &map_a, &full[stage], kb * kBlockK, a_row);
-        hopper::tma_load_2d(ring.b0(stage), &map_b0, &full[stage], kb * kBlockK, b_row);
-        if constexpr (kDual) {
-          hopper::tma_load_2d(ring.b1(stage), &map_b1, &full[stage], kb * kBlockK, b_row);
+        if constexpr (kPaired) {
+          unsigned char* b = ring.b(stage);
+          hopper::tma_load_2d(b, &map_b0, &full[stage], kb * kBlockK, b_row);
+          hopper::tma_load_2d(b + R::kBBytes / 2, &map_b1, &full[stage], kb * kBlockK, b_row);
+        } else {
+          hopper::tma_load_2d(ring.b(stage), &map_b0, &full[stage], kb * kBlockK, b_row);
         }
         if (++stage == kStages) {
           stage = 0;
@@ -192,41 +201,42 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // ------------------------------------------------------------------------ consumers
+  // Each k-block's four wgmmas form one group; the group before it is waited for (and its
+  // stage given back) only after this one is issued, so the tensor cores always have one
+  // queued. The accumulation order does not change: wgmmas on the same accumulators run in
+  // issue order.
   hopper::regs_alloc<232>();
   const int consumer = threadIdx.x / 128 - 1;  // 0 or 1: rows [64 c, 64 c + 64) of the tile
+  const bool releases = threadIdx.x % 128 == 0;
   int stage = 0;
   std::uint32_t phase = 0;
-  Accumulators<kBlockN, kDual> acc;
+  Accumulators acc;
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
     const Tile tile = locate(p, list, t, kBlockN);
+    hopper::fence_regs(acc.d);
+    int previous = -1;
     for (int kb = 0; kb < k_blocks; ++kb) {
       hopper::mbar_wait(&full[stage], phase);
       const std::uint32_t a = hopper::smem_addr(ring.a(stage)) + consumer * 64 * 128;
-      const std::uint32_t b0 = hopper::smem_addr(ring.b0(stage));
-      const std::uint32_t b1 = hopper::smem_addr(ring.b1(stage));
+      const std::uint32_t b = hopper::smem_addr(ring.b(stage));
       hopper::wgmma_fence();
-      hopper::fence_regs(acc.d0);
-      if constexpr (kDual) hopper::fence_regs(acc.d1);
 #pragma unroll
       for (int k = 0; k < kBlockK / 16; ++k) {
-        const int accumulate = (kb | k) != 0;
-        hopper::Wgmma<kBlockN>::mma(acc.d0, hopper::smem_desc(a + 32 * k),
-                                    hopper::smem_desc(b0 + 32 * k), accumulate);
-        if constexpr (kDual) {
-          hopper::Wgmma<kBlockN>::mma(acc.d1, hopper::smem_desc(a + 32 * k),
-                                      hopper::smem_desc(b1 + 32 * k), accumulate);
-        }
+        hopper::Wgmma<kMmaN>::mma(acc.d, hopper::smem_desc(a + 32 * k),
+                                  hopper::smem_desc(b + 32 * k), (kb | k) != 0);
       }
       hopper::wgmma_commit();
-      hopper::wgmma_wait<0>();
-      hopper::fence_regs(acc.d0);
-      if constexpr (kDual) hopper::fence_regs(acc.d1);
-      if (threadIdx.x % 128 == 0) hopper::mbar_arrive(&empty[stage]);
+      hopper::wgmma_wait<1>();
+      if (previous >= 0 && releases) hopper::mbar_arrive(&empty[previous]);
+      previous = stage;
       if (++stage == kStages) {
         stage = 0;
         phase ^= 1;
       }
     }
+    hopper::wgmma_wait<0>();
+    hopper::fence_regs(acc.d);
+    if (previous >= 0 && releases) hopper::mbar_arrive(&empty[previous]);
     epilogue(tile, consumer, acc);
   }
 }

@@ -1,4 +1,5 @@
 // The quantizer on the GPU: one thread per block of 32 elements, the arithmetic of format.h.
+// A block whose elements are contiguous and 16-byte aligned is read as 16-byte vectors.
 //
 // Threads walk the blocks so that neighbouring threads read neighbouring memory: when the
 // source's columns are contiguous (a normal copy) a thread reads its 32 elements as one 64- or
@@ -45,9 +46,30 @@ __global__ void quantize_kernel(QuantizeArgs a, bool rows_fastest, std::int64_t 
     const std::int64_t c0 = j * kBlock;
     std::uint8_t* out = data + (b * a.rows + r) * a.cols + c0;
     std::uint32_t v[kBlock];
+    constexpr int kBytes = kType == SourceType::kBf16 ? 2 : 4;
+    const auto* run = static_cast<const unsigned char*>(src) + (base + c0) * kBytes;
+    if (!rows_fastest && reinterpret_cast<std::uintptr_t>(run) % 16 == 0) {
+      // The block is one contiguous run: read it as 16-byte vectors (4 or 8 of them).
+      const auto* run4 = reinterpret_cast<const uint4*>(run);
 #pragma unroll
-    for (int i = 0; i < kBlock; ++i)
-      v[i] = load_bits<kType>(src, base + (c0 + i) * a.src_col_stride);
+      for (int w = 0; w < kBlock * kBytes / 16; ++w) {
+        const uint4 u = run4[w];
+        const std::uint32_t words[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          if constexpr (kType == SourceType::kBf16) {  // two bf16, the lower address low
+            v[8 * w + 2 * i] = words[i] << 16;
+            v[8 * w + 2 * i + 1] = words[i] & 0xFFFF0000u;
+          } else {
+            v[4 * w + i] = words[i];
+          }
+        }
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kBlock; ++i)
+        v[i] = load_bits<kType>(src, base + (c0 + i) * a.src_col_stride);
+    }
     alignas(16) std::uint8_t q[kBlock];  // stored as two 16-byte vectors below
     const std::uint8_t s = quantize_block(
         kBlock, a.rule, [&](int i) { return v[i]; }, [&](int i, std::uint8_t x) { q[i] = x; });

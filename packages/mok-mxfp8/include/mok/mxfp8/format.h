@@ -133,6 +133,14 @@ MOK_HD inline bool is_finite_bits(std::uint32_t bits) {
   return (bits & 0x7F800000u) != 0x7F800000u;
 }
 
+// Unrolls a loop in device code (where `count` is a constant after inlining, the caller's
+// element arrays then stay in registers instead of local memory); nothing on the host.
+#if defined(__CUDA_ARCH__)
+#define MOK_MXFP8_UNROLL _Pragma("unroll")
+#else
+#define MOK_MXFP8_UNROLL
+#endif
+
 // Quantizes one block of `count` (<= 32) fp32 bit patterns, read as load(i); writes store(i, byte)
 // and returns the scale byte. Elements past `count` are not read (the caller pads with zeros).
 template <typename Load, typename Store>
@@ -140,6 +148,7 @@ MOK_HD inline std::uint8_t quantize_block(int count, ScaleRule rule, const Load&
                                           const Store& store) {
   std::uint32_t amax = 0;
   bool finite = true;
+  MOK_MXFP8_UNROLL
   for (int i = 0; i < count; ++i) {
     const std::uint32_t v = load(i);
     finite = finite && is_finite_bits(v);
@@ -147,12 +156,14 @@ MOK_HD inline std::uint8_t quantize_block(int count, ScaleRule rule, const Load&
     amax = mag > amax ? mag : amax;  // finite magnitudes order as their bit patterns
   }
   if (!finite) {
+    MOK_MXFP8_UNROLL
     for (int i = 0; i < count; ++i) {
       store(i, static_cast<std::uint8_t>(((load(i) >> 24) & 0x80u) | kE4M3NaN));
     }
     return kScaleNaN;
   }
   const int e = scale_exponent(amax, rule);
+  MOK_MXFP8_UNROLL
   for (int i = 0; i < count; ++i) store(i, encode_e4m3(load(i), e));
   return scale_byte(e);
 }
