@@ -81,6 +81,10 @@ def test_cpu_without_down_writes_a_b_h_only():
     a, b, _, _ = per_row_cpu(x, offs, wg, wu, torch.zeros(2, 16, 8, dtype=BF16), None)
     assert got.y is None
     assert torch.equal(got.a, a) and torch.equal(got.b, b) and torch.equal(got.h, swiglu(a, b, None))
+    ab = grouped_forward(x, offs, wg, wu, None, with_h=False)
+    assert ab.h is None and torch.equal(ab.a, a) and torch.equal(ab.b, b)
+    with pytest.raises(ValueError, match="with_h=False needs w_down=None"):
+        grouped_forward(x, offs, wg, wu, torch.zeros(2, 16, 8, dtype=BF16), with_h=False)
 
 
 @pytest.mark.parametrize(

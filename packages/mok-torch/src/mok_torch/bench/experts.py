@@ -5,7 +5,8 @@ receives (T * K rows, `--routing` balanced or skewed over its El local experts, 
 expert's rows rounded up to 16 as the schedule's alignment does) with:
 
 - `mok`: mok-bf16's grouped forward (sm_90a wgmma: gate+up with the SwiGLU epilogue, then
-  down), and its gate+up GEMM alone;
+  down), its gate+up GEMM alone (`mok-gate-up`), and that GEMM writing a and b only
+  (`mok-gate-up-ab`: the difference is what the SwiGLU in the epilogue costs);
 - `torch-grouped-mm`: `torch._grouped_mm` for gate, up and down with `silu(gate) * up`
   between (what BENCHMARKS.md measured at 500-692 TFLOP/s);
 
@@ -40,6 +41,7 @@ from .shapes import Shape, resolve_shapes
 from .timing import Ranks, median, time_ms
 
 BF16 = torch.bfloat16
+PROVIDERS = ("mok", "mok-gate-up", "mok-gate-up-ab", "torch-grouped-mm")
 
 
 def segment_sizes(shape: Shape, El: int, routing: str, g: torch.Generator) -> list[int]:
@@ -89,6 +91,9 @@ def _case(ranks: Ranks, shape: Shape, El: int, routing: str, ns: argparse.Namesp
     def ours_gate_up() -> Any:
         return grouped_forward(x, offsets, wg, wu, None)
 
+    def ours_gate_up_ab() -> Any:  # the same GEMM without h: what the SwiGLU epilogue costs
+        return grouped_forward(x, offsets, wg, wu, None, with_h=False)
+
     def theirs() -> Any:
         return torch_grouped_mm(x, ends.to(torch.int32), wg, wu, wd)
 
@@ -126,7 +131,7 @@ def bench(ns: argparse.Namespace, ranks: Ranks) -> dict[str, Any]:
         El = shape.experts // shape.world
         for routing in ns.routing.split(","):
             row = _case(ranks, shape, El, routing, ns, g)
-            for name in ("mok", "mok-gate-up", "torch-grouped-mm"):
+            for name in PROVIDERS:
                 if row[name]["status"] == "ok" and mm.value:
                     row[name]["fraction_of_dense"] = row[name]["TFLOPs"] / mm.value
             results.append(row)
@@ -159,17 +164,16 @@ def bench(ns: argparse.Namespace, ranks: Ranks) -> dict[str, Any]:
 def _print(doc: dict[str, Any]) -> None:
     mm = doc["ceilings"]["bf16_matmul"]["value"]
     print(f"\nmok bench-experts: {doc['device']['name']}, dense bf16 {mm or 0:.0f} TFLOP/s (forward TFLOP/s)")
-    print(f"{'shape':<20}{'routing':<9}{'rows':>7}{'mok':>7}{'gate-up':>8}{'torch':>7}{'x':>6}  same bits")
+    print(f"{'shape':<20}{'routing':<9}{'rows':>7}{'mok':>7}{'gate-up':>8}{'g-u ab':>7}{'torch':>7}{'x':>6}  same bits")
     for r in doc["results"]:
         if r.get("status") == "skipped":
             print(f"{r['shape_name']:<20}skipped: {r['why']}")
             continue
-        names = ("mok", "mok-gate-up", "torch-grouped-mm")
-        cells = [f"{r[n]['TFLOPs']:.0f}" if r[n]["status"] == "ok" else "fail" for n in names]
+        cells = [f"{r[n]['TFLOPs']:.0f}" if r[n]["status"] == "ok" else "fail" for n in PROVIDERS]
         speed = f"{r['speedup_vs_torch']:.2f}" if "speedup_vs_torch" in r else "-"
         same = r["mok"].get("bitwise_repeatable", "-")
         head = f"{r['shape_name']:<20}{r['routing']:<9}{r['rows']:>7}"
-        print(f"{head}{cells[0]:>7}{cells[1]:>8}{cells[2]:>7}{speed:>6}  {same}")
+        print(f"{head}{cells[0]:>7}{cells[1]:>8}{cells[2]:>7}{cells[3]:>7}{speed:>6}  {same}")
 
 
 def parser() -> argparse.ArgumentParser:

@@ -23,7 +23,7 @@ BF16 = torch.bfloat16
 class GroupedForward(NamedTuple):
     a: torch.Tensor  # [M, I] bf16: x @ Wg^T
     b: torch.Tensor  # [M, I] bf16: x @ Wu^T
-    h: torch.Tensor  # [M, I] bf16: silu(a_c) * b_c
+    h: torch.Tensor | None  # [M, I] bf16: silu(a_c) * b_c, None when not asked for
     y: torch.Tensor | None  # [M, H] bf16: h @ Wd^T, None when not asked for
 
 
@@ -49,12 +49,14 @@ def grouped_forward(
     limit: float | None = None,
     num_sms: int = 0,
     out: GroupedForward | None = None,
+    with_h: bool = True,
 ) -> GroupedForward:
     """The SwiGLU experts on rows [offsets[e], offsets[e+1]) of x for each local expert e.
 
     offsets: int64 [El + 1], non-decreasing within [0, M] (on CUDA they stay on the device and
     are clamped there; on the CPU a bad one raises ValueError). Rows outside every segment are
-    left as `out` has them (zeros in fresh outputs). w_down None: a, b and h only.
+    left as `out` has them (zeros in fresh outputs). w_down None: a, b and h only;
+    with_h=False as well: a and b only (h is None).
     """
     import mok_bf16
 
@@ -73,17 +75,23 @@ def grouped_forward(
     _check("w_up", w_up_EIH, BF16, (El, I, H), dev)
     if w_down_EHI is not None:
         _check("w_down", w_down_EHI, BF16, (El, H, I), dev)
+    if not with_h and w_down_EHI is not None:
+        raise ValueError("with_h=False needs w_down=None: the down projection reads h")
     if not isinstance(num_sms, int) or num_sms < 0:
         raise ValueError(f"num_sms must be an int >= 0 (0: every SM), got {num_sms!r}")
     if out is None:
         out = GroupedForward(
             torch.zeros(M, I, dtype=BF16, device=dev),
             torch.zeros(M, I, dtype=BF16, device=dev),
-            torch.zeros(M, I, dtype=BF16, device=dev),
+            torch.zeros(M, I, dtype=BF16, device=dev) if with_h else None,
             None if w_down_EHI is None else torch.zeros(M, H, dtype=BF16, device=dev),
         )
-    for name, t, shape in (("out.a", out.a, (M, I)), ("out.b", out.b, (M, I)), ("out.h", out.h, (M, I))):
+    for name, t, shape in (("out.a", out.a, (M, I)), ("out.b", out.b, (M, I))):
         _check(name, t, BF16, shape, dev)
+    if with_h:
+        if out.h is None:
+            raise ValueError("out.h must be a tensor unless with_h=False")
+        _check("out.h", out.h, BF16, (M, I), dev)
     if w_down_EHI is not None:
         if out.y is None:
             raise ValueError("out.y must be a tensor when w_down is given")
@@ -99,7 +107,7 @@ def grouped_forward(
             0 if w_down_EHI is None else w_down_EHI.data_ptr(),
             out.a.data_ptr(),
             out.b.data_ptr(),
-            out.h.data_ptr(),
+            out.h.data_ptr() if with_h and out.h is not None else 0,
             0 if out.y is None or w_down_EHI is None else out.y.data_ptr(),
             M,
             H,
