@@ -8,8 +8,9 @@ one device, the quantization a training step does:
   (what a user does once per optimizer step for each expert weight);
 
 with mok-mxfp8's quantizer (`compiled`) and the pure-PyTorch one (`torch`), and reports GB/s
-(bytes read + written) against the HBM copy rate measured in the same run. Both must give
-the same bytes; the run checks it and records the result.
+(bytes read + written) against the HBM copy rate measured in the same run, per call as a
+training step makes it (host work included) and, on a GPU, replayed from a CUDA graph (the
+device time alone). Both must give the same bytes; the run checks it and records the result.
 
     mok bench-quantize --out DIR [--shapes seed|quick|...] [--device auto|cpu|cuda]
 
@@ -58,6 +59,14 @@ def _case(ranks: Ranks, what: str, w: torch.Tensor, normal: bool, transposed: bo
         ms = median(time_ms(ranks, run, iters=ns.iters, warmup=ns.warmup))
         outputs[impl] = run()
         row[impl] = {"status": "ok", "ms": ms, "GBps": nbytes / (ms * 1e-3) / 1e9}
+        if ranks.cuda:  # the device time alone: the call replayed from a CUDA graph (no host work)
+            graph = torch.cuda.CUDAGraph()
+            torch.cuda.synchronize(ranks.device)
+            with torch.cuda.graph(graph):
+                run()
+            ms = median(time_ms(ranks, graph.replay, iters=ns.iters, warmup=ns.warmup))
+            row[impl].update(graph_ms=ms, graph_GBps=nbytes / (ms * 1e-3) / 1e9)
+            del graph
     if len(outputs) == 2:
         a, b = outputs["compiled"], outputs["torch"]
         row["same_bytes"] = all(
@@ -114,10 +123,13 @@ def _print(doc: dict[str, Any]) -> None:
     hbm = doc["ceilings"]["hbm"]
     rate = "-" if not hbm or hbm["value"] is None else f"{hbm['value']:.0f} GB/s"
     print(f"\nmok bench-quantize: {doc['device']['name']}, HBM copy {rate}")
-    print(f"{'shape':<20}{'what':<13}{'compiled GB/s':>15}{'torch GB/s':>12}  same bytes")
+    print(f"{'shape':<20}{'what':<13}{'compiled GB/s':>15}{'in a graph':>12}{'torch GB/s':>12}  same bytes")
     for r in doc["results"]:
         cells = [f"{r[i]['GBps']:.1f}" if r[i]["status"] == "ok" else "skipped" for i in ("compiled", "torch")]
-        print(f"{r['shape_name']:<20}{r['what']:<13}{cells[0]:>15}{cells[1]:>12}  {r.get('same_bytes', '-')}")
+        graph = f"{r['compiled']['graph_GBps']:.1f}" if "graph_GBps" in r["compiled"] else "-"
+        print(
+            f"{r['shape_name']:<20}{r['what']:<13}{cells[0]:>15}{graph:>12}{cells[1]:>12}  {r.get('same_bytes', '-')}"
+        )
 
 
 def parser() -> argparse.ArgumentParser:
