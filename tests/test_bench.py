@@ -299,3 +299,22 @@ def test_quantize_bench_runs_and_checks_both_quantizers(tmp_path):
             assert r["same_bytes"] is True
         else:
             assert "no quantizer" in r["compiled"]["why"]
+
+
+def test_experts_bench_runs_on_the_cpu(tmp_path):
+    """The expert-GEMM benchmark's plumbing (the numbers that matter come from a GPU)."""
+    from mok_torch.cli import main as mok_main
+
+    argv = ["bench-experts", "--shapes", "quick", "--iters", "1", "--warmup", "0", "--device", "cpu"]
+    assert mok_main([*argv, "--routing", "balanced,skewed", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("*_experts.json")
+    doc = json.loads(path.read_text())
+    assert doc["schema"] == "mok-bench-experts/1"
+    rows = [r for r in doc["results"] if r.get("status") != "skipped"]
+    assert {r["routing"] for r in rows} == {"balanced", "skewed"}
+    for r in rows:
+        assert r["rows"] % 16 == 0 and r["rows_per_expert"]["min"] % 16 == 0  # the schedule's alignment
+        for name in ("mok", "mok-gate-up", "mok-gate-up-ab"):
+            assert r[name]["status"] == "ok", (name, r[name])
+            assert r[name]["ms"] > 0
+        assert r["mok"]["bitwise_repeatable"] is True

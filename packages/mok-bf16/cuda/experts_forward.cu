@@ -1,9 +1,9 @@
 // The grouped SwiGLU forward on the GPU: two persistent wgmma GEMMs over the experts' segments.
 //
 //   gate/up:  [a, b] = x @ [Wg_e; Wu_e]^T  (one pass over x; 128 columns of each weight per tile,
-//             one m64n256 wgmma for both)
-//             epilogue: a, b rounded to bf16, h = bf16(silu(a_c) * b_c) by mok-core's element
-//             math (the reference's, bit for bit, given a and b)
+//             one m64n256 wgmma for both), rounded to bf16 in the epilogue
+//   SwiGLU:   h = bf16(silu(a_c) * b_c) by mok-core's element math (the reference's, bit for
+//             bit, given a and b), an elementwise kernel over the segments' rows
 //   down:     y = h @ Wd_e^T                (256 columns per tile)
 #include <cuda_runtime.h>
 
@@ -39,9 +39,7 @@ __device__ inline void store_pair(std::uint16_t* p, std::uint16_t lo, std::uint1
 struct GateUpEpilogue {
   std::uint16_t* a;
   std::uint16_t* b;
-  std::uint16_t* h;  // may be null
   int inner;
-  core::SwigluLimit limit;
 
   __device__ void operator()(const Tile& tile, int consumer, const Accumulators& acc) const {
     const int t = threadIdx.x % 128;
@@ -55,20 +53,45 @@ struct GateUpEpilogue {
         if (col >= inner) continue;
         const int q = 4 * j + 2 * half;
         constexpr int kUp = kGateUpN / 2;  // the up columns' fragment registers follow the gate's
-        const std::uint16_t a0 = core::float_to_bf16(acc.d[q]);
-        const std::uint16_t a1 = core::float_to_bf16(acc.d[q + 1]);
-        const std::uint16_t b0 = core::float_to_bf16(acc.d[kUp + q]);
-        const std::uint16_t b1 = core::float_to_bf16(acc.d[kUp + q + 1]);
         const std::int64_t at = row * inner + col;
-        store_pair(a + at, a0, a1);
-        store_pair(b + at, b0, b1);
-        if (h != nullptr) {
-          store_pair(h + at, core::swiglu_h(a0, b0, limit), core::swiglu_h(a1, b1, limit));
-        }
+        store_pair(a + at, core::float_to_bf16(acc.d[q]), core::float_to_bf16(acc.d[q + 1]));
+        store_pair(b + at, core::float_to_bf16(acc.d[kUp + q]),
+                   core::float_to_bf16(acc.d[kUp + q + 1]));
       }
     }
   }
 };
+
+// h = swiglu_h(a, b) for the rows [offsets[0], offsets[El]) (clamped to [0, M]), 8 elements of
+// a row per thread. A kernel of its own, not the GEMM's epilogue: the element math (float64
+// exp and division) is a long dependent chain, which the epilogue's two warpgroups per SM
+// could not hide (it cost the gate+up GEMM a third of its time); a full grid does.
+__global__ void swiglu_h_kernel(const std::uint16_t* a, const std::uint16_t* b, std::uint16_t* h,
+                                const std::int64_t* offsets, int num_experts, std::int64_t num_rows,
+                                int inner, core::SwigluLimit limit) {
+  const auto clamp = [&](std::int64_t r) { return r < 0 ? 0 : (r > num_rows ? num_rows : r); };
+  const std::int64_t lo = clamp(offsets[0]);
+  const std::int64_t hi = clamp(offsets[num_experts]);
+  if (hi <= lo) return;
+  const std::int64_t vectors = (hi - lo) * inner / 8;
+  for (std::int64_t v = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+       v < vectors; v += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t at = lo * inner + 8 * v;
+    const uint4 av = *reinterpret_cast<const uint4*>(a + at);
+    const uint4 bv = *reinterpret_cast<const uint4*>(b + at);
+    const std::uint32_t aw[4] = {av.x, av.y, av.z, av.w};
+    const std::uint32_t bw[4] = {bv.x, bv.y, bv.z, bv.w};
+    std::uint32_t hw[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const auto lo16 = [](std::uint32_t w) { return static_cast<std::uint16_t>(w & 0xFFFFu); };
+      const auto hi16 = [](std::uint32_t w) { return static_cast<std::uint16_t>(w >> 16); };
+      hw[i] = static_cast<std::uint32_t>(core::swiglu_h(lo16(aw[i]), lo16(bw[i]), limit)) |
+              (static_cast<std::uint32_t>(core::swiglu_h(hi16(aw[i]), hi16(bw[i]), limit)) << 16);
+    }
+    *reinterpret_cast<uint4*>(h + at) = make_uint4(hw[0], hw[1], hw[2], hw[3]);
+  }
+}
 
 struct StoreEpilogue {
   std::uint16_t* out;
@@ -147,10 +170,18 @@ void grouped_forward_cuda(const GroupedForwardArgs& args, std::uintptr_t stream_
   const gemm::Problem gate_up{reinterpret_cast<const std::int64_t*>(args.offsets), s.num_rows,
                               static_cast<int>(s.num_experts), static_cast<int>(s.inner),
                               static_cast<int>(s.hidden)};
-  const GateUpEpilogue e1{
-      reinterpret_cast<std::uint16_t*>(args.out_a), reinterpret_cast<std::uint16_t*>(args.out_b),
-      reinterpret_cast<std::uint16_t*>(args.out_h), static_cast<int>(I), args.limit};
+  const GateUpEpilogue e1{reinterpret_cast<std::uint16_t*>(args.out_a),
+                          reinterpret_cast<std::uint16_t*>(args.out_b), static_cast<int>(I)};
   launch<true>(map_x, map_wg, map_wu, gate_up, e1, sms, stream);
+  if (args.out_h == 0) return;
+  // Eight 256-thread blocks per SM (it needs 30 registers): every warp slot, to hide the element
+  // math's latency.
+  swiglu_h_kernel<<<8 * sms, 256, 0, stream>>>(reinterpret_cast<const std::uint16_t*>(args.out_a),
+                                               reinterpret_cast<const std::uint16_t*>(args.out_b),
+                                               reinterpret_cast<std::uint16_t*>(args.out_h),
+                                               gate_up.offsets, gate_up.num_experts, s.num_rows,
+                                               static_cast<int>(I), args.limit);
+  check(cudaGetLastError(), "launching the SwiGLU kernel");
   if (args.out_y == 0) return;
 
   const CUtensorMap map_h =

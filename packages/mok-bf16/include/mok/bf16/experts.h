@@ -99,9 +99,11 @@ struct SwigluBackwardArgs {
 // over K in one fixed order (blocks of 64, wgmma k16 steps ascending), then rounded to bf16;
 // not the reference's sequential sum, but the same bits for a row wherever it sits, whatever
 // the other rows, the grid or the SM count. h is the reference's element math applied to a and
-// b. On "cpu" the reference arithmetic (as swiglu_forward). The offsets stay in device memory
-// on "cuda" (never read by the host): out-of-range offsets are clamped to [0, M] and a segment
-// ending before it starts is empty. Rows outside every segment are not written.
+// b (an elementwise kernel of its own). On "cpu" the reference arithmetic (as swiglu_forward).
+// The offsets stay in device memory on "cuda" (never read by the host), so they are not
+// checked there: they must be non-decreasing; out-of-range ones are clamped to [0, M], and
+// decreasing ones give unspecified values in the rows they name, never an access outside the
+// arrays. Rows outside every segment are not written.
 struct GroupedForwardArgs {
   std::uintptr_t x = 0;        // bf16 [M, H]
   std::uintptr_t offsets = 0;  // int64 [El + 1]: segment starts, non-decreasing, in [0, M]
