@@ -9,6 +9,7 @@ from helpers import CONTRACT_KEYS, assert_bitwise, config, run_functional
 from multiproc import run_ranks
 
 import mok_torch as mok
+from mok_torch.backends import native
 from mok_torch.testing import make_inputs
 
 pytestmark = pytest.mark.multiprocess
@@ -135,11 +136,12 @@ def test_cuda_rank_that_never_arrives_times_out():
     assert "rank 0 waited more than 1 s for rank 1" in msg and "forward: inputs written" in msg, msg
 
 
-def graph_scenario(rank: int, world: int, group, device: str) -> dict:
-    """Capture schedule + forward + backward in one CUDA graph; replay it on new inputs."""
+def graph_scenario(rank: int, world: int, group, device: str, dims: str = "small") -> dict:
+    """Capture schedule + forward + backward in one CUDA graph; replay it on new inputs.
+    dims "kernels": H, I, Is multiples of 64, so the forward runs mok-bf16's GPU GEMMs."""
     dev = torch.device("cuda", torch.cuda.current_device())
     cfg = config(backend="cuda", expert_alignment=8, minibatch_size=16, macrobatch_size=32)
-    T, H, I, E, K, Is = 24, 32, 16, 4 * world, 2, 8
+    T, H, I, E, K, Is = (24, 32, 16, 4 * world, 2, 8) if dims == "small" else (24, 128, 64, 4 * world, 2, 64)
     first = make_inputs(T * world, H, I, E, K, Is, seed=1)
     second = make_inputs(T * world, H, I, E, K, Is, "skewed", seed=2)
     part = slice(rank * T, (rank + 1) * T)
@@ -181,6 +183,52 @@ def test_cuda_graph_capture_one_gpu():
     res = run_ranks(1, "test_native.graph_scenario", "cuda", device="cuda")[0]
     for a, b in zip(res["replayed"], res["eager"], strict=True):
         assert torch.equal(a, b)
+
+
+@gpu
+def test_cuda_graph_capture_with_gpu_gemms():
+    if not native.gpu_forward_kernels(config(backend="cuda"), torch.device("cuda"), 128, 64, 1):
+        pytest.skip("mok-bf16's grouped forward needs an sm_90 GPU and a CUDA build of mok-bf16")
+    res = run_ranks(1, "test_native.graph_scenario", "cuda", "kernels", device="cuda")[0]
+    for a, b in zip(res["replayed"], res["eager"], strict=True):
+        assert torch.equal(a, b)
+
+
+# (T, H, I, E, K, Is, routing): H, I and Is multiples of 64, so the forward's GEMMs run on the
+# tensor cores (mok-bf16's grouped forward).
+KERNEL_SHAPES = [
+    pytest.param(40, 128, 64, 8, 2, 64, "balanced", id="balanced-shared"),
+    pytest.param(33, 64, 128, 8, 3, 0, "skewed", id="skewed"),
+    pytest.param(20, 64, 64, 4, 2, 0, "worst", id="worst"),
+    pytest.param(1, 64, 64, 4, 1, 64, "balanced", id="one-token-K1-shared"),
+]
+
+
+@gpu
+@pytest.mark.parametrize("T,H,I,E,K,Is,routing", KERNEL_SHAPES)
+def test_cuda_backend_with_gpu_gemms(T, H, I, E, K, Is, routing, monkeypatch):
+    """The forward's GEMMs on the tensor cores: every contract key bitwise the same across the
+    batching configs, and within bf16 rounding of the reference backend (not bitwise: the
+    tensor cores sum in their own fixed order)."""
+    if not native.gpu_forward_kernels(config(backend="cuda"), torch.device("cuda"), H, I, 1):
+        pytest.skip("mok-bf16's grouped forward needs an sm_90 GPU and a CUDA build of mok-bf16")
+    calls = []
+    real = native.grouped_forward
+    monkeypatch.setattr(native, "grouped_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    inp = make_inputs(T, H, I, E, K, Is, routing, seed=T + H)
+    ref = run_functional(inp, config(backend="reference", expert_alignment=8), device="cpu")
+    first = None
+    for kw in CONFIGS:
+        got = run_functional(inp, config(backend="cuda", **kw), device="cuda")
+        if first is None:
+            first = got
+        else:
+            assert_bitwise(first, got, _keys(Is), what=f"cuda backend {kw} vs {CONFIGS[0]}: ")
+    assert calls, "the GPU GEMMs did not run"
+    for key in _keys(Is):
+        want, have = ref[key].double(), first[key].double()
+        rel = ((have - want).norm() / want.norm().clamp_min(1e-30)).item()
+        assert rel <= 1e-2, f"{key}: relative L2 error {rel:.2e} against the reference backend"
 
 
 @two_gpus

@@ -5,8 +5,11 @@ shared memory between the processes of one machine, or symmetric memory between 
 epoch barriers that time out, and runs the fixed-order epilogues. The expert math between
 the pulls and the pushes is the reference arithmetic (so every result is bitwise the
 reference backend's): on the CPU, mok-bf16's compiled entry points when the installed
-mok-bf16 has them; otherwise (and on the GPU, until its kernels land) the reference's
-PyTorch code.
+mok-bf16 has them; otherwise the reference's PyTorch code. On an sm_90 GPU, in BF16, when H
+and I (and Is) are multiples of 64, the forward's GEMMs (routed and shared experts) are
+mok-bf16's tensor-core kernels instead (`grouped.py`): deterministic and invariant as the
+contract says, but no longer bitwise the reference (docs/determinism.md "The GPU GEMMs"); the
+backward is still the reference arithmetic.
 
 On the GPU nothing reads a device value on the host: the ring walks every row of the
 table's capacity in static minibatches (rows past the last segment are empty and skipped
@@ -52,6 +55,7 @@ from ..reference.experts import (
     swiglu,
 )
 from ..reference.ring import Block, replays_in_backward
+from .grouped import GroupedForward, grouped_forward
 from .transport import Transport, raise_transport_error
 
 Weights3 = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -78,6 +82,30 @@ def _expert_kernels(device_type: str) -> Any | None:
 def _mxfp8_kernels(device_type: str) -> Any | None:
     """mok_mxfp8's MXFP8 expert entry points for `device_type`, or None."""
     return _entry_points("mok_mxfp8", device_type)
+
+
+@functools.cache
+def _gpu_grouped(device_index: int) -> bool:
+    """Whether mok-bf16's sm_90a grouped forward runs on this CUDA device."""
+    try:
+        import mok_bf16
+    except ImportError:
+        return False
+    if not hasattr(mok_bf16, "grouped_forward") or "cuda" not in mok_bf16.build_info()["backends"]:
+        return False
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+def gpu_forward_kernels(cfg: MoKConfig, device: torch.device, hidden: int, inner: int, experts: int) -> bool:
+    """Whether the native backend's forward GEMMs run mok-bf16's tensor-core kernels here."""
+    return (
+        device.type == "cuda"
+        and cfg.precision == "bf16"
+        and hidden % 64 == 0
+        and inner % 64 == 0
+        and 1 <= experts <= 1024
+        and _gpu_grouped(device.index if device.index is not None else torch.cuda.current_device())
+    )
 
 
 def _row_experts(sched: Schedule, rows: int) -> torch.Tensor:
@@ -385,8 +413,13 @@ class NativeBackend:
         H, K, inner = ws.hidden_size, ws.topk, routed[2].shape[2]
         rows, macro, mini, offsets = self._rows_plan(cfg, ws, sched, inner)
         experts = self._routed_experts(cfg, routed)
+        El = routed[0].shape[0]
+        tensor_cores = experts is None and gpu_forward_kernels(cfg, ws.device, H, inner, El)
         if experts is not None:
             experts_R = _row_experts(sched, rows)
+        elif tensor_cores:
+            kernel_weights = tuple(w.contiguous() for w in routed)
+            segments = sched.expert_offsets_El1.to(torch.int64)
         else:
             weights = expert_weights(cfg, routed)
         ring_rows = min(macro, rows)
@@ -394,6 +427,7 @@ class NativeBackend:
         ring_x = self._pulled_rows(cfg, ring_rows, H, dev)
         ring_a = torch.zeros(ring_rows, inner, dtype=BF16, device=dev)
         ring_b = torch.zeros(ring_rows, inner, dtype=BF16, device=dev)
+        ring_h = torch.empty(ring_rows, inner, dtype=BF16, device=dev) if tensor_cores and outputs else None
         macrobatches = [(lo, min(lo + macro, rows)) for lo in range(0, rows, macro)]
         # Last to first: the ring ends holding macrobatch 0 (without outputs only it is needed).
         for lo, hi in reversed(macrobatches) if outputs else macrobatches[:1]:
@@ -407,6 +441,14 @@ class NativeBackend:
                 if experts is not None:
                     y = torch.empty(mhi - mlo, H, dtype=BF16, device=dev) if outputs else None
                     experts.forward(experts_R[mlo:mhi], xs, ring_a[ring], ring_b[ring], y)
+                elif tensor_cores:  # the segments of rows [mlo, mhi), read on the device only
+                    y = torch.empty(mhi - mlo, H, dtype=BF16, device=dev) if outputs else None
+                    h = None if ring_h is None else ring_h[ring]
+                    out = GroupedForward(ring_a[ring], ring_b[ring], h, y)
+                    seg = (segments - mlo).clamp_(0, mhi - mlo)
+                    wd = kernel_weights[2] if outputs else None
+                    grouped_forward(xs, seg, kernel_weights[0], kernel_weights[1], wd, cfg.swiglu_limit,
+                                    out=out, with_h=outputs)  # fmt: skip
                 else:
                     r = _Rows(sched, mlo, mhi, offsets, weights)
                     a, b = gate_up(self._values(cfg, r.grid(xs), H), r.w, r.layout)
@@ -420,10 +462,17 @@ class NativeBackend:
         return ring_x, ring_a, ring_b
 
     def _shared_forward(
-        self, x_TH: torch.Tensor, shared: Weights3 | None, limit: float | None, *, outputs: bool
+        self, cfg: MoKConfig, x_TH: torch.Tensor, shared: Weights3 | None, *, outputs: bool
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """The shared expert on every local token: one expert whose rows are the tokens."""
-        kernels = self.expert_kernels
+        kernels, limit = self.expert_kernels, cfg.swiglu_limit
+        if shared is not None and gpu_forward_kernels(cfg, x_TH.device, x_TH.shape[1], shared[0].shape[0], 1):
+            T = x_TH.shape[0]
+            one = torch.arange(2, dtype=torch.int64, device=x_TH.device) * T  # one segment: every token
+            wd = shared[2].contiguous()[None] if outputs else None
+            out = grouped_forward(x_TH.contiguous(), one, shared[0].contiguous()[None], shared[1].contiguous()[None],
+                                  wd, limit, with_h=outputs)  # fmt: skip
+            return out.y, out.a, out.b
         if kernels is None or shared is None:
             return shared_forward(x_TH, shared, limit, outputs=outputs)
         T, Is = x_TH.shape[0], shared[0].shape[0]
@@ -443,7 +492,7 @@ class NativeBackend:
         self._write_rows(cfg, tr, "x_src", x_TH)
         tr.barrier(3)
         ring_x, ring_a, ring_b = self._routed_forward(cfg, ws, sched, tr, routed, outputs=True)
-        ys, shared_a, shared_b = self._shared_forward(x_TH, shared, cfg.swiglu_limit, outputs=True)
+        ys, shared_a, shared_b = self._shared_forward(cfg, x_TH, shared, outputs=True)
         tr.barrier(4)  # every push has landed
         w = router_weights_TK.float().reshape(-1).contiguous()
         y = self._combine(tr, ys, tr.view["rows"][: T * K], w, T, K, H)
@@ -463,7 +512,7 @@ class NativeBackend:
         self._write_rows(cfg, tr, "x_src", x_TH)
         tr.barrier(7)
         ring_x, ring_a, ring_b = self._routed_forward(cfg, ws, sched, tr, routed, outputs=False)
-        _, shared_a, shared_b = self._shared_forward(x_TH, shared, cfg.swiglu_limit, outputs=False)
+        _, shared_a, shared_b = self._shared_forward(cfg, x_TH, shared, outputs=False)
         tr.barrier(8)  # every rank has pulled: x_src may be rewritten
         self._after_call(tr)
         return ForwardContext(sched, self.name, ring_x, ring_a, ring_b, shared_a, shared_b)
