@@ -259,7 +259,7 @@ def no_numpy_scenario(rank: int, world: int, group, device: str) -> bool:
     torch.Tensor.numpy = no_numpy  # type: ignore[method-assign]  # this worker process only
     inp = make_inputs(8 * world, 32, 16, 4, 2, 0, seed=3)
     res = run_functional(inp, config(backend="cpu", expert_alignment=8), group=group, rank=rank, world=world,
-                         tokens=slice(8 * rank, 8 * (rank + 1)), max_tokens=8)  # fmt: skip
+                         tokens=slice(8 * rank, 8 * (rank + 1)), max_tokens=8, device="cpu")  # fmt: skip
     return bool(res["y"].isfinite().all())
 
 

@@ -557,6 +557,8 @@ class NativeBackend:
         d_gate_up = torch.zeros(El, 2 * inner, H, dtype=torch.float32, device=dev)
         d_down = torch.zeros(El, H, inner, dtype=torch.float32, device=dev)
         experts = self._routed_experts(cfg, routed)
+        # A replay recomputes a and b with the GEMMs the forward used (so their bits match).
+        tensor_cores = experts is None and gpu_forward_kernels(cfg, dev, H, inner, El)
         if experts is not None:
             experts_R = _row_experts(sched, rows)
         else:
@@ -591,6 +593,11 @@ class NativeBackend:
                     xg, dyg, wg = self._values(cfg, r.grid(xs), H), self._values(cfg, r.grid(dys), H), r.grid(wr)
                     if m == 0:
                         a, b = r.grid(ctx.a_MI[ring]), r.grid(ctx.b_MI[ring])
+                    elif tensor_cores:
+                        seg = (sched.expert_offsets_El1.to(torch.int64) - mlo).clamp_(0, mhi - mlo)
+                        wgt, wut = routed[0].contiguous(), routed[1].contiguous()
+                        ab = grouped_forward(xs, seg, wgt, wut, None, cfg.swiglu_limit, with_h=False)
+                        a, b = r.grid(ab.a), r.grid(ab.b)
                     else:
                         a, b = gate_up(xg, r.w, r.layout)
                     rg = row_backward(xg, a, b, dyg, wg, r.w, cfg.swiglu_limit, r.layout)
