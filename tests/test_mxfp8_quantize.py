@@ -355,3 +355,21 @@ def test_cuda_quantizer_matches_cpu(rule, dtype):
         want = getattr(cpu, field).view(torch.uint8)
         assert torch.equal(getattr(gpu, field).view(torch.uint8).cpu(), want), field
         assert torch.equal(getattr(ref, field).view(torch.uint8).cpu(), want), field
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offset", [0, 4, 8], ids=["aligned", "8-byte-offset", "16-byte-offset"])
+def test_cuda_quantizer_on_strided_views(offset):
+    """Row views at any offset (the lane-shared kernel for 16-byte aligned rows, one thread per
+    block otherwise) and batch strides with padding: the CPU's bytes."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU; this machine has none")
+    compiled_or_skip("cuda")
+    g = torch.Generator().manual_seed(5)
+    big = (torch.randn(3, 64, 200, generator=g) * torch.logspace(-6, 6, 200, base=2.0)).to(torch.bfloat16)
+    w = big[:, :, offset : offset + 160]  # rows 400 bytes apart, the first at `offset` elements
+    cpu = mok.mxfp8_quantize(w, rule="rceil", compiled=True)
+    gpu = mok.mxfp8_quantize(w.cuda(), rule="rceil")
+    for field in ("data", "scales", "data_t", "scales_t"):
+        want = getattr(cpu, field).view(torch.uint8)
+        assert torch.equal(getattr(gpu, field).view(torch.uint8).cpu(), want), field

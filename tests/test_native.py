@@ -49,11 +49,16 @@ def _slice(world: int, rank: int) -> slice:
     return slice(start, start + SPLITS[world][rank])
 
 
-def native_scenario(rank: int, world: int, group, device: str) -> dict:
+# (H, I, Is) of the EP scenarios: "small", and "kernels" where the GPU forward GEMMs run.
+DIMS = {"small": (32, 16, 8), "kernels": (128, 64, 64)}
+
+
+def native_scenario(rank: int, world: int, group, device: str, dims: str = "small") -> dict:
     backend, dev = ("cuda", f"cuda:{rank}") if device == "cuda" else ("cpu", "cpu")
+    H, I, Is = DIMS[dims]
     out = {}
     for routing in ("balanced", "worst"):
-        inp = make_inputs(T_GLOBAL, 32, 16, 6, 2, 8, routing, seed=5)
+        inp = make_inputs(T_GLOBAL, H, I, 6, 2, Is, routing, seed=5)
         for i, kw in enumerate(CONFIGS):
             cfg = config(backend=backend, **kw)
             out[(routing, i)] = run_functional(
@@ -229,6 +234,21 @@ def test_cuda_backend_with_gpu_gemms(T, H, I, E, K, Is, routing, monkeypatch):
         want, have = ref[key].double(), first[key].double()
         rel = ((have - want).norm() / want.norm().clamp_min(1e-30)).item()
         assert rel <= 1e-2, f"{key}: relative L2 error {rel:.2e} against the reference backend"
+
+
+@two_gpus
+def test_cuda_backend_with_gpu_gemms_across_gpus():
+    """EP 2 on two GPUs gives EP 1's bits with the tensor-core forward (every contract key)."""
+    H, I, Is = DIMS["kernels"]
+    if not native.gpu_forward_kernels(config(backend="cuda"), torch.device("cuda"), H, I, 1):
+        pytest.skip("mok-bf16's grouped forward needs an sm_90 GPU and a CUDA build of mok-bf16")
+    results = run_ranks(2, "test_native.native_scenario", "cuda", "kernels", device="cuda")
+    for routing in ("balanced", "worst"):
+        inp = make_inputs(T_GLOBAL, H, I, 6, 2, Is, routing, seed=5)
+        for i, kw in enumerate(CONFIGS):
+            one = run_functional(inp, config(backend="cuda", **kw), device="cuda", max_tokens=T_GLOBAL)
+            merged = {k: torch.cat([r[(routing, i)][k] for r in results]) for k in CONTRACT_KEYS}
+            assert_bitwise(one, merged, CONTRACT_KEYS, what=f"EP 2 vs EP 1, GPU GEMMs, {routing} {kw}: ")
 
 
 @two_gpus

@@ -1,5 +1,5 @@
-// The quantizer on the GPU: one thread per block of 32 elements, the arithmetic of format.h.
-// A block whose elements are contiguous and 16-byte aligned is read as 16-byte vectors.
+// The quantizer on the GPU, the arithmetic of format.h. A normal copy of 16-byte aligned rows
+// runs quantize_rows_kernel (lanes share a block); any other layout one thread per block.
 //
 // Threads walk the blocks so that neighbouring threads read neighbouring memory: when the
 // source's columns are contiguous (a normal copy) a thread reads its 32 elements as one 64- or
@@ -86,6 +86,77 @@ __global__ void quantize_kernel(QuantizeArgs a, bool rows_fastest, std::int64_t 
   }
 }
 
+// The normal copy of a source whose rows are contiguous and 16-byte aligned: lanes share a
+// block (4 lanes of 8 bf16 or 8 lanes of 4 fp32, one 16-byte load each), so a warp reads 512
+// consecutive bytes and writes its blocks' bytes in 8- or 4-byte pieces side by side; the block's
+// statistics are merged across its lanes with shuffles (an exact max and an and: the bytes are
+// those of quantize_block).
+template <SourceType kType>
+__global__ void quantize_rows_kernel(QuantizeArgs a, std::int64_t total) {
+  constexpr int kBytes = kType == SourceType::kBf16 ? 2 : 4;
+  constexpr int kLanes = kBlock * kBytes / 16;  // lanes per block
+  constexpr int kPer = kBlock / kLanes;         // elements per lane
+  constexpr int kPerWarp = 32 / kLanes;         // blocks per warp step
+  const int lane = threadIdx.x % 32, part = lane % kLanes;
+  const std::int64_t blocks = a.cols / kBlock;
+  const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (blockDim.x / 32);
+  const auto* src = reinterpret_cast<const unsigned char*>(a.src);
+  for (std::int64_t w = blockIdx.x * static_cast<std::int64_t>(blockDim.x / 32) + threadIdx.x / 32;
+       w * kPerWarp < total; w += warps) {  // uniform across the warp: every lane shuffles
+    const std::int64_t flat = w * kPerWarp + lane / kLanes;
+    const bool valid = flat < total;
+    const std::int64_t j = flat % blocks, r = (flat / blocks) % a.rows,
+                       b = flat / (blocks * a.rows);
+    std::uint32_t v[kPer] = {};
+    if (valid) {
+      const std::int64_t at = b * a.src_batch_stride + r * a.src_row_stride + j * kBlock;
+      const uint4 u = *reinterpret_cast<const uint4*>(src + at * kBytes + 16 * part);
+      const std::uint32_t words[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        if constexpr (kType == SourceType::kBf16) {  // two bf16, the lower address low
+          v[2 * i] = words[i] << 16;
+          v[2 * i + 1] = words[i] & 0xFFFF0000u;
+        } else {
+          v[i] = words[i];
+        }
+      }
+    }
+    BlockStats stats;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) stats.add(v[i]);
+#pragma unroll
+    for (int d = 1; d < kLanes; d <<= 1) {
+      BlockStats other;
+      other.amax = __shfl_xor_sync(0xFFFFFFFFu, stats.amax, d);
+      other.finite = __shfl_xor_sync(0xFFFFFFFFu, stats.finite ? 1 : 0, d) != 0;
+      stats.merge(other);
+    }
+    if (!valid) continue;
+    const int e = stats.exponent(a.rule);
+    std::uint32_t packed[kPer / 4];
+#pragma unroll
+    for (int i = 0; i < kPer; i += 4) {
+      packed[i / 4] = static_cast<std::uint32_t>(stats.element(v[i], e)) |
+                      static_cast<std::uint32_t>(stats.element(v[i + 1], e)) << 8 |
+                      static_cast<std::uint32_t>(stats.element(v[i + 2], e)) << 16 |
+                      static_cast<std::uint32_t>(stats.element(v[i + 3], e)) << 24;
+    }
+    auto* out = reinterpret_cast<unsigned char*>(a.data) + (b * a.rows + r) * a.cols + j * kBlock +
+                kPer * part;
+    if constexpr (kPer == 8) {
+      *reinterpret_cast<uint2*>(out) = make_uint2(packed[0], packed[1]);
+    } else {
+      *reinterpret_cast<std::uint32_t*>(out) = packed[0];
+    }
+    if (part == 0) {
+      reinterpret_cast<std::uint8_t*>(
+          a.scales)[b * a.rows * blocks + r * a.scale_row_stride + j * a.scale_block_stride] =
+          stats.scale(e);
+    }
+  }
+}
+
 void check_cuda(cudaError_t status, const char* what) {
   if (status != cudaSuccess) {
     cudaGetLastError();
@@ -104,6 +175,22 @@ void quantize_cuda(const QuantizeArgs& a, std::uintptr_t stream) {
   const std::int64_t wanted = (total + kThreads - 1) / kThreads;
   const unsigned grid = static_cast<unsigned>(wanted < 65535 * 16 ? wanted : 65535 * 16);
   auto s = reinterpret_cast<cudaStream_t>(stream);
+  const std::int64_t bytes = a.src_type == SourceType::kBf16 ? 2 : 4;
+  const bool rows_aligned = a.src % 16 == 0 && (a.src_batch_stride * bytes) % 16 == 0 &&
+                            (a.src_row_stride * bytes) % 16 == 0 && a.data % 8 == 0 &&
+                            a.cols % 8 == 0;
+  if (!rows_fastest && rows_aligned) {
+    const std::int64_t warps = (total * bytes * kBlock / 16 + 31) / 32;  // a lane per 16 bytes
+    const std::int64_t ctas = (warps + kThreads / 32 - 1) / (kThreads / 32);
+    const unsigned g = static_cast<unsigned>(ctas < 65535 * 16 ? ctas : 65535 * 16);
+    if (a.src_type == SourceType::kBf16) {
+      quantize_rows_kernel<SourceType::kBf16><<<g, kThreads, 0, s>>>(a, total);
+    } else {
+      quantize_rows_kernel<SourceType::kFp32><<<g, kThreads, 0, s>>>(a, total);
+    }
+    check_cuda(cudaGetLastError(), "quantize_rows_kernel launch");
+    return;
+  }
   if (a.src_type == SourceType::kBf16) {
     quantize_kernel<SourceType::kBf16><<<grid, kThreads, 0, s>>>(a, rows_fastest, total);
   } else {

@@ -141,31 +141,43 @@ MOK_HD inline bool is_finite_bits(std::uint32_t bits) {
 #define MOK_MXFP8_UNROLL
 #endif
 
+// The pieces of a block's quantization, for code that splits a block across threads (the
+// CUDA kernel's lanes): the running statistics, then the scale and each element from them.
+struct BlockStats {
+  std::uint32_t amax = 0;  // largest magnitude's bits (finite magnitudes order as bit patterns)
+  bool finite = true;      // no NaN and no infinity in the block
+
+  MOK_HD void add(std::uint32_t bits) {
+    finite = finite && is_finite_bits(bits);
+    const std::uint32_t mag = bits & 0x7FFFFFFFu;
+    amax = mag > amax ? mag : amax;
+  }
+  MOK_HD void merge(BlockStats o) {
+    finite = finite && o.finite;
+    amax = o.amax > amax ? o.amax : amax;
+  }
+  // The scale exponent (meaningful for a finite block) and the scale byte.
+  MOK_HD int exponent(ScaleRule rule) const { return finite ? scale_exponent(amax, rule) : 0; }
+  MOK_HD std::uint8_t scale(int e) const { return finite ? scale_byte(e) : kScaleNaN; }
+  // An element's byte: x / 2^e, or NaN with x's sign in a non-finite block.
+  MOK_HD std::uint8_t element(std::uint32_t bits, int e) const {
+    return finite ? encode_e4m3(bits, e)
+                  : static_cast<std::uint8_t>(((bits >> 24) & 0x80u) | kE4M3NaN);
+  }
+};
+
 // Quantizes one block of `count` (<= 32) fp32 bit patterns, read as load(i); writes store(i, byte)
 // and returns the scale byte. Elements past `count` are not read (the caller pads with zeros).
 template <typename Load, typename Store>
 MOK_HD inline std::uint8_t quantize_block(int count, ScaleRule rule, const Load& load,
                                           const Store& store) {
-  std::uint32_t amax = 0;
-  bool finite = true;
+  BlockStats stats;
   MOK_MXFP8_UNROLL
-  for (int i = 0; i < count; ++i) {
-    const std::uint32_t v = load(i);
-    finite = finite && is_finite_bits(v);
-    const std::uint32_t mag = v & 0x7FFFFFFFu;
-    amax = mag > amax ? mag : amax;  // finite magnitudes order as their bit patterns
-  }
-  if (!finite) {
-    MOK_MXFP8_UNROLL
-    for (int i = 0; i < count; ++i) {
-      store(i, static_cast<std::uint8_t>(((load(i) >> 24) & 0x80u) | kE4M3NaN));
-    }
-    return kScaleNaN;
-  }
-  const int e = scale_exponent(amax, rule);
+  for (int i = 0; i < count; ++i) stats.add(load(i));
+  const int e = stats.exponent(rule);
   MOK_MXFP8_UNROLL
-  for (int i = 0; i < count; ++i) store(i, encode_e4m3(load(i), e));
-  return scale_byte(e);
+  for (int i = 0; i < count; ++i) store(i, stats.element(load(i), e));
+  return stats.scale(e);
 }
 
 }  // namespace mok::mxfp8
