@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Regenerate the README's performance table from the committed benchmark results.
+"""Regenerate the README's performance tables from the committed benchmark results.
 
     python benchmarks/readme_table.py            # rewrite README.md in place
     python benchmarks/readme_table.py --check    # exit 1 if README.md is out of date
@@ -7,8 +7,11 @@
 Reads every JSON that `mok bench` wrote under benchmarks/results/, keeps the latest result
 per (device, EP size, precision, shape, routing, provider) and writes the table between
 the markers `<!-- bench-table:start -->` and `<!-- bench-table:end -->`. Only GPU runs
-that are not `--quick` smoke runs count, unless `--all-runs`. Numbers are never typed by
-hand: edit the results, then run this.
+that are not `--quick` smoke runs count, unless `--all-runs`. The component benchmarks get
+a table each from their latest GPU run: `mok bench-experts` between
+`<!-- experts-table:start/end -->`, `mok bench-quantize` between `<!-- quantize-table:... -->`
+(a README without those markers is left without them). Numbers are never typed by hand: edit
+the results, then run this.
 """
 
 from __future__ import annotations
@@ -97,11 +100,82 @@ def render(rows: list[dict[str, Any]], sources: list[Path], root: Path) -> str:
     return "\n\n".join(parts)
 
 
-def rewrite(text: str, table: str) -> str:
-    start, end = text.find(START), text.find(END)
+def rewrite(text: str, table: str, start_marker: str = START, end_marker: str = END) -> str:
+    start, end = text.find(start_marker), text.find(end_marker)
     if start < 0 or end < start:
-        raise SystemExit(f"readme_table: the README has no {START} ... {END} markers")
-    return text[: start + len(START)] + "\n" + table + "\n" + text[end:]
+        raise SystemExit(f"readme_table: the README has no {start_marker} ... {end_marker} markers")
+    return text[: start + len(start_marker)] + "\n" + table + "\n" + text[end:]
+
+
+def latest_component(results: Path, schema: str) -> tuple[dict[str, Any], Path] | None:
+    """The newest GPU run of a component benchmark (its JSON and path), or None."""
+    found = []
+    for path in sorted(results.rglob("*.json")):
+        try:
+            report = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise SystemExit(f"readme_table: cannot read {path}: {exc}") from exc
+        if isinstance(report, dict) and report.get("schema") == schema and report["device"].get("type") == "cuda":
+            found.append((report["created"], path.name, report, path))
+    return max(found)[2:] if found else None
+
+
+def _source(path: Path, root: Path) -> str:
+    try:
+        return f"`{path.resolve().relative_to(root)}`"
+    except ValueError:
+        return f"`{path.name}`"
+
+
+def render_experts(run: tuple[dict[str, Any], Path] | None, root: Path) -> str:
+    """`mok bench-experts`: forward TFLOP/s of mok's GEMMs and torch._grouped_mm, one row per case."""
+    if run is None:
+        return "_No expert-GEMM results are committed yet._"
+    report, path = run
+    mm = (report["ceilings"].get("bf16_matmul") or {}).get("value")
+    head = "| shape | routing | rows | mok fwd | gate+up with h | gate+up, a and b only | torch._grouped_mm "
+    head += "| mok / torch | bitwise |"
+    lines = [head, "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in report["results"]:
+        if r.get("status") == "skipped":
+            continue
+        cell = [f"{r[n]['TFLOPs']:.0f}" if r[n]["status"] == "ok" else r[n]["status"] for n in
+                ("mok", "mok-gate-up", "mok-gate-up-ab", "torch-grouped-mm")]  # fmt: skip
+        speed = f"{r['speedup_vs_torch']:.2f}x" if "speedup_vs_torch" in r else "-"
+        same = "yes" if r["mok"].get("bitwise_repeatable") else "NO"
+        lines.append(f"| {r['shape_name']} | {r['routing']} | {r['rows']} | {' | '.join(cell)} | {speed} | {same} |")
+    dense = f"; dense BF16 matmul {mm:.0f} TFLOP/s in the same run" if mm else ""
+    return "\n".join(lines) + f"\n\nTFLOP/s, {report['device']['name']}{dense}. From {_source(path, root)}."
+
+
+def render_quantize(run: tuple[dict[str, Any], Path] | None, root: Path) -> str:
+    """`mok bench-quantize`: GB/s of mok-mxfp8's quantizer and the PyTorch one."""
+    if run is None:
+        return "_No quantizer results are committed yet._"
+    report, path = run
+    hbm = (report["ceilings"].get("hbm") or {}).get("value")
+    lines = [
+        "| shape | what | mok-mxfp8 GB/s | in a CUDA graph | PyTorch GB/s | same bytes |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in report["results"]:
+        c, t = r["compiled"], r["torch"]
+        cell = f"{c['GBps']:.0f}" if c["status"] == "ok" else c["status"]
+        graph = f"{c['graph_GBps']:.0f}" if "graph_GBps" in c else "-"
+        torch_cell = f"{t['GBps']:.0f}" if t["status"] == "ok" else t["status"]
+        same = {True: "yes", False: "NO"}.get(r.get("same_bytes"), "-")
+        lines.append(f"| {r['shape_name']} | {r['what']} | {cell} | {graph} | {torch_cell} | {same} |")
+    ceiling = f"; HBM copy {hbm:.0f} GB/s in the same run" if hbm else ""
+    return (
+        "\n".join(lines)
+        + f"\n\nBytes read + written per second, {report['device']['name']}{ceiling}. From {_source(path, root)}."
+    )
+
+
+COMPONENTS = (
+    ("<!-- experts-table:start -->", "<!-- experts-table:end -->", "mok-bench-experts/1", render_experts),
+    ("<!-- quantize-table:start -->", "<!-- quantize-table:end -->", "mok-bench-quantize/1", render_quantize),
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,7 +187,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     rows, sources = latest_rows(load_runs(args.results, args.all_runs))
     old = args.readme.read_text()
-    new = rewrite(old, render(rows, sources, args.readme.resolve().parent))
+    root = args.readme.resolve().parent
+    new = rewrite(old, render(rows, sources, root))
+    for start, end, schema, render_component in COMPONENTS:
+        if start in new:
+            new = rewrite(new, render_component(latest_component(args.results, schema), root), start, end)
     if args.check:
         if new != old:
             print(f"{args.readme} is out of date: run python benchmarks/readme_table.py", file=sys.stderr)
