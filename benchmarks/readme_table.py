@@ -31,15 +31,24 @@ SCHEMA = "mok-bench-layer/1"
 LEADING = (("device", "_device"), ("EP", "_world"), ("precision", "_precision"))
 
 
-def load_runs(results: Path, all_runs: bool) -> list[tuple[dict[str, Any], Path]]:
-    """(report, path) of every benchmark JSON under `results`, oldest first."""
-    runs = []
+def _reports(results: Path) -> list[tuple[Path, dict[str, Any]]]:
+    """(path, JSON object) of every JSON file under `results`, by path."""
+    out = []
     for path in sorted(results.rglob("*.json")):
         try:
             report = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise SystemExit(f"readme_table: cannot read {path}: {exc}") from exc
-        if not isinstance(report, dict) or report.get("schema") != SCHEMA:
+        if isinstance(report, dict):
+            out.append((path, report))
+    return out
+
+
+def load_runs(results: Path, all_runs: bool) -> list[tuple[dict[str, Any], Path]]:
+    """(report, path) of every benchmark JSON under `results`, oldest first."""
+    runs = []
+    for path, report in _reports(results):
+        if report.get("schema") != SCHEMA:
             continue
         if not all_runs and (report["device"]["type"] != "cuda" or report["config"].get("quick")):
             continue
@@ -110,12 +119,8 @@ def rewrite(text: str, table: str, start_marker: str = START, end_marker: str = 
 def latest_component(results: Path, schema: str) -> tuple[dict[str, Any], Path] | None:
     """The newest GPU run of a component benchmark (its JSON and path), or None."""
     found = []
-    for path in sorted(results.rglob("*.json")):
-        try:
-            report = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise SystemExit(f"readme_table: cannot read {path}: {exc}") from exc
-        if isinstance(report, dict) and report.get("schema") == schema and report["device"].get("type") == "cuda":
+    for path, report in _reports(results):
+        if report.get("schema") == schema and report["device"].get("type") == "cuda":
             found.append((report["created"], path.name, report, path))
     return max(found)[2:] if found else None
 

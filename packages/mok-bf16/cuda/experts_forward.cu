@@ -22,8 +22,6 @@ namespace mok::bf16 {
 namespace {
 
 using gemm::Accumulators;
-using gemm::frag_col;
-using gemm::frag_row;
 using gemm::Tile;
 
 constexpr int kGateUpN = gemm::kMmaN / 2;  // columns of each weight per tile
@@ -42,23 +40,13 @@ struct GateUpEpilogue {
   int inner;
 
   __device__ void operator()(const Tile& tile, int consumer, const Accumulators& acc) const {
-    const int t = threadIdx.x % 128;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const std::int64_t row = tile.row0 + 64 * consumer + frag_row(t, 2 * half);
-      if (row >= tile.row_end) continue;
-#pragma unroll
-      for (int j = 0; j < kGateUpN / 8; ++j) {
-        const int col = tile.col0 + frag_col(t, j, 0);
-        if (col >= inner) continue;
-        const int q = 4 * j + 2 * half;
-        constexpr int kUp = kGateUpN / 2;  // the up columns' fragment registers follow the gate's
-        const std::int64_t at = row * inner + col;
-        store_pair(a + at, core::float_to_bf16(acc.d[q]), core::float_to_bf16(acc.d[q + 1]));
-        store_pair(b + at, core::float_to_bf16(acc.d[kUp + q]),
-                   core::float_to_bf16(acc.d[kUp + q + 1]));
-      }
-    }
+    constexpr int kUp = kGateUpN / 2;  // the up columns' fragment registers follow the gate's
+    gemm::for_each_pair<kGateUpN>(tile, consumer, inner, [&](std::int64_t row, int col, int q) {
+      const std::int64_t at = row * inner + col;
+      store_pair(a + at, core::float_to_bf16(acc.d[q]), core::float_to_bf16(acc.d[q + 1]));
+      store_pair(b + at, core::float_to_bf16(acc.d[kUp + q]),
+                 core::float_to_bf16(acc.d[kUp + q + 1]));
+    });
   }
 };
 
@@ -98,20 +86,10 @@ struct StoreEpilogue {
   int n;
 
   __device__ void operator()(const Tile& tile, int consumer, const Accumulators& acc) const {
-    const int t = threadIdx.x % 128;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const std::int64_t row = tile.row0 + 64 * consumer + frag_row(t, 2 * half);
-      if (row >= tile.row_end) continue;
-#pragma unroll
-      for (int j = 0; j < kDownN / 8; ++j) {
-        const int col = tile.col0 + frag_col(t, j, 0);
-        if (col >= n) continue;
-        const int q = 4 * j + 2 * half;
-        store_pair(out + row * n + col, core::float_to_bf16(acc.d[q]),
-                   core::float_to_bf16(acc.d[q + 1]));
-      }
-    }
+    gemm::for_each_pair<kDownN>(tile, consumer, n, [&](std::int64_t row, int col, int q) {
+      store_pair(out + row * n + col, core::float_to_bf16(acc.d[q]),
+                 core::float_to_bf16(acc.d[q + 1]));
+    });
   }
 };
 

@@ -135,6 +135,24 @@ struct Accumulators {
 __device__ inline int frag_row(int t, int q) { return 16 * (t / 32) + (t % 32) / 4 + 8 * (q / 2); }
 __device__ inline int frag_col(int t, int j, int q) { return 8 * j + 2 * (t % 4) + (q % 2); }
 
+// Calls fn(row, col, q) for every pair of adjacent output columns (col, col + 1) that the calling
+// thread of a consumer warpgroup holds in its registers q, q + 1, among the first kCols columns
+// of the tile; rows past the expert's segment and columns from n on are skipped.
+template <int kCols, class Fn>
+__device__ inline void for_each_pair(const Tile& tile, int consumer, int n, const Fn& fn) {
+  const int t = threadIdx.x % 128;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const std::int64_t row = tile.row0 + 64 * consumer + frag_row(t, 2 * half);
+    if (row >= tile.row_end) continue;
+#pragma unroll
+    for (int j = 0; j < kCols / 8; ++j) {
+      const int col = tile.col0 + frag_col(t, j, 0);
+      if (col < n) fn(row, col, 4 * j + 2 * half);
+    }
+  }
+}
+
 // The persistent kernel. kPaired: B's halves come from map_b0 and map_b1 (output tiles of
 // 128 columns of each weight); otherwise all 256 rows from map_b0 (tiles of 256 columns).
 // Epilogue: `void operator()(const Tile&, int consumer, const Accumulators&) const` on the

@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,7 +33,7 @@ import torch.nn.functional as F
 from ..backends.native.grouped import grouped_forward
 from . import ceilings as ceilings_mod
 from . import report
-from .launch import _device, component_parser
+from .launch import component_parser, one_device_main
 from .providers import GROUP_ALIGN
 from .shapes import Shape, resolve_shapes
 from .timing import Ranks, median, time_ms
@@ -149,14 +147,7 @@ def bench(ns: argparse.Namespace, ranks: Ranks) -> dict[str, Any]:
         "results": results,
     }
     _print(doc)
-    out = Path(ns.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{created[:10]}_{report.device_slug(device)}_experts.json"
-    n = 2
-    while path.exists():
-        path, n = out / f"{created[:10]}_{report.device_slug(device)}_experts-{n}.json", n + 1
-    path.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"wrote {path}")
+    report.write_component(doc, ns.out, "experts")
     return doc
 
 
@@ -184,11 +175,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    ns = parser().parse_args(argv)
-    ns.argv = argv
-    bench(ns, Ranks(_device(ns.device, 0), None, 0, 1))
-    return 0
+    return one_device_main(parser(), bench, argv)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import argparse
 import os
 import socket
 import sys
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -245,3 +246,14 @@ def component_parser(prog: str, description: str, *, iters: int, warmup: int) ->
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     return p
+
+
+def one_device_main(
+    parser: argparse.ArgumentParser, bench: Callable[[argparse.Namespace, Ranks], Any], argv: list[str] | None
+) -> int:
+    """`main` of a component benchmark that runs in this process on one device."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ns = parser.parse_args(argv)
+    ns.argv = argv
+    bench(ns, Ranks(_device(ns.device, 0), None, 0, 1))
+    return 0

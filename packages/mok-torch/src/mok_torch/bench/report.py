@@ -175,18 +175,30 @@ def device_slug(info: dict[str, Any]) -> str:
     return slug(info["name"]) if info["type"] == "cuda" else "cpu"
 
 
-def output_path(out_dir: Path, report: dict[str, Any]) -> Path:
-    """`<out>/<YYYY-MM-DD>_<device>_<what>.json`, never overwriting an earlier run."""
+def output_path(out_dir: Path, report: dict[str, Any], what: str | None = None) -> Path:
+    """`<out>/<YYYY-MM-DD>_<device>_<what>.json`, never overwriting an earlier run (`-2`, `-3`,
+    ... after the first); `what` defaults to the layer benchmark's `layer-ep<R>[-<precision>]`."""
     date = report["created"][:10]
-    what = f"layer-ep{report['world_size']}"
-    if report["config"]["precision"] != "bf16":
-        what += f"-{report['config']['precision']}"
-    if report["config"]["quick"]:
-        what += "-quick"
+    if what is None:
+        what = f"layer-ep{report['world_size']}"
+        if report["config"]["precision"] != "bf16":
+            what += f"-{report['config']['precision']}"
+        if report["config"]["quick"]:
+            what += "-quick"
     stem = f"{date}_{device_slug(report['device'])}_{what}"
     path, n = out_dir / f"{stem}.json", 2
     while path.exists():
         path, n = out_dir / f"{stem}-{n}.json", n + 1
+    return path
+
+
+def write_component(doc: dict[str, Any], out: str | Path, what: str) -> Path:
+    """A component benchmark's JSON under `out` (created if needed), named by output_path."""
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = output_path(out_dir, doc, what)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {path}")
     return path
 
 

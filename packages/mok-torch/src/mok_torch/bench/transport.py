@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -198,11 +196,7 @@ def bench(ns: argparse.Namespace, ranks: Ranks) -> dict[str, Any]:
     }
     if ranks.lead:
         _print(doc)
-        out = Path(ns.out)
-        out.mkdir(parents=True, exist_ok=True)
-        path = out / f"{created[:10]}_{report.device_slug(device)}_transport-ep{ranks.world}.json"
-        path.write_text(json.dumps(doc, indent=1) + "\n")
-        print(f"wrote {path}")
+        report.write_component(doc, ns.out, f"transport-ep{ranks.world}")
     return doc
 
 
