@@ -365,7 +365,7 @@ def test_native_cpu_backend_runs_the_entry_points():
     backend = NativeBackend("cpu")
     assert backend.expert_kernels is mok_bf16
     assert not backend.reference_experts
-    assert NativeBackend("cuda").expert_kernels is None  # no CUDA kernels yet
+    assert NativeBackend("cuda").expert_kernels is None  # the per-row entry points are CPU only
 
 
 # ------------------------------------------------------------------ argument checks
@@ -391,7 +391,7 @@ class ForwardCall:
     "over,error,match",
     [
         (dict(device="tpu"), ValueError, "device must be"),
-        (dict(device="cuda"), RuntimeError, "no CUDA kernels yet"),
+        (dict(device="cuda"), RuntimeError, "no CUDA implementation"),
         (dict(num_rows=-1), ValueError, "num_rows must be >= 0"),
         (dict(hidden=-2), ValueError, "hidden must be >= 0"),
         (dict(inner=-3), ValueError, "inner must be >= 0"),
@@ -451,7 +451,7 @@ def test_backward_argument_errors():
             mok_bf16.swiglu_backward("cpu", **{**base, name: 0}, **sizes)
     with pytest.raises(ValueError, match="acc_down must be aligned to 4 bytes"):
         mok_bf16.swiglu_backward("cpu", **{**base, "acc_down": base["acc_down"] + 2}, **sizes)
-    with pytest.raises(RuntimeError, match="swiglu_backward: no CUDA kernels yet"):
+    with pytest.raises(RuntimeError, match="swiglu_backward: no CUDA implementation"):
         mok_bf16.swiglu_backward("cuda", **base, **sizes)
     with pytest.raises(TypeError):  # a pointer is a non-negative int
         mok_bf16.swiglu_backward("cpu", **{**base, "x": -8}, **sizes)
@@ -460,7 +460,7 @@ def test_backward_argument_errors():
 def test_no_rows_needs_no_pointers():
     mok_bf16.swiglu_forward("cpu", 0, 0, 0, 0, 0, 0, 0, 0, 0, 64, 32, 4)
     mok_bf16.swiglu_backward("cpu", 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 64, 32, 4)
-    with pytest.raises(RuntimeError, match="no CUDA kernels yet"):
+    with pytest.raises(RuntimeError, match="no CUDA implementation"):
         mok_bf16.swiglu_forward("cuda", 0, 0, 0, 0, 0, 0, 0, 0, 0, 64, 32, 4)
 
 

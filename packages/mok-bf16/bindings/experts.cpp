@@ -47,7 +47,8 @@ void register_experts(pybind11::module_& m) {
       "reference (gate_up, swiglu, down): each GEMM element is a sequential fp32 sum in ascending "
       "order from +0. Pointers are ints (data_ptr()); 0 is allowed for arrays the call does not "
       "touch. num_threads: CPU threads over rows (the bits do not depend on it). device 'cpu'; "
-      "'cuda' raises RuntimeError (no CUDA kernels yet). Raises ValueError naming a bad argument "
+      "'cuda' raises RuntimeError (no CUDA implementation; on the GPU see grouped_forward). Raises "
+      "ValueError naming a bad argument "
       "(sizes, null or misaligned pointers, expert ids, limit, num_threads).");
 
   m.def(

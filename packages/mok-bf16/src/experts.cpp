@@ -84,8 +84,9 @@ void check_experts(std::string_view fn, std::uintptr_t experts, const ExpertShap
 
 [[noreturn]] void no_cuda_kernels(std::string_view fn) {
   throw std::runtime_error(std::string(fn) +
-                           ": no CUDA kernels yet: mok-bf16 computes the experts on the CPU only "
-                           "so far (device=\"cpu\")");
+                           ": no CUDA implementation: these entry points compute the reference "
+                           "arithmetic on the CPU (device=\"cpu\"); on the GPU the forward is "
+                           "grouped_forward, the backward has no kernels yet");
 }
 
 }  // namespace

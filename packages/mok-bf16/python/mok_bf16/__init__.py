@@ -1,4 +1,4 @@
-"""mok-bf16: mok's BF16 expert kernels (grouped SwiGLU forward/backward, weight gradients, d_w).
+"""mok-bf16: mok's BF16 expert kernels (the grouped SwiGLU forward on Hopper, the rest on the CPU so far).
 
 The extension ``mok_bf16._C`` takes raw device pointers, sizes and stream handles, and is
 compiled against mok-core's headers; ``mok-torch`` finds this package through the
@@ -11,7 +11,7 @@ Expert entry points (``include/mok/bf16/experts.h``), bitwise mok-torch's refere
 - ``swiglu_backward``: ``dx`` and the router-weight gradient ``d_w`` of each row, and the
   weight gradients accumulated in place (each expert's rows in ascending order).
 
-They run on the CPU so far (``device="cpu"``); ``"cuda"`` raises until the kernels land.
+They run on the CPU (``device="cpu"``); ``"cuda"`` raises RuntimeError.
 
 - ``grouped_forward``: the forward over segments of consecutive rows (the schedule table's
   layout). On ``"cuda"`` it runs the sm_90a tensor-core GEMMs (``cuda/grouped_gemm.cuh``):

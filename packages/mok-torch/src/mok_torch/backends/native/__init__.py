@@ -63,7 +63,7 @@ Weights3 = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 def _entry_points(module: str, device_type: str) -> Any | None:
     """The compiled package `module` when it has the expert entry points for `device_type`."""
-    if device_type != "cpu":  # no CUDA kernels yet
+    if device_type != "cpu":  # the per-row entry points are CPU only (the GPU forward: grouped.py)
         return None
     try:
         mod = importlib.import_module(module)
