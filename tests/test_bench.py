@@ -250,6 +250,42 @@ def test_readme_table_is_generated_and_idempotent(tmp_path):
     assert subprocess.run([*script, "--check"], capture_output=True, env=env).returncode == 0
 
 
+def test_readme_component_tables_come_from_the_latest_gpu_run(tmp_path):
+    """The expert-GEMM and quantizer tables: the newest GPU run of each, CPU runs ignored."""
+    results = tmp_path / "results"
+    results.mkdir()
+    readme = tmp_path / "README.md"
+    shutil.copy(ROOT / "README.md", readme)
+
+    def experts(created: str, tflops: float, device_type: str = "cuda") -> dict:
+        ok = {"status": "ok", "TFLOPs": tflops, "bitwise_repeatable": True}
+        row = {"shape_name": "kimi-k2.7-code", "routing": "balanced", "rows": 16416, "mok": ok,
+               "mok-gate-up": ok, "mok-gate-up-ab": ok, "torch-grouped-mm": dict(ok, TFLOPs=500.0),
+               "speedup_vs_torch": tflops / 500.0}  # fmt: skip
+        return {"schema": "mok-bench-experts/1", "created": created, "device": {"type": device_type, "name": "H"},
+                "ceilings": {"bf16_matmul": {"value": 700.0}}, "results": [row]}  # fmt: skip
+
+    quantize = {"schema": "mok-bench-quantize/1", "created": "2026-12-01T00:00:00+00:00",
+                "device": {"type": "cuda", "name": "H"}, "ceilings": {"hbm": {"value": 4000.0}},
+                "results": [{"shape_name": "glm-5.2", "what": "weights", "same_bytes": True,
+                             "compiled": {"status": "ok", "GBps": 812.4, "graph_GBps": 901.6},
+                             "torch": {"status": "ok", "GBps": 58.0}}]}  # fmt: skip
+    (results / "a.json").write_text(json.dumps(experts("2026-12-01T00:00:00+00:00", 411.0)))
+    (results / "b.json").write_text(json.dumps(experts("2026-12-02T00:00:00+00:00", 612.0)))
+    (results / "c.json").write_text(json.dumps(experts("2026-12-03T00:00:00+00:00", 3.0, "cpu")))
+    (results / "q.json").write_text(json.dumps(quantize))
+    script = [sys.executable, str(ROOT / "benchmarks" / "readme_table.py"), "--readme", str(readme)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    subprocess.run([*script, "--results", str(results)], check=True, capture_output=True, env=env)
+    text = readme.read_text()
+    table = text[text.index("<!-- experts-table:start -->") : text.index("<!-- experts-table:end -->")]
+    assert "| kimi-k2.7-code | balanced | 16416 | 612 | 612 | 612 | 500 | 1.22x | yes |" in table
+    assert "411" not in table and "| 3 |" not in table and "results/b.json`" in table
+    assert "dense BF16 matmul 700 TFLOP/s" in table
+    qtable = text[text.index("<!-- quantize-table:start -->") : text.index("<!-- quantize-table:end -->")]
+    assert "| glm-5.2 | weights | 812 | 902 | 58 | yes |" in qtable and "HBM copy 4000 GB/s" in qtable
+
+
 def _between_markers(path: Path) -> str:
     text = path.read_text()
     return text[text.index("<!-- bench-table:start -->") : text.index("<!-- bench-table:end -->")]
