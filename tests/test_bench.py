@@ -363,3 +363,22 @@ def test_experts_bench_runs_on_the_cpu(tmp_path):
             assert r[name]["status"] == "ok", (name, r[name])
             assert r[name]["ms"] > 0
         assert r["mok"]["bitwise_repeatable"] is True
+
+
+def test_mok_forward_on_the_gpu_gemms_is_timed_at_real_shapes(monkeypatch):
+    """Where the cuda backend's forward runs mok-bf16's GEMMs, `--pass forward` measures mok at
+    the real shapes; forward+backward stays skipped (its backward is the reference arithmetic)."""
+    from mok_torch.backends import native
+    from mok_torch.bench import providers
+
+    monkeypatch.setattr(providers, "resolve_backend", lambda cfg, device: native.NativeBackend("cuda"))
+    monkeypatch.setattr(native, "gpu_forward_kernels", lambda *args: True)
+    shape = resolve_shapes("kimi-k2.7-code", 2)[0]
+    mok_cuda = MokProvider("mok", "cuda", "bf16")
+    ranks = Ranks(torch.device("cpu"), None, 0, 2)  # the patched check never looks at the device
+    assert mok_cuda.unavailable(shape, ranks, Settings(allow_slow=False, passes=("forward",))) is None
+    both = mok_cuda.unavailable(shape, ranks, Settings(allow_slow=False))
+    assert both is not None and "its backward run the reference arithmetic" in both and "--pass forward" in both
+    monkeypatch.setattr(native, "gpu_forward_kernels", lambda *args: False)
+    fwd = mok_cuda.unavailable(shape, ranks, Settings(allow_slow=False, passes=("forward",)))
+    assert fwd is not None and "its experts run the reference arithmetic" in fwd

@@ -59,6 +59,7 @@ class Settings:
     """What every provider may need to know about the run."""
 
     allow_slow: bool
+    passes: tuple[str, ...] = ("forward", "forward+backward")  # what the run times
 
 
 class Provider:
@@ -134,14 +135,31 @@ class MokProvider(Provider):
         except ValueError as exc:
             return str(exc)
         work = shape.tokens * shape.topk * shape.hidden * shape.inner
-        # MXFP8 experts run the reference arithmetic on every backend (no FP8 kernels yet)
+        # MXFP8 experts run the reference arithmetic on every backend (no FP8 kernels yet); the
+        # cuda backend's BF16 forward runs mok-bf16's GEMMs where the shape allows, its backward
+        # the reference arithmetic.
         slow = getattr(backend, "reference_experts", False) or self.precision == "mxfp8"
+        gpu_forward = self._gpu_forward(backend, shape, ranks)
+        if gpu_forward and settings.passes == ("forward",):
+            slow = False
         if slow and work > REFERENCE_MAX_WORK and not settings.allow_slow:
+            what = "backward" if gpu_forward else f"{'MXFP8 ' if self.precision == 'mxfp8' else ''}experts"
+            hint = "; --pass forward times its forward on the GPU GEMMs" if gpu_forward else ""
             return (
-                f"{backend.name} backend: its {'MXFP8 ' if self.precision == 'mxfp8' else ''}experts run the "
-                "reference arithmetic (no expert kernels yet), too slow for this shape (use --allow-slow)"
+                f"{backend.name} backend: its {what} run the reference arithmetic (no expert kernels "
+                f"yet), too slow for this shape (use --allow-slow{hint})"
             )
         return None
+
+    def _gpu_forward(self, backend: Any, shape: Shape, ranks: Ranks) -> bool:
+        """Whether this shape's forward runs mok-bf16's GPU GEMMs (routed and shared experts)."""
+        from ..backends.native import gpu_forward_kernels
+
+        if getattr(backend, "device_type", None) != "cuda" or shape.experts % shape.world:
+            return False
+        local = shape.experts // shape.world
+        ok = gpu_forward_kernels(self.config, ranks.device, shape.hidden, shape.inner, local)
+        return ok and (shape.shared_inner == 0 or shape.shared_inner % 64 == 0)
 
     def prepare(self, call: LayerCall, ranks: Ranks, settings: Settings) -> Forward:
         T = call.shape.tokens

@@ -236,7 +236,7 @@ def run_cases(
     progress: Any = None,
 ) -> list[dict[str, Any]]:
     """Rows of every (shape, routing, provider), in that order."""
-    settings = Settings(allow_slow=opts.allow_slow)
+    settings = Settings(allow_slow=opts.allow_slow, passes=tuple(opts.passes))
     precisions = {p.precision for p in providers}
     rows: list[dict[str, Any]] = []
     for shape in shapes:
