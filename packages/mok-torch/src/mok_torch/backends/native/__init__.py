@@ -559,6 +559,9 @@ class NativeBackend:
         experts = self._routed_experts(cfg, routed)
         # A replay recomputes a and b with the GEMMs the forward used (so their bits match).
         tensor_cores = experts is None and gpu_forward_kernels(cfg, dev, H, inner, El)
+        if tensor_cores:
+            replay_gate_up = (routed[0].contiguous(), routed[1].contiguous())
+            segments = sched.expert_offsets_El1.to(torch.int64)
         if experts is not None:
             experts_R = _row_experts(sched, rows)
         else:
@@ -594,9 +597,8 @@ class NativeBackend:
                     if m == 0:
                         a, b = r.grid(ctx.a_MI[ring]), r.grid(ctx.b_MI[ring])
                     elif tensor_cores:
-                        seg = (sched.expert_offsets_El1.to(torch.int64) - mlo).clamp_(0, mhi - mlo)
-                        wgt, wut = routed[0].contiguous(), routed[1].contiguous()
-                        ab = grouped_forward(xs, seg, wgt, wut, None, cfg.swiglu_limit, with_h=False)
+                        seg = (segments - mlo).clamp_(0, mhi - mlo)
+                        ab = grouped_forward(xs, seg, *replay_gate_up, None, cfg.swiglu_limit, with_h=False)
                         a, b = r.grid(ab.a), r.grid(ab.b)
                     else:
                         a, b = gate_up(xg, r.w, r.layout)

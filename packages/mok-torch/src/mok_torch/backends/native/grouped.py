@@ -17,6 +17,8 @@ from typing import NamedTuple
 
 import torch
 
+from ...validation import check_tensor
+
 BF16 = torch.bfloat16
 
 
@@ -25,19 +27,6 @@ class GroupedForward(NamedTuple):
     b: torch.Tensor  # [M, I] bf16: x @ Wu^T
     h: torch.Tensor | None  # [M, I] bf16: silu(a_c) * b_c, None when not asked for
     y: torch.Tensor | None  # [M, H] bf16: h @ Wd^T, None when not asked for
-
-
-def _check(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != dtype:
-        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
-    if t.device != device:
-        raise ValueError(f"{name} must be on {device} (where x is), got {t.device}")
-    if tuple(t.shape) != shape:
-        raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
 
 
 def grouped_forward(
@@ -60,21 +49,17 @@ def grouped_forward(
     """
     import mok_bf16
 
-    if not isinstance(x_MH, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x_MH).__name__}")
-    if x_MH.dim() != 2:
-        raise ValueError(f"x must be [M, H], got shape {list(x_MH.shape)}")
-    if not isinstance(w_gate_EIH, torch.Tensor) or w_gate_EIH.dim() != 3:
-        raise ValueError("w_gate must be a tensor [El, I, H]")
+    x_MH = check_tensor("x", x_MH, dtypes=(BF16,), shape=[("M", None), ("H", None)])
     dev = x_MH.device
     M, H = x_MH.shape
+    w_gate_EIH = check_tensor(
+        "w_gate", w_gate_EIH, dtypes=(BF16,), shape=[("El", None), ("I", None), ("H", H)], device=dev
+    )
     El, I = w_gate_EIH.shape[:2]
-    _check("x", x_MH, BF16, (M, H), dev)
-    _check("offsets", offsets_El1, torch.int64, (El + 1,), dev)
-    _check("w_gate", w_gate_EIH, BF16, (El, I, H), dev)
-    _check("w_up", w_up_EIH, BF16, (El, I, H), dev)
+    check_tensor("offsets", offsets_El1, dtypes=(torch.int64,), shape=[("El+1", El + 1)], device=dev)
+    check_tensor("w_up", w_up_EIH, dtypes=(BF16,), shape=[("El", El), ("I", I), ("H", H)], device=dev)
     if w_down_EHI is not None:
-        _check("w_down", w_down_EHI, BF16, (El, H, I), dev)
+        check_tensor("w_down", w_down_EHI, dtypes=(BF16,), shape=[("El", El), ("H", H), ("I", I)], device=dev)
     if not with_h and w_down_EHI is not None:
         raise ValueError("with_h=False needs w_down=None: the down projection reads h")
     if not isinstance(num_sms, int) or num_sms < 0:
@@ -86,16 +71,17 @@ def grouped_forward(
             torch.zeros(M, I, dtype=BF16, device=dev) if with_h else None,
             None if w_down_EHI is None else torch.zeros(M, H, dtype=BF16, device=dev),
         )
-    for name, t, shape in (("out.a", out.a, (M, I)), ("out.b", out.b, (M, I))):
-        _check(name, t, BF16, shape, dev)
+    rows_I = [("M", M), ("I", I)]
+    check_tensor("out.a", out.a, dtypes=(BF16,), shape=rows_I, device=dev)
+    check_tensor("out.b", out.b, dtypes=(BF16,), shape=rows_I, device=dev)
     if with_h:
         if out.h is None:
             raise ValueError("out.h must be a tensor unless with_h=False")
-        _check("out.h", out.h, BF16, (M, I), dev)
+        check_tensor("out.h", out.h, dtypes=(BF16,), shape=rows_I, device=dev)
     if w_down_EHI is not None:
         if out.y is None:
             raise ValueError("out.y must be a tensor when w_down is given")
-        _check("out.y", out.y, BF16, (M, H), dev)
+        check_tensor("out.y", out.y, dtypes=(BF16,), shape=[("M", M), ("H", H)], device=dev)
     on_device = torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
     with on_device:
         mok_bf16.grouped_forward(
