@@ -133,22 +133,29 @@ def _source(path: Path, root: Path) -> str:
 
 
 def render_experts(run: tuple[dict[str, Any], Path] | None, root: Path) -> str:
-    """`mok bench-experts`: forward TFLOP/s of mok's GEMMs and torch._grouped_mm, one row per case."""
+    """`mok bench-experts`: TFLOP/s of mok's GEMMs and torch._grouped_mm (forward, forward + backward)."""
     if run is None:
         return "_No expert-GEMM results are committed yet._"
     report, path = run
     mm = (report["ceilings"].get("bf16_matmul") or {}).get("value")
     head = "| shape | routing | rows | mok fwd | gate+up with h | gate+up, a and b only | torch._grouped_mm "
-    head += "| mok / torch | bitwise |"
-    lines = [head, "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    head += "| mok / torch | mok fwd+bwd | torch fwd+bwd | mok / torch | bitwise |"
+    lines = [head, "| --- " * 13 + "|"]
+    names = ("mok", "mok-gate-up", "mok-gate-up-ab", "torch-grouped-mm", "mok-fwd-bwd", "torch-fwd-bwd")
     for r in report["results"]:
         if r.get("status") == "skipped":
             continue
-        cell = [f"{r[n]['TFLOPs']:.0f}" if r[n]["status"] == "ok" else r[n]["status"] for n in
-                ("mok", "mok-gate-up", "mok-gate-up-ab", "torch-grouped-mm")]  # fmt: skip
+        # Runs before the backward kernels have no fwd+bwd columns: "-".
+        cell = [
+            "-" if n not in r else f"{r[n]['TFLOPs']:.0f}" if r[n]["status"] == "ok" else r[n]["status"] for n in names
+        ]
         speed = f"{r['speedup_vs_torch']:.2f}x" if "speedup_vs_torch" in r else "-"
+        speed_fb = f"{r['fwd_bwd_speedup_vs_torch']:.2f}x" if "fwd_bwd_speedup_vs_torch" in r else "-"
         same = "yes" if r["mok"].get("bitwise_repeatable") else "NO"
-        lines.append(f"| {r['shape_name']} | {r['routing']} | {r['rows']} | {' | '.join(cell)} | {speed} | {same} |")
+        if "mok-fwd-bwd" in r:
+            same += "/yes" if r["mok-fwd-bwd"].get("bitwise_repeatable") else "/NO"
+        cells = " | ".join([*cell[:4], speed, *cell[4:], speed_fb])
+        lines.append(f"| {r['shape_name']} | {r['routing']} | {r['rows']} | {cells} | {same} |")
     dense = f"; dense BF16 matmul {mm:.0f} TFLOP/s in the same run" if mm else ""
     return "\n".join(lines) + f"\n\nTFLOP/s, {report['device']['name']}{dense}. From {_source(path, root)}."
 

@@ -3,6 +3,7 @@ and the README table generator. CPU only and fast: the benchmark's speed is not 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -279,7 +280,7 @@ def test_readme_component_tables_come_from_the_latest_gpu_run(tmp_path):
     subprocess.run([*script, "--results", str(results)], check=True, capture_output=True, env=env)
     text = readme.read_text()
     table = text[text.index("<!-- experts-table:start -->") : text.index("<!-- experts-table:end -->")]
-    assert "| kimi-k2.7-code | balanced | 16416 | 612 | 612 | 612 | 500 | 1.22x | yes |" in table
+    assert "| kimi-k2.7-code | balanced | 16416 | 612 | 612 | 612 | 500 | 1.22x | - | - | - | yes |" in table
     assert "411" not in table and "| 3 |" not in table and "results/b.json`" in table
     assert "dense BF16 matmul 700 TFLOP/s" in table
     qtable = text[text.index("<!-- quantize-table:start -->") : text.index("<!-- quantize-table:end -->")]
@@ -359,15 +360,17 @@ def test_experts_bench_runs_on_the_cpu(tmp_path):
     assert {r["routing"] for r in rows} == {"balanced", "skewed"}
     for r in rows:
         assert r["rows"] % 16 == 0 and r["rows_per_expert"]["min"] % 16 == 0  # the schedule's alignment
-        for name in ("mok", "mok-gate-up", "mok-gate-up-ab"):
+        for name in ("mok", "mok-gate-up", "mok-gate-up-ab", "mok-fwd-bwd", "mok-bwd"):
             assert r[name]["status"] == "ok", (name, r[name])
             assert r[name]["ms"] > 0
         assert r["mok"]["bitwise_repeatable"] is True
+        assert r["mok-fwd-bwd"]["bitwise_repeatable"] is True
 
 
 def test_mok_forward_on_the_gpu_gemms_is_timed_at_real_shapes(monkeypatch):
-    """Where the cuda backend's forward runs mok-bf16's GEMMs, `--pass forward` measures mok at
-    the real shapes; forward+backward stays skipped (its backward is the reference arithmetic)."""
+    """Where the cuda backend's forward runs mok-bf16's GEMMs, mok is timed at the real shapes:
+    forward and backward with an expert alignment that is a multiple of 64 (the backward runs the
+    GPU kernels), `--pass forward` only otherwise (its backward is the reference arithmetic)."""
     from mok_torch.backends import native
     from mok_torch.bench import providers
 
@@ -376,6 +379,10 @@ def test_mok_forward_on_the_gpu_gemms_is_timed_at_real_shapes(monkeypatch):
     shape = resolve_shapes("kimi-k2.7-code", 2)[0]
     mok_cuda = MokProvider("mok", "cuda", "bf16")
     ranks = Ranks(torch.device("cpu"), None, 0, 2)  # the patched check never looks at the device
+    assert mok_cuda.unavailable(shape, ranks, Settings(allow_slow=False, passes=("forward",))) is None
+    assert mok_cuda.config.expert_alignment % 64 == 0  # the default
+    assert mok_cuda.unavailable(shape, ranks, Settings(allow_slow=False)) is None
+    mok_cuda.config = dataclasses.replace(mok_cuda.config, expert_alignment=32)
     assert mok_cuda.unavailable(shape, ranks, Settings(allow_slow=False, passes=("forward",))) is None
     both = mok_cuda.unavailable(shape, ranks, Settings(allow_slow=False))
     assert both is not None and "its backward run the reference arithmetic" in both and "--pass forward" in both

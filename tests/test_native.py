@@ -25,6 +25,13 @@ CONFIGS = [
     dict(expert_alignment=8, minibatch_size=8, macrobatch_size=16),
     dict(expert_alignment=1, minibatch_size=5, macrobatch_size=15, fwd_num_comm_sms=2, bwd_num_comm_sms=4),
 ]
+# Where the GPU GEMMs run, an expert alignment that is a multiple of 64 also puts the backward on
+# mok-bf16's kernels (their weight gradients take 64-row blocks from each segment start).
+GPU_BACKWARD_CONFIGS = [
+    dict(expert_alignment=64),
+    dict(expert_alignment=64, minibatch_size=64, macrobatch_size=128),
+    dict(expert_alignment=128, minibatch_size=128, macrobatch_size=256, fwd_num_comm_sms=2, bwd_num_comm_sms=4),
+]
 ALL_KEYS = CONTRACT_KEYS + ("dWg_s", "dWu_s", "dWd_s")
 
 
@@ -53,13 +60,17 @@ def _slice(world: int, rank: int) -> slice:
 DIMS = {"small": (32, 16, 8), "kernels": (128, 64, 64)}
 
 
+def scenario_configs(dims: str) -> list[dict]:
+    return CONFIGS + GPU_BACKWARD_CONFIGS if dims == "kernels" else CONFIGS
+
+
 def native_scenario(rank: int, world: int, group, device: str, dims: str = "small") -> dict:
     backend, dev = ("cuda", f"cuda:{rank}") if device == "cuda" else ("cpu", "cpu")
     H, I, Is = DIMS[dims]
     out = {}
     for routing in ("balanced", "worst"):
         inp = make_inputs(T_GLOBAL, H, I, 6, 2, Is, routing, seed=5)
-        for i, kw in enumerate(CONFIGS):
+        for i, kw in enumerate(scenario_configs(dims)):
             cfg = config(backend=backend, **kw)
             out[(routing, i)] = run_functional(
                 inp,
@@ -143,9 +154,13 @@ def test_cuda_rank_that_never_arrives_times_out():
 
 def graph_scenario(rank: int, world: int, group, device: str, dims: str = "small") -> dict:
     """Capture schedule + forward + backward in one CUDA graph; replay it on new inputs.
-    dims "kernels": H, I, Is multiples of 64, so the forward runs mok-bf16's GPU GEMMs."""
+    dims "kernels": H, I, Is multiples of 64 and the alignment 64, so the forward and the backward
+    run mok-bf16's GPU kernels (a macrobatch smaller than the table: the backward replays)."""
     dev = torch.device("cuda", torch.cuda.current_device())
-    cfg = config(backend="cuda", expert_alignment=8, minibatch_size=16, macrobatch_size=32)
+    if dims == "kernels":
+        cfg = config(backend="cuda", expert_alignment=64, minibatch_size=64, macrobatch_size=128)
+    else:
+        cfg = config(backend="cuda", expert_alignment=8, minibatch_size=16, macrobatch_size=32)
     T, H, I, E, K, Is = (24, 32, 16, 4 * world, 2, 8) if dims == "small" else (24, 128, 64, 4 * world, 2, 64)
     first = make_inputs(T * world, H, I, E, K, Is, seed=1)
     second = make_inputs(T * world, H, I, E, K, Is, "skewed", seed=2)
@@ -211,25 +226,37 @@ KERNEL_SHAPES = [
 
 @gpu
 @pytest.mark.parametrize("T,H,I,E,K,Is,routing", KERNEL_SHAPES)
-def test_cuda_backend_with_gpu_gemms(T, H, I, E, K, Is, routing, monkeypatch):
-    """The forward's GEMMs on the tensor cores: every contract key bitwise the same across the
-    batching configs, and within bf16 rounding of the reference backend (not bitwise: the
-    tensor cores sum in their own fixed order)."""
+@pytest.mark.parametrize("backward", ["reference-backward", "gpu-backward"])
+def test_cuda_backend_with_gpu_gemms(T, H, I, E, K, Is, routing, backward, monkeypatch):
+    """The GEMMs on the tensor cores (the forward's; the backward's too with an alignment that is
+    a multiple of 64): every contract key bitwise the same across the batching configs, and
+    within bf16 rounding of the reference backend (not bitwise: the tensor cores sum in their own
+    fixed order)."""
     if not native.gpu_forward_kernels(config(backend="cuda"), torch.device("cuda"), H, I, 1):
         pytest.skip("mok-bf16's grouped forward needs an sm_90 GPU and a CUDA build of mok-bf16")
-    calls = []
-    real = native.grouped_forward
-    monkeypatch.setattr(native, "grouped_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls: dict[str, int] = {"forward": 0, "backward": 0}
+    real_fwd, real_bwd = native.grouped_forward, native.grouped_backward
+
+    def counted(name, fn):
+        return lambda *a, **k: calls.__setitem__(name, calls[name] + 1) or fn(*a, **k)
+
+    monkeypatch.setattr(native, "grouped_forward", counted("forward", real_fwd))
+    monkeypatch.setattr(native, "grouped_backward", counted("backward", real_bwd))
     inp = make_inputs(T, H, I, E, K, Is, routing, seed=T + H)
     ref = run_functional(inp, config(backend="reference", expert_alignment=8), device="cpu")
+    configs = GPU_BACKWARD_CONFIGS if backward == "gpu-backward" else CONFIGS
     first = None
-    for kw in CONFIGS:
+    for kw in configs:
         got = run_functional(inp, config(backend="cuda", **kw), device="cuda")
         if first is None:
             first = got
         else:
-            assert_bitwise(first, got, _keys(Is), what=f"cuda backend {kw} vs {CONFIGS[0]}: ")
-    assert calls, "the GPU GEMMs did not run"
+            assert_bitwise(first, got, _keys(Is), what=f"cuda backend {kw} vs {configs[0]}: ")
+    assert calls["forward"], "the GPU GEMMs did not run"
+    if backward == "gpu-backward":
+        assert calls["backward"], "the GPU backward did not run"
+    else:
+        assert not calls["backward"], "alignment < 64 must keep the reference backward"
     for key in _keys(Is):
         want, have = ref[key].double(), first[key].double()
         rel = ((have - want).norm() / want.norm().clamp_min(1e-30)).item()
@@ -238,14 +265,15 @@ def test_cuda_backend_with_gpu_gemms(T, H, I, E, K, Is, routing, monkeypatch):
 
 @two_gpus
 def test_cuda_backend_with_gpu_gemms_across_gpus():
-    """EP 2 on two GPUs gives EP 1's bits with the tensor-core forward (every contract key)."""
+    """EP 2 on two GPUs gives EP 1's bits with the tensor-core GEMMs (every contract key), with
+    the reference backward (alignment < 64) and with the GPU backward."""
     H, I, Is = DIMS["kernels"]
     if not native.gpu_forward_kernels(config(backend="cuda"), torch.device("cuda"), H, I, 1):
         pytest.skip("mok-bf16's grouped forward needs an sm_90 GPU and a CUDA build of mok-bf16")
     results = run_ranks(2, "test_native.native_scenario", "cuda", "kernels", device="cuda")
     for routing in ("balanced", "worst"):
         inp = make_inputs(T_GLOBAL, H, I, 6, 2, Is, routing, seed=5)
-        for i, kw in enumerate(CONFIGS):
+        for i, kw in enumerate(scenario_configs("kernels")):
             one = run_functional(inp, config(backend="cuda", **kw), device="cuda", max_tokens=T_GLOBAL)
             merged = {k: torch.cat([r[(routing, i)][k] for r in results]) for k in CONTRACT_KEYS}
             assert_bitwise(one, merged, CONTRACT_KEYS, what=f"EP 2 vs EP 1, GPU GEMMs, {routing} {kw}: ")

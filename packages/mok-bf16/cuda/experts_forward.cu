@@ -7,13 +7,11 @@
 //   down:     y = h @ Wd_e^T                (256 columns per tile)
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdint>
-#include <stdexcept>
-#include <string>
 
 #include "grouped_gemm.cuh"
 #include "hopper.cuh"
+#include "launch.cuh"
 #include "mok/bf16/experts.h"
 #include "mok/core/bf16.h"
 #include "mok/core/expert_math.h"
@@ -22,17 +20,14 @@ namespace mok::bf16 {
 namespace {
 
 using gemm::Accumulators;
+using gemm::BLoad;
 using gemm::Tile;
+using kernels::check;
+using kernels::launch;
+using kernels::store_pair;
 
 constexpr int kGateUpN = gemm::kMmaN / 2;  // columns of each weight per tile
 constexpr int kDownN = gemm::kMmaN;
-constexpr int kStages = 4;
-
-// Two bf16 bit patterns as one 32-bit store (low half first in memory).
-__device__ inline void store_pair(std::uint16_t* p, std::uint16_t lo, std::uint16_t hi) {
-  *reinterpret_cast<std::uint32_t*>(p) =
-      static_cast<std::uint32_t>(lo) | (static_cast<std::uint32_t>(hi) << 16);
-}
 
 struct GateUpEpilogue {
   std::uint16_t* a;
@@ -81,59 +76,12 @@ __global__ void swiglu_h_kernel(const std::uint16_t* a, const std::uint16_t* b, 
   }
 }
 
-struct StoreEpilogue {
-  std::uint16_t* out;
-  int n;
-
-  __device__ void operator()(const Tile& tile, int consumer, const Accumulators& acc) const {
-    gemm::for_each_pair<kDownN>(tile, consumer, n, [&](std::int64_t row, int col, int q) {
-      store_pair(out + row * n + col, core::float_to_bf16(acc.d[q]),
-                 core::float_to_bf16(acc.d[q + 1]));
-    });
-  }
-};
-
-void check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) {
-    throw std::runtime_error(std::string("grouped_forward: ") + what + ": " +
-                             cudaGetErrorString(err));
-  }
-}
-
-// Launches one grouped GEMM on `stream` with at most `num_sms` CTAs.
-template <bool kPaired, class Epilogue>
-void launch(const CUtensorMap& map_a, const CUtensorMap& map_b0, const CUtensorMap& map_b1,
-            const gemm::Problem& p, const Epilogue& epilogue, int num_sms, cudaStream_t stream) {
-  using R = gemm::Ring<kStages>;
-  constexpr int kBlockN = kPaired ? kGateUpN : kDownN;
-  auto* kernel = gemm::grouped_gemm_kernel<kPaired, kStages, Epilogue>;
-  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, R::kSharedBytes),
-        "setting the shared memory size");
-  // No more CTAs than tiles can exist: every expert adds at most one partial row tile.
-  const std::int64_t n_tiles = (p.n + kBlockN - 1) / kBlockN;
-  const std::int64_t most =
-      ((p.num_rows + gemm::kBlockM - 1) / gemm::kBlockM + p.num_experts) * n_tiles;
-  const int grid =
-      static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>(num_sms, most)));
-  kernel<<<grid, gemm::kThreads, R::kSharedBytes, stream>>>(map_a, map_b0, map_b1, p, epilogue);
-  check(cudaGetLastError(), "launching the GEMM");
-}
-
-int device_sms() {
-  int device = 0;
-  check(cudaGetDevice(&device), "cudaGetDevice");
-  int sms = 0;
-  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
-        "reading the SM count");
-  return sms;
-}
-
 }  // namespace
 
 void grouped_forward_cuda(const GroupedForwardArgs& args, std::uintptr_t stream_handle) {
   const ExpertShape& s = args.shape;
   auto* stream = reinterpret_cast<cudaStream_t>(stream_handle);
-  const int sms = args.num_sms > 0 ? static_cast<int>(args.num_sms) : device_sms();
+  const int sms = args.num_sms > 0 ? static_cast<int>(args.num_sms) : kernels::device_sms();
   const auto* x = reinterpret_cast<const void*>(args.x);
   const std::uint64_t M = static_cast<std::uint64_t>(s.num_rows);
   const std::uint64_t H = static_cast<std::uint64_t>(s.hidden);
@@ -150,7 +98,7 @@ void grouped_forward_cuda(const GroupedForwardArgs& args, std::uintptr_t stream_
                               static_cast<int>(s.hidden)};
   const GateUpEpilogue e1{reinterpret_cast<std::uint16_t*>(args.out_a),
                           reinterpret_cast<std::uint16_t*>(args.out_b), static_cast<int>(I)};
-  launch<true>(map_x, map_wg, map_wu, gate_up, e1, sms, stream);
+  launch<BLoad::kPaired>(map_x, map_wg, map_wu, gate_up, e1, sms, stream);
   if (args.out_h == 0) return;
   // Eight 256-thread blocks per SM (it needs 30 registers): every warp slot, to hide the element
   // math's latency.
@@ -168,8 +116,8 @@ void grouped_forward_cuda(const GroupedForwardArgs& args, std::uintptr_t stream_
       hopper::make_tensor_map(reinterpret_cast<const void*>(args.w_down), El * H, I, kDownN);
   const gemm::Problem down{gate_up.offsets, s.num_rows, gate_up.num_experts,
                            static_cast<int>(s.hidden), static_cast<int>(s.inner)};
-  const StoreEpilogue e2{reinterpret_cast<std::uint16_t*>(args.out_y), static_cast<int>(H)};
-  launch<false>(map_h, map_wd, map_wd, down, e2, sms, stream);
+  const kernels::StoreBf16 e2{reinterpret_cast<std::uint16_t*>(args.out_y), static_cast<int>(H)};
+  launch<BLoad::kKMajor>(map_h, map_wd, map_wd, down, e2, sms, stream);
 }
 
 }  // namespace mok::bf16

@@ -1,5 +1,6 @@
-// The grouped GEMM of the experts on sm_90a: C_e = A[rows of segment e] @ B_e^T for every local
-// expert e, both operands K-major bf16, fp32 accumulators, an epilogue per output tile.
+// The grouped GEMM of the experts on sm_90a: C_e = A[rows of segment e] @ B_e for every local
+// expert e, A K-major bf16 (rows of the schedule table), B the expert's weight (K-major, or
+// N-major: see BLoad), fp32 accumulators, an epilogue per output tile.
 //
 // Segments are rows [offsets[e], offsets[e+1]) of A, read from device memory (the schedule
 // table's), never by the host. A CTA is persistent: it walks output tiles t = blockIdx.x,
@@ -33,7 +34,18 @@ struct Problem {
   int num_experts;              // El in [1, kMaxExperts]
   int n;                        // output columns per expert (a multiple of 64)
   int k;                        // reduction size (a multiple of 64)
+  int k_split = 0;              // BLoad::kNMajor: K rows per expert in map_b0 (the rest in map_b1)
 };
+
+// Where B's tiles come from. B_e is [K, N] as the GEMM reads it.
+//  kPaired: K-major maps [El * N, K] (weights [El, N, K], nn.Linear's); B's two 128-row halves
+//           from map_b0 and map_b1 (gate and up), output tiles of 128 columns of each.
+//  kKMajor: one K-major map [El * N, K]; output tiles of 256 columns.
+//  kNMajor: N-major maps [El * K', N] (weights [El, K', N] used untransposed); K rows
+//           [0, k_split) of expert e from map_b0's rows e * k_split.., the rest from map_b1's
+//           rows e * (k - k_split).. (dx = [d_a, d_b] @ [Wg; Wu] reads two weights one after the
+//           other); output tiles of 256 columns.
+enum class BLoad { kPaired, kKMajor, kNMajor };
 
 // The tile list of a CTA: per-expert tile counts, prefix-summed in shared memory.
 struct TileList {
@@ -153,16 +165,15 @@ __device__ inline void for_each_pair(const Tile& tile, int consumer, int n, cons
   }
 }
 
-// The persistent kernel. kPaired: B's halves come from map_b0 and map_b1 (output tiles of
-// 128 columns of each weight); otherwise all 256 rows from map_b0 (tiles of 256 columns).
-// Epilogue: `void operator()(const Tile&, int consumer, const Accumulators&) const` on the
-// consumer warpgroup's 128 threads.
-template <bool kPaired, int kStages, class Epilogue>
+// The persistent kernel, B loaded as kB says. Epilogue: `void operator()(const Tile&, int consumer,
+// const Accumulators&) const` on the consumer warpgroup's 128 threads.
+template <BLoad kB, int kStages, class Epilogue>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                         const __grid_constant__ CUtensorMap map_b0,
                         const __grid_constant__ CUtensorMap map_b1, Problem p, Epilogue epilogue) {
   using R = Ring<kStages>;
+  constexpr bool kPaired = kB == BLoad::kPaired;
   constexpr int kBlockN = kPaired ? kMmaN / 2 : kMmaN;  // output columns per weight and tile
   extern __shared__ unsigned char smem_raw[];
   __shared__ alignas(8) std::uint64_t full[kStages];
@@ -191,13 +202,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (threadIdx.x != 0) return;
     hopper::prefetch_tensor_map(&map_a);
     hopper::prefetch_tensor_map(&map_b0);
-    if constexpr (kPaired) hopper::prefetch_tensor_map(&map_b1);
+    if constexpr (kB != BLoad::kKMajor) hopper::prefetch_tensor_map(&map_b1);
     int stage = 0;
     std::uint32_t phase = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
       const Tile tile = locate(p, list, t, kBlockN);
       const int a_row = static_cast<int>(tile.row0);
-      const int b_row = tile.expert * p.n + tile.col0;
+      const int b_row = tile.expert * p.n + tile.col0;  // K-major maps
       for (int kb = 0; kb < k_blocks; ++kb) {
         hopper::mbar_wait(&empty[stage], phase ^ 1);
         hopper::mbar_expect_tx(&full[stage], R::kStageBytes);
@@ -206,8 +217,19 @@ __global__ void __launch_bounds__(kThreads, 1)
           unsigned char* b = ring.b(stage);
           hopper::tma_load_2d(b, &map_b0, &full[stage], kb * kBlockK, b_row);
           hopper::tma_load_2d(b + R::kBBytes / 2, &map_b1, &full[stage], kb * kBlockK, b_row);
-        } else {
+        } else if constexpr (kB == BLoad::kKMajor) {
           hopper::tma_load_2d(ring.b(stage), &map_b0, &full[stage], kb * kBlockK, b_row);
+        } else {  // four boxes of 64 k-rows x 64 columns
+          const int k0 = kb * kBlockK;
+          const bool first = k0 < p.k_split;
+          const CUtensorMap* map = first ? &map_b0 : &map_b1;
+          const int row = first ? tile.expert * p.k_split + k0
+                                : tile.expert * (p.k - p.k_split) + (k0 - p.k_split);
+#pragma unroll
+          for (int j = 0; j < kMmaN / 64; ++j) {
+            hopper::tma_load_2d(ring.b(stage) + j * 64 * 128, map, &full[stage], tile.col0 + 64 * j,
+                                row);
+          }
         }
         if (++stage == kStages) {
           stage = 0;
@@ -240,8 +262,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       hopper::wgmma_fence();
 #pragma unroll
       for (int k = 0; k < kBlockK / 16; ++k) {
-        hopper::Wgmma<kMmaN>::mma(acc.d, hopper::smem_desc(a + 32 * k),
-                                  hopper::smem_desc(b + 32 * k), (kb | k) != 0);
+        if constexpr (kB == BLoad::kNMajor) {
+          hopper::Wgmma<kMmaN>::mma<0, 1>(acc.d, hopper::smem_desc(a + 32 * k),
+                                          hopper::smem_desc_mn(b + 2048 * k), (kb | k) != 0);
+        } else {
+          hopper::Wgmma<kMmaN>::mma(acc.d, hopper::smem_desc(a + 32 * k),
+                                    hopper::smem_desc(b + 32 * k), (kb | k) != 0);
+        }
       }
       hopper::wgmma_commit();
       hopper::wgmma_wait<1>();

@@ -1,11 +1,14 @@
 // Hopper (sm_90a) building blocks of the expert GEMMs: mbarriers, bulk tensor copies (TMA),
 // wgmma on bf16 operands in 128-byte-swizzled shared memory, and tensor maps made on the host.
 //
-// Every tile the GEMMs stage is K-major: rows of 64 bf16 (128 bytes), written by the copy
-// engine with the 128-byte swizzle, so a wgmma descriptor needs only the tile's address (1024
-// byte aligned), the stride between 8-row groups (1024 bytes) and the swizzle mode. The k-th
-// 16-wide slice of a 64-wide tile starts 32 bytes further: the swizzle is applied to the
-// absolute address bits, so a plain offset selects it.
+// Every tile the GEMMs stage is made of boxes of 64 rows of 64 bf16 (128 bytes), written by the
+// copy engine with the 128-byte swizzle. A K-major tile (K along the 128-byte rows) needs only
+// the tile's address (1024 byte aligned), the stride between 8-row groups (1024 bytes) and the
+// swizzle mode; its k-th 16-wide slice starts 32 bytes further (the swizzle is applied to the
+// absolute address bits, so a plain offset selects it). An MN-major tile (M or N along the
+// rows, K down them: weights used untransposed, and both operands of a weight gradient) is
+// boxes of 64 k-rows x 64 columns, 8 KiB apart; its k-th 16-deep slice starts 16 rows (2048
+// bytes) further, and wgmma reads it with the operand's transpose bit set.
 #pragma once
 
 #include <cuda.h>
@@ -94,6 +97,31 @@ __device__ inline std::uint64_t smem_desc(std::uint32_t addr) {
   return d;
 }
 
+// The descriptor of an MN-major, 128-byte-swizzled bf16 tile at `addr`: boxes of 64 k-rows x 64
+// columns, the next 64 columns 8 KiB further (leading byte offset), the next 8 k-rows 1024
+// bytes further (stride byte offset).
+__device__ inline std::uint64_t smem_desc_mn(std::uint32_t addr) {
+  constexpr std::uint64_t kBoxBytes = 64 * 128;
+  constexpr std::uint64_t kStride8Rows = 1024;
+  std::uint64_t d = 0;
+  d |= static_cast<std::uint64_t>((addr & 0x3FFFF) >> 4);
+  d |= (kBoxBytes >> 4) << 16;
+  d |= (kStride8Rows >> 4) << 32;
+  d |= static_cast<std::uint64_t>(1) << 62;  // 128-byte swizzle
+  return d;
+}
+
+// Orders this thread's plain shared-memory writes before later reads by wgmma or the copy
+// engine (the async proxy).
+__device__ inline void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// Barrier `id` (1..15; 0 is __syncthreads) over `threads` threads (a multiple of 32).
+__device__ inline void named_barrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
 __device__ inline void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ inline void wgmma_commit() {
   asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
@@ -111,7 +139,8 @@ __device__ inline void fence_regs(float (&d)[kN]) {
 }
 
 // D[64 x N] (+)= A[64 x 16] * B[N x 16]^T, bf16 operands from shared memory, fp32 accumulators;
-// `accumulate` 0 overwrites D. The fragment: thread t of the warpgroup holds, for the n8 block
+// `accumulate` 0 overwrites D; kTransA / kTransB: the operand's tile is MN-major (smem_desc_mn)
+// instead of K-major. The fragment: thread t of the warpgroup holds, for the n8 block
 // j, d[4j + {0,1}] at row 16 (t / 32) + (t % 32) / 4 and columns 8 j + 2 (t % 4) + {0,1}, and
 // d[4j + {2,3}] eight rows below.
 template <int kN>
@@ -123,6 +152,7 @@ struct Wgmma;
 
 template <>
 struct Wgmma<128> {
+  template <int kTransA = 0, int kTransB = 0>
   __device__ static void mma(float (&d)[64], std::uint64_t a, std::uint64_t b, int accumulate) {
     asm volatile(
         "{\n"
@@ -133,16 +163,17 @@ struct Wgmma<128> {
         "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
         "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
         "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "%64, %65, p, 1, 1, 0, 0;\n"
+        "%64, %65, p, 1, 1, %67, %68;\n"
         "}\n"
         : MOK_WGMMA_ARGS8(0), MOK_WGMMA_ARGS8(8), MOK_WGMMA_ARGS8(16), MOK_WGMMA_ARGS8(24),
           MOK_WGMMA_ARGS8(32), MOK_WGMMA_ARGS8(40), MOK_WGMMA_ARGS8(48), MOK_WGMMA_ARGS8(56)
-        : "l"(a), "l"(b), "r"(accumulate));
+        : "l"(a), "l"(b), "r"(accumulate), "n"(kTransA), "n"(kTransB));
   }
 };
 
 template <>
 struct Wgmma<256> {
+  template <int kTransA = 0, int kTransB = 0>
   __device__ static void mma(float (&d)[128], std::uint64_t a, std::uint64_t b, int accumulate) {
     asm volatile(
         "{\n"
@@ -158,13 +189,13 @@ struct Wgmma<256> {
         "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, "
         "%111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, "
         "%125, %126, %127}, "
-        "%128, %129, p, 1, 1, 0, 0;\n"
+        "%128, %129, p, 1, 1, %131, %132;\n"
         "}\n"
         : MOK_WGMMA_ARGS8(0), MOK_WGMMA_ARGS8(8), MOK_WGMMA_ARGS8(16), MOK_WGMMA_ARGS8(24),
           MOK_WGMMA_ARGS8(32), MOK_WGMMA_ARGS8(40), MOK_WGMMA_ARGS8(48), MOK_WGMMA_ARGS8(56),
           MOK_WGMMA_ARGS8(64), MOK_WGMMA_ARGS8(72), MOK_WGMMA_ARGS8(80), MOK_WGMMA_ARGS8(88),
           MOK_WGMMA_ARGS8(96), MOK_WGMMA_ARGS8(104), MOK_WGMMA_ARGS8(112), MOK_WGMMA_ARGS8(120)
-        : "l"(a), "l"(b), "r"(accumulate));
+        : "l"(a), "l"(b), "r"(accumulate), "n"(kTransA), "n"(kTransB));
   }
 };
 

@@ -82,11 +82,43 @@ void check_experts(std::string_view fn, std::uintptr_t experts, const ExpertShap
   }
 }
 
+// The tensor-core tiles: 64 columns of bf16 per copy, every dimension a multiple of it; the tile
+// list in shared memory; int32 coordinates of the copy engine.
+void check_grouped_cuda_shape(std::string_view fn, const ExpertShape& s) {
+  if (s.hidden % 64 != 0 || s.hidden == 0) {
+    invalid(fn, "hidden must be a positive multiple of 64 on cuda" + got(s.hidden));
+  }
+  if (s.inner % 64 != 0 || s.inner == 0) {
+    invalid(fn, "inner must be a positive multiple of 64 on cuda" + got(s.inner));
+  }
+  if (s.num_experts > kMaxGroupedExperts) {
+    invalid(fn, "num_experts must be <= " + std::to_string(kMaxGroupedExperts) + " on cuda" +
+                    got(s.num_experts));
+  }
+  constexpr std::int64_t kMaxInt = std::numeric_limits<std::int32_t>::max();
+  if (s.num_rows > kMaxInt || s.num_experts * std::max(2 * s.inner, s.hidden) > kMaxInt) {
+    invalid(fn, "num_rows and num_experts * max(hidden, 2 * inner) must fit int32 on cuda");
+  }
+}
+
+// Segment offsets read on the host (the CPU path): checked before anything is written.
+void check_offsets(std::string_view fn, std::uintptr_t offsets, const ExpertShape& s) {
+  const auto* off = reinterpret_cast<const std::int64_t*>(offsets);
+  for (std::int64_t e = 0; e <= s.num_experts; ++e) {
+    const std::int64_t lo = e == 0 ? 0 : off[e - 1];
+    if (off[e] < lo || off[e] > s.num_rows) {
+      invalid(fn,
+              "offsets must be non-decreasing within [0, num_rows = " + std::to_string(s.num_rows) +
+                  "]: offsets[" + std::to_string(e) + "]" + got(off[e]));
+    }
+  }
+}
+
 [[noreturn]] void no_cuda_kernels(std::string_view fn) {
   throw std::runtime_error(std::string(fn) +
                            ": no CUDA implementation: these entry points compute the reference "
                            "arithmetic on the CPU (device=\"cpu\"); on the GPU the forward is "
-                           "grouped_forward, the backward has no kernels yet");
+                           "grouped_forward and grouped_backward");
 }
 
 }  // namespace
@@ -166,21 +198,7 @@ void grouped_forward(std::string_view device, const GroupedForwardArgs& a, std::
   check_pointer(fn, "out_h", a.out_h, al, gemm && a.out_y != 0);
   check_pointer(fn, "w_down", a.w_down, al, gemm && a.out_y != 0);
   if (kind == Device::kCuda) {
-    // The tensor-core tiles: 64 columns of bf16 per copy, every dimension a multiple of it.
-    if (s.hidden % 64 != 0 || s.hidden == 0) {
-      invalid(fn, "hidden must be a positive multiple of 64 on cuda" + got(s.hidden));
-    }
-    if (s.inner % 64 != 0 || s.inner == 0) {
-      invalid(fn, "inner must be a positive multiple of 64 on cuda" + got(s.inner));
-    }
-    if (s.num_experts > kMaxGroupedExperts) {
-      invalid(fn, "num_experts must be <= " + std::to_string(kMaxGroupedExperts) + " on cuda" +
-                      got(s.num_experts));
-    }
-    constexpr std::int64_t kMaxInt = std::numeric_limits<std::int32_t>::max();
-    if (s.num_rows > kMaxInt || s.num_experts * std::max(s.inner, s.hidden) > kMaxInt) {
-      invalid(fn, "num_rows and num_experts * max(hidden, inner) must fit int32 on cuda");
-    }
+    check_grouped_cuda_shape(fn, s);
 #if MOK_WITH_CUDA
     if (!rows) return;
     grouped_forward_cuda(a, stream);
@@ -192,17 +210,55 @@ void grouped_forward(std::string_view device, const GroupedForwardArgs& a, std::
         "no nvcc when it was built)");
 #endif
   }
-  // The CPU reads the offsets: check them before anything is written.
-  const auto* off = reinterpret_cast<const std::int64_t*>(a.offsets);
-  for (std::int64_t e = 0; e <= s.num_experts; ++e) {
-    const std::int64_t lo = e == 0 ? 0 : off[e - 1];
-    if (off[e] < lo || off[e] > s.num_rows) {
-      invalid(fn,
-              "offsets must be non-decreasing within [0, num_rows = " + std::to_string(s.num_rows) +
-                  "]: offsets[" + std::to_string(e) + "]" + got(off[e]));
-    }
-  }
+  check_offsets(fn, a.offsets, s);
   if (gemm || rows) grouped_forward_cpu(a);
+}
+
+void grouped_backward(std::string_view device, const GroupedBackwardArgs& a,
+                      std::uintptr_t stream) {
+  constexpr std::string_view fn = "grouped_backward";
+  const Device kind = parse_device(device, fn);
+  const ExpertShape& s = a.shape;
+  check_shape(fn, s);
+  check_limit(fn, a.limit);
+  check_threads(fn, a.num_threads);
+  if (a.num_sms < 0) invalid(fn, "num_sms must be >= 0 (0: every SM)" + got(a.num_sms));
+  const bool rows = s.num_rows > 0;
+  const bool gemm = rows && s.hidden > 0 && s.inner > 0;
+  const bool cuda = kind == Device::kCuda;
+  const std::uintptr_t al = cuda ? 16 : 2;
+  check_pointer(fn, "x", a.x, al, rows && s.hidden > 0);
+  check_pointer(fn, "offsets", a.offsets, 8, true);
+  check_pointer(fn, "a", a.a, al, rows && s.inner > 0);
+  check_pointer(fn, "b", a.b, al, rows && s.inner > 0);
+  check_pointer(fn, "dy", a.dy, al, rows && s.hidden > 0);
+  check_pointer(fn, "router_weights", a.router_weights, 4, false);
+  check_pointer(fn, "w_gate", a.w_gate, al, gemm);
+  check_pointer(fn, "w_up", a.w_up, al, gemm);
+  check_pointer(fn, "w_down", a.w_down, al, gemm);
+  check_pointer(fn, "out_dx", a.out_dx, al, rows && s.hidden > 0);
+  check_pointer(fn, "out_d_w", a.out_d_w, 4, rows);
+  check_pointer(fn, "acc_gate_up", a.acc_gate_up, cuda ? 16 : 4, gemm);
+  check_pointer(fn, "acc_down", a.acc_down, cuda ? 16 : 4, gemm);
+  check_pointer(fn, "scratch_g", a.scratch_g, 16, cuda && gemm);
+  check_pointer(fn, "scratch_h", a.scratch_h, 16, cuda && gemm);
+  check_pointer(fn, "scratch_d_ab", a.scratch_d_ab, 16, cuda && gemm);
+  check_pointer(fn, "scratch_wdy", a.scratch_wdy, 16, cuda && gemm);
+  if (cuda) {
+    check_grouped_cuda_shape(fn, s);
+#if MOK_WITH_CUDA
+    if (!rows) return;
+    grouped_backward_cuda(a, stream);
+    return;
+#else
+    (void)stream;
+    throw std::runtime_error(
+        "grouped_backward: device=\"cuda\" but mok-bf16 was built without CUDA (MOK_CUDA=OFF, or "
+        "no nvcc when it was built)");
+#endif
+  }
+  check_offsets(fn, a.offsets, s);
+  if (gemm || rows) grouped_backward_cpu(a);
 }
 
 }  // namespace mok::bf16

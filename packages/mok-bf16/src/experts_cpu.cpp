@@ -291,4 +291,38 @@ void grouped_forward_cpu(const GroupedForwardArgs& args) {
   }
 }
 
+// Each segment through the per-row backward with every row's expert set to the segment's, in
+// expert order: each accumulator sees its expert's rows in ascending order, as in one call of
+// swiglu_backward over the rows. Rows outside the segments are left alone.
+void grouped_backward_cpu(const GroupedBackwardArgs& args) {
+  const std::int64_t El = args.shape.num_experts, H = args.shape.hidden, I = args.shape.inner;
+  const auto* offsets = reinterpret_cast<const std::int64_t*>(args.offsets);
+  const auto at = [](std::uintptr_t base, std::int64_t elements, std::int64_t bytes) {
+    return base == 0 ? std::uintptr_t{0} : base + static_cast<std::uintptr_t>(elements * bytes);
+  };
+  for (std::int64_t e = 0; e < El; ++e) {
+    const std::int64_t lo = offsets[e], n = offsets[e + 1] - lo;
+    if (n == 0) continue;
+    const std::vector<std::int64_t> experts(static_cast<std::size_t>(n), e);
+    SwigluBackwardArgs b;
+    b.x = at(args.x, lo * H, 2);
+    b.a = at(args.a, lo * I, 2);
+    b.b = at(args.b, lo * I, 2);
+    b.dy = at(args.dy, lo * H, 2);
+    b.router_weights = at(args.router_weights, lo, 4);
+    b.experts = reinterpret_cast<std::uintptr_t>(experts.data());
+    b.w_gate = args.w_gate;
+    b.w_up = args.w_up;
+    b.w_down = args.w_down;
+    b.out_dx = at(args.out_dx, lo * H, 2);
+    b.out_d_w = at(args.out_d_w, lo, 4);
+    b.acc_gate_up = args.acc_gate_up;
+    b.acc_down = args.acc_down;
+    b.shape = {n, H, I, El};
+    b.limit = args.limit;
+    b.num_threads = args.num_threads;
+    swiglu_backward_cpu(b);
+  }
+}
+
 }  // namespace mok::bf16

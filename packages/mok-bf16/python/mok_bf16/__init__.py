@@ -1,4 +1,4 @@
-"""mok-bf16: mok's BF16 expert kernels (the grouped SwiGLU forward on Hopper, the rest on the CPU so far).
+"""mok-bf16: mok's BF16 expert kernels (grouped SwiGLU forward and backward on Hopper; all on the CPU).
 
 The extension ``mok_bf16._C`` takes raw device pointers, sizes and stream handles, and is
 compiled against mok-core's headers; ``mok-torch`` finds this package through the
@@ -17,6 +17,8 @@ They run on the CPU (``device="cpu"``); ``"cuda"`` raises RuntimeError.
   layout). On ``"cuda"`` it runs the sm_90a tensor-core GEMMs (``cuda/grouped_gemm.cuh``):
   deterministic and batch invariant, but each element is one fixed-order fp32 sum of the
   tensor cores, not the reference's sequential one; on ``"cpu"`` the reference arithmetic.
+- ``grouped_backward``: the backward over the same segments: ``dx``, ``d_w`` and the weight
+  gradients added to fp32 accumulators (``cuda/experts_backward.cu``, ``cuda/wgrad_gemm.cuh``).
 ``exp_f64`` and ``sigmoid`` expose the element functions they share, for tests.
 """
 
@@ -24,7 +26,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._C import build_info, exp_f64, grouped_forward, sigmoid, swiglu_backward, swiglu_forward, version
+from ._C import (
+    build_info,
+    exp_f64,
+    grouped_backward,
+    grouped_forward,
+    sigmoid,
+    swiglu_backward,
+    swiglu_forward,
+    version,
+)
 
 __version__: str = version()
 
@@ -33,6 +44,7 @@ __all__ = [
     "backend_info",
     "build_info",
     "exp_f64",
+    "grouped_backward",
     "grouped_forward",
     "sigmoid",
     "swiglu_backward",

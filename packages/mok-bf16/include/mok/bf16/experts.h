@@ -120,6 +120,46 @@ struct GroupedForwardArgs {
   std::int64_t num_threads = 1;  // CPU threads
 };
 
+// grouped_backward: the backward over experts' segments (the layout of grouped_forward).
+//
+//   g = dy @ Wd_e (fp32),  d_w = <g, h>,  d_a, d_b as swiglu_backward,
+//   dx = [d_a, d_b] @ [Wg_e; Wu_e],
+//   acc_gate_up[e] += [d_a, d_b]^T x,  acc_down[e] += bf16(w dy)^T h   (in place, fp32)
+//
+// On "cuda": tensor-core GEMMs (cuda/experts_backward.cu). g, dx: as grouped_forward's GEMMs
+// (a row's bits depend only on the row). d_w: each lane of a warp sums its elements (8-element
+// pieces l, l + 32, ... of the row, ascending), then a butterfly over the lanes; the element
+// math is the reference's. Weight gradients: the accumulators start from the carried fp32
+// values and take the expert's rows in 64-row blocks from the segment start, the last block
+// zero-padded; two calls over rows split at a multiple of 64 from each segment start give the
+// bits of one call. The scratch arrays hold g, h, [d_a, d_b] and bf16(w dy) between the
+// kernels (required on "cuda", unused on "cpu"). On "cpu": the reference arithmetic
+// (swiglu_backward on each segment's rows). Rows outside every segment are not written and add
+// nothing; offsets as in grouped_forward.
+struct GroupedBackwardArgs {
+  std::uintptr_t x = 0;               // bf16 [M, H]
+  std::uintptr_t offsets = 0;         // int64 [El + 1]
+  std::uintptr_t a = 0;               // bf16 [M, I]
+  std::uintptr_t b = 0;               // bf16 [M, I]
+  std::uintptr_t dy = 0;              // bf16 [M, H]
+  std::uintptr_t router_weights = 0;  // fp32 [M], or 0: all ones (unweighted)
+  std::uintptr_t w_gate = 0;          // bf16 [El, I, H]
+  std::uintptr_t w_up = 0;            // bf16 [El, I, H]
+  std::uintptr_t w_down = 0;          // bf16 [El, H, I]
+  std::uintptr_t out_dx = 0;          // bf16 [M, H]
+  std::uintptr_t out_d_w = 0;         // fp32 [M]
+  std::uintptr_t acc_gate_up = 0;     // fp32 [El, 2I, H] (in place)
+  std::uintptr_t acc_down = 0;        // fp32 [El, H, I] (in place)
+  std::uintptr_t scratch_g = 0;       // fp32 [M, I]   (cuda)
+  std::uintptr_t scratch_h = 0;       // bf16 [M, I]   (cuda)
+  std::uintptr_t scratch_d_ab = 0;    // bf16 [M, 2I]  (cuda)
+  std::uintptr_t scratch_wdy = 0;     // bf16 [M, H]   (cuda)
+  ExpertShape shape;
+  SwigluLimit limit;
+  std::int64_t num_sms = 0;      // CUDA: most CTAs per kernel (0: every SM)
+  std::int64_t num_threads = 1;  // CPU threads
+};
+
 // Largest El of grouped_forward on "cuda" (the tile list lives in shared memory).
 inline constexpr std::int64_t kMaxGroupedExperts = 1024;
 
@@ -132,12 +172,16 @@ void swiglu_backward(std::string_view device, const SwigluBackwardArgs& args,
                      std::uintptr_t stream);
 void grouped_forward(std::string_view device, const GroupedForwardArgs& args,
                      std::uintptr_t stream);
+void grouped_backward(std::string_view device, const GroupedBackwardArgs& args,
+                      std::uintptr_t stream);
 
 // The CPU implementations, for arguments already checked.
 void swiglu_forward_cpu(const SwigluForwardArgs& args);
 void swiglu_backward_cpu(const SwigluBackwardArgs& args);
 void grouped_forward_cpu(const GroupedForwardArgs& args);
-// The CUDA implementation (built with CUDA only), for checked arguments.
+void grouped_backward_cpu(const GroupedBackwardArgs& args);
+// The CUDA implementations (built with CUDA only), for checked arguments.
 void grouped_forward_cuda(const GroupedForwardArgs& args, std::uintptr_t stream);
+void grouped_backward_cuda(const GroupedBackwardArgs& args, std::uintptr_t stream);
 
 }  // namespace mok::bf16

@@ -10,9 +10,17 @@ expert's rows rounded up to 16 as the schedule's alignment does) with:
 - `torch-grouped-mm`: `torch._grouped_mm` for gate, up and down with `silu(gate) * up`
   between (what BENCHMARKS.md measured at 500-692 TFLOP/s);
 
-and reports ms and TFLOP/s (6 * rows * H * I for the forward) against the dense BF16 matmul
-rate measured in the same run, mok's speedup, whether two mok runs gave the same bits, and
-mok's relative difference from torch's output.
+and forward + backward (unweighted rows, so both compute the same gradients):
+
+- `mok-fwd-bwd`: the grouped forward, then mok-bf16's grouped backward (g = dy @ Wd with the
+  SwiGLU backward and d_w, dx, and the three weight gradients into fp32 accumulators);
+  `mok-bwd`: the backward alone;
+- `torch-fwd-bwd`: the `torch._grouped_mm` forward and its autograd backward
+  (`torch.autograd.grad` of x and the three weights);
+
+and reports ms and TFLOP/s (6 * rows * H * I for the forward, 12 for the backward) against the
+dense BF16 matmul rate measured in the same run, mok's speedups, whether two mok runs gave the
+same bits, and mok's relative differences from torch's output and gradients.
 
     mok bench-experts --out DIR [--shapes seed|public|all|...] [--ep 8] [--routing balanced,skewed]
 
@@ -30,7 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..backends.native.grouped import grouped_forward
+from ..backends.native.grouped import grouped_backward, grouped_forward
 from . import ceilings as ceilings_mod
 from . import report
 from .launch import component_parser, one_device_main
@@ -39,7 +47,7 @@ from .shapes import Shape, resolve_shapes
 from .timing import Ranks, median, time_ms
 
 BF16 = torch.bfloat16
-PROVIDERS = ("mok", "mok-gate-up", "mok-gate-up-ab", "torch-grouped-mm")
+PROVIDERS = ("mok", "mok-gate-up", "mok-gate-up-ab", "torch-grouped-mm", "mok-fwd-bwd", "mok-bwd", "torch-fwd-bwd")
 
 
 def segment_sizes(shape: Shape, El: int, routing: str, g: torch.Generator) -> list[int]:
@@ -71,6 +79,9 @@ def _case(ranks: Ranks, shape: Shape, El: int, routing: str, ns: argparse.Namesp
     wd = (torch.randn(El, H, I, device=dev, generator=g) / I**0.5).to(BF16)
     ends = torch.tensor(sizes, device=dev).cumsum(0)
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64, device=dev), ends])
+    dy = torch.randn(M, H, device=dev, generator=g).to(BF16)
+    acc_gu = torch.zeros(El, 2 * I, H, dtype=torch.float32, device=dev)
+    acc_d = torch.zeros(El, H, I, dtype=torch.float32, device=dev)
     flops = 6 * M * H * I
     row: dict[str, Any] = {
         "shape_name": shape.name,
@@ -95,11 +106,34 @@ def _case(ranks: Ranks, shape: Shape, El: int, routing: str, ns: argparse.Namesp
     def theirs() -> Any:
         return torch_grouped_mm(x, ends.to(torch.int32), wg, wu, wd)
 
+    saved = ours()
+
+    def ours_backward() -> Any:  # the accumulators start from zero, as in a layer call
+        acc_gu.zero_()
+        acc_d.zero_()
+        return grouped_backward(x, offsets, saved.a, saved.b, dy, None, wg, wu, wd, acc_gu, acc_d)
+
+    def ours_fwd_bwd() -> Any:
+        f = ours()
+        acc_gu.zero_()
+        acc_d.zero_()
+        b = grouped_backward(x, offsets, f.a, f.b, dy, None, wg, wu, wd, acc_gu, acc_d)
+        return b.dx, acc_gu, acc_d
+
+    leaves = [t.detach().requires_grad_() for t in (x, wg, wu, wd)]
+
+    def theirs_fwd_bwd() -> Any:
+        y = torch_grouped_mm(leaves[0], ends.to(torch.int32), *leaves[1:])
+        return torch.autograd.grad(y, leaves, dy)
+
     providers = (
         ("mok", ours, flops),
         ("mok-gate-up", ours_gate_up, 4 * M * H * I),
         ("mok-gate-up-ab", ours_gate_up_ab, 4 * M * H * I),
         ("torch-grouped-mm", theirs, flops),
+        ("mok-fwd-bwd", ours_fwd_bwd, 3 * flops),
+        ("mok-bwd", ours_backward, 2 * flops),
+        ("torch-fwd-bwd", theirs_fwd_bwd, 3 * flops),
     )
     for name, fn, f in providers:
         try:
@@ -114,6 +148,18 @@ def _case(ranks: Ranks, shape: Shape, El: int, routing: str, ns: argparse.Namesp
             ref = theirs().float()
             row["mok"]["rel_diff_vs_torch"] = ((first.y.float() - ref).norm() / ref.norm()).item()
             row["speedup_vs_torch"] = row["torch-grouped-mm"]["ms"] / row["mok"]["ms"]
+    if row["mok-fwd-bwd"]["status"] == "ok":
+        first = [t.clone() for t in ours_fwd_bwd()]
+        second = ours_fwd_bwd()
+        row["mok-fwd-bwd"]["bitwise_repeatable"] = all(torch.equal(u, v) for u, v in zip(first, second, strict=True))
+        if row["torch-fwd-bwd"]["status"] == "ok":
+            dx, dwg, dwu, dwd = (t.float() for t in theirs_fwd_bwd())
+            ours_grads = (first[0].float(), first[1][:, :I], first[1][:, I:], first[2])
+            row["mok-fwd-bwd"]["rel_diff_vs_torch"] = {
+                name: ((u - v).norm() / v.norm()).item()
+                for name, u, v in zip(("dx", "dWg", "dWu", "dWd"), ours_grads, (dx, dwg, dwu, dwd), strict=True)
+            }
+            row["fwd_bwd_speedup_vs_torch"] = row["torch-fwd-bwd"]["ms"] / row["mok-fwd-bwd"]["ms"]
     return row
 
 
@@ -153,17 +199,22 @@ def bench(ns: argparse.Namespace, ranks: Ranks) -> dict[str, Any]:
 
 def _print(doc: dict[str, Any]) -> None:
     mm = (doc["ceilings"]["bf16_matmul"] or {}).get("value")
-    print(f"\nmok bench-experts: {doc['device']['name']}, dense bf16 {mm or 0:.0f} TFLOP/s (forward TFLOP/s)")
-    print(f"{'shape':<20}{'routing':<9}{'rows':>7}{'mok':>7}{'gate-up':>8}{'g-u ab':>7}{'torch':>7}{'x':>6}  same bits")
+    print(f"\nmok bench-experts: {doc['device']['name']}, dense bf16 {mm or 0:.0f} TFLOP/s (TFLOP/s)")
+    print(
+        f"{'shape':<20}{'routing':<9}{'rows':>7}{'mok':>7}{'gate-up':>8}{'g-u ab':>7}{'torch':>7}{'x':>6}"
+        f"{'mok f+b':>8}{'bwd':>6}{'torch':>7}{'x':>6}  same bits"
+    )
     for r in doc["results"]:
         if r.get("status") == "skipped":
             print(f"{r['shape_name']:<20}skipped: {r['why']}")
             continue
         cells = [f"{r[n]['TFLOPs']:.0f}" if r[n]["status"] == "ok" else "fail" for n in PROVIDERS]
         speed = f"{r['speedup_vs_torch']:.2f}" if "speedup_vs_torch" in r else "-"
-        same = r["mok"].get("bitwise_repeatable", "-")
+        speed_fb = f"{r['fwd_bwd_speedup_vs_torch']:.2f}" if "fwd_bwd_speedup_vs_torch" in r else "-"
+        same = f"{r['mok'].get('bitwise_repeatable', '-')}/{r['mok-fwd-bwd'].get('bitwise_repeatable', '-')}"
         head = f"{r['shape_name']:<20}{r['routing']:<9}{r['rows']:>7}"
-        print(f"{head}{cells[0]:>7}{cells[1]:>8}{cells[2]:>7}{cells[3]:>7}{speed:>6}  {same}")
+        fwd = f"{cells[0]:>7}{cells[1]:>8}{cells[2]:>7}{cells[3]:>7}{speed:>6}"
+        print(f"{head}{fwd}{cells[4]:>8}{cells[5]:>6}{cells[6]:>7}{speed_fb:>6}  {same}")
 
 
 def parser() -> argparse.ArgumentParser:

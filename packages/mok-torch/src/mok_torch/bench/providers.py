@@ -136,11 +136,14 @@ class MokProvider(Provider):
             return str(exc)
         work = shape.tokens * shape.topk * shape.hidden * shape.inner
         # MXFP8 experts run the reference arithmetic on every backend (no FP8 kernels yet); the
-        # cuda backend's BF16 forward runs mok-bf16's GEMMs where the shape allows, its backward
-        # the reference arithmetic.
+        # cuda backend's BF16 forward runs mok-bf16's GEMMs where the shape allows, and so does
+        # its backward when the expert alignment is a multiple of 64 (else the reference
+        # arithmetic).
+        from ..backends.native import gpu_backward_kernels
+
         slow = getattr(backend, "reference_experts", False) or self.precision == "mxfp8"
         gpu_forward = self._gpu_forward(backend, shape, ranks)
-        if gpu_forward and settings.passes == ("forward",):
+        if gpu_forward and (settings.passes == ("forward",) or gpu_backward_kernels(self.config)):
             slow = False
         if slow and work > REFERENCE_MAX_WORK and not settings.allow_slow:
             what = "backward" if gpu_forward else f"{'MXFP8 ' if self.precision == 'mxfp8' else ''}experts"

@@ -55,7 +55,7 @@ from ..reference.experts import (
     swiglu,
 )
 from ..reference.ring import Block, replays_in_backward
-from .grouped import GroupedForward, grouped_forward
+from .grouped import GroupedForward, grouped_backward, grouped_forward
 from .transport import Transport, raise_transport_error
 
 Weights3 = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -106,6 +106,13 @@ def gpu_forward_kernels(cfg: MoKConfig, device: torch.device, hidden: int, inner
         and 1 <= experts <= 1024
         and _gpu_grouped(device.index if device.index is not None else torch.cuda.current_device())
     )
+
+
+def gpu_backward_kernels(cfg: MoKConfig) -> bool:
+    """Whether the backward runs mok-bf16's GPU kernels where the forward's GEMMs run on the GPU:
+    when every segment start and minibatch boundary is a multiple of the weight gradients' 64-row
+    blocks (config checks make minibatches multiples of the alignment)."""
+    return cfg.expert_alignment % 64 == 0
 
 
 def _row_experts(sched: Schedule, rows: int) -> torch.Tensor:
@@ -418,7 +425,7 @@ class NativeBackend:
         if experts is not None:
             experts_R = _row_experts(sched, rows)
         elif tensor_cores:
-            kernel_weights = tuple(w.contiguous() for w in routed)
+            kernel_weights: Weights3 = (routed[0].contiguous(), routed[1].contiguous(), routed[2].contiguous())
             segments = sched.expert_offsets_El1.to(torch.int64)
         else:
             weights = expert_weights(cfg, routed)
@@ -520,11 +527,23 @@ class NativeBackend:
     # ------------------------------------------------------------------ backward
 
     def _shared_backward(
-        self, x_TH: torch.Tensor, dy_TH: torch.Tensor, a_TIs: torch.Tensor | None, b_TIs: torch.Tensor | None,
-        shared: Weights3 | None, limit: float | None, wgrad_dtype: torch.dtype,
+        self, cfg: MoKConfig, x_TH: torch.Tensor, dy_TH: torch.Tensor, a_TIs: torch.Tensor | None,
+        b_TIs: torch.Tensor | None, shared: Weights3 | None, wgrad_dtype: torch.dtype,
     ) -> tuple[torch.Tensor | None, Weights3 | None]:  # fmt: skip
         """(dx_s, (dWg_s, dWu_s, dWd_s)) of the shared expert: tokens are the rows, in order, unweighted."""
-        kernels = self.expert_kernels
+        kernels, limit = self.expert_kernels, cfg.swiglu_limit
+        # One call over every token: the weight gradients' row blocks never meet a split.
+        if shared is not None and gpu_forward_kernels(cfg, x_TH.device, x_TH.shape[1], shared[0].shape[0], 1):
+            assert a_TIs is not None and b_TIs is not None
+            (T, H), Is, dev = x_TH.shape, shared[0].shape[0], x_TH.device
+            one = torch.arange(2, dtype=torch.int64, device=dev) * T  # one segment: every token
+            acc_gu = torch.zeros(1, 2 * Is, H, dtype=torch.float32, device=dev)
+            acc_d = torch.zeros(1, H, Is, dtype=torch.float32, device=dev)
+            wg, wu, wd = (w.contiguous()[None] for w in shared)
+            out = grouped_backward(x_TH.contiguous(), one, a_TIs, b_TIs, dy_TH.contiguous(), None, wg, wu, wd,
+                                   acc_gu, acc_d, limit)  # fmt: skip
+            dWg, dWu, dWd = routed_wgrads(acc_gu, acc_d, wgrad_dtype)
+            return out.dx, (dWg[0], dWu[0], dWd[0])
         if kernels is None or shared is None:
             return shared_backward(x_TH, dy_TH, a_TIs, b_TIs, shared, limit, wgrad_dtype)
         assert a_TIs is not None and b_TIs is not None
@@ -559,8 +578,12 @@ class NativeBackend:
         experts = self._routed_experts(cfg, routed)
         # A replay recomputes a and b with the GEMMs the forward used (so their bits match).
         tensor_cores = experts is None and gpu_forward_kernels(cfg, dev, H, inner, El)
+        # The GPU backward's weight gradients take 64-row blocks from each segment start: every
+        # minibatch boundary and segment start must be a multiple of 64 for a split to carry
+        # exactly (docs/determinism.md "The GPU GEMMs"); otherwise the reference arithmetic.
+        gpu_backward = tensor_cores and gpu_backward_kernels(cfg)
         if tensor_cores:
-            replay_gate_up = (routed[0].contiguous(), routed[1].contiguous())
+            wg_k, wu_k, wd_k = (w.contiguous() for w in routed)
             segments = sched.expert_offsets_El1.to(torch.int64)
         if experts is not None:
             experts_R = _row_experts(sched, rows)
@@ -581,7 +604,16 @@ class NativeBackend:
                 tr.pull(dys, "dy_src", table, route_divisor=K, num_workers=nw)
                 wr = torch.empty(mhi - mlo, dtype=torch.float32, device=dev)
                 tr.pull(wr, "w_src", table, route_divisor=1, num_workers=nw)
-                if experts is not None:
+                if gpu_backward:
+                    seg = (segments - mlo).clamp_(0, mhi - mlo)
+                    if m == 0:
+                        a, b = ctx.a_MI[ring], ctx.b_MI[ring]
+                    else:
+                        ab = grouped_forward(xs, seg, wg_k, wu_k, None, cfg.swiglu_limit, with_h=False)
+                        a, b = ab.a, ab.b
+                    dx, d_w = grouped_backward(xs, seg, a, b, dys, wr, wg_k, wu_k, wd_k, d_gate_up, d_down,
+                                               cfg.swiglu_limit)  # fmt: skip
+                elif experts is not None:
                     experts_M = experts_R[mlo:mhi]
                     if m == 0:
                         a, b = ctx.a_MI[ring], ctx.b_MI[ring]
@@ -598,7 +630,7 @@ class NativeBackend:
                         a, b = r.grid(ctx.a_MI[ring]), r.grid(ctx.b_MI[ring])
                     elif tensor_cores:
                         seg = (segments - mlo).clamp_(0, mhi - mlo)
-                        ab = grouped_forward(xs, seg, *replay_gate_up, None, cfg.swiglu_limit, with_h=False)
+                        ab = grouped_forward(xs, seg, wg_k, wu_k, None, cfg.swiglu_limit, with_h=False)
                         a, b = r.grid(ab.a), r.grid(ab.b)
                     else:
                         a, b = gate_up(xg, r.w, r.layout)
@@ -608,9 +640,7 @@ class NativeBackend:
                     dx, d_w = r.flat(rg.dx, dx_rows).contiguous(), r.flat(rg.d_w, wr).contiguous()
                 tr.push(dx, "rows", table, num_workers=nw)
                 tr.push(d_w, "d_w", table, num_workers=nw)
-        dxs, d_shared = self._shared_backward(
-            x_TH, dy_TH, ctx.shared_a_TIs, ctx.shared_b_TIs, shared, cfg.swiglu_limit, wgrad_dtype
-        )
+        dxs, d_shared = self._shared_backward(cfg, x_TH, dy_TH, ctx.shared_a_TIs, ctx.shared_b_TIs, shared, wgrad_dtype)
         tr.barrier(6)  # every push has landed
         dx = self._combine(tr, dxs, tr.view["rows"][: T * K], None, T, K, H)
         d_router = tr.view["d_w"][: T * K].clone().view(T, K).to(router_weights_TK.dtype)

@@ -1,7 +1,9 @@
-"""mok-bf16's grouped expert forward on tensors: the experts over segments of consecutive rows.
+"""mok-bf16's grouped expert forward and backward on tensors: the experts over segments of
+consecutive rows.
 
-`grouped_forward` checks its tensors, allocates the outputs and calls
-`mok_bf16.grouped_forward` on the current stream. On CUDA it runs the tensor-core GEMMs
+`grouped_forward` and `grouped_backward` check their tensors, allocate the outputs (and the
+backward's scratch) and call `mok_bf16.grouped_forward` / `grouped_backward` on the current
+stream. On CUDA it runs the tensor-core GEMMs
 (sm_90a wgmma, `packages/mok-bf16/cuda/grouped_gemm.cuh`): each element one fp32 sum in a
 fixed order, so a row's bits depend only on that row and its expert's weights (not the
 reference's sequential sum: docs/determinism.md "The GPU GEMMs"). On the CPU it runs the
@@ -103,5 +105,128 @@ def grouped_forward(
             num_sms=num_sms,
             num_threads=torch.get_num_threads() if dev.type == "cpu" else 1,
             stream=torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0,
+        )
+    return out
+
+
+class GroupedBackward(NamedTuple):
+    dx: torch.Tensor  # [M, H] bf16: [d_a, d_b] @ [Wg; Wu]
+    d_w: torch.Tensor  # [M] fp32: <g, h>, g = dy @ Wd (unweighted)
+
+
+class GroupedScratch(NamedTuple):
+    """What the CUDA backward's kernels pass each other (pass one in to read it back)."""
+
+    g: torch.Tensor  # [M, I] fp32: dy @ Wd, unweighted
+    h: torch.Tensor  # [M, I] bf16: silu(a_c) * b_c
+    d_ab: torch.Tensor  # [M, 2I] bf16: d_a then d_b
+    wdy: torch.Tensor  # [M, H] bf16: bf16(w dy)
+
+
+def grouped_backward(
+    x_MH: torch.Tensor,
+    offsets_El1: torch.Tensor,
+    a_MI: torch.Tensor,
+    b_MI: torch.Tensor,
+    dy_MH: torch.Tensor,
+    router_weights_M: torch.Tensor | None,
+    w_gate_EIH: torch.Tensor,
+    w_up_EIH: torch.Tensor,
+    w_down_EHI: torch.Tensor,
+    acc_gate_up_E2IH: torch.Tensor,
+    acc_down_EHI: torch.Tensor,
+    limit: float | None = None,
+    num_sms: int = 0,
+    out: GroupedBackward | None = None,
+    scratch: GroupedScratch | None = None,
+) -> GroupedBackward:
+    """The SwiGLU experts' backward on rows [offsets[e], offsets[e+1]) for each local expert e.
+
+    Returns dx and d_w of those rows (other rows as `out` has them: zeros in fresh outputs) and
+    adds the weight gradients to the fp32 accumulators in place: acc_gate_up[e] += [d_a, d_b]^T x
+    (gate rows first), acc_down[e] += bf16(w dy)^T h. router_weights None: all ones (the shared
+    expert). On CUDA the weight gradients take each expert's rows in 64-row blocks from its
+    segment start, so calls split at multiples of 64 rows from every segment start give the bits
+    of one call (docs/determinism.md "The GPU GEMMs"). `scratch`: the CUDA kernels' intermediate
+    arrays (allocated when None; unused on the CPU).
+    """
+    import mok_bf16
+
+    x_MH = check_tensor("x", x_MH, dtypes=(BF16,), shape=[("M", None), ("H", None)])
+    dev = x_MH.device
+    M, H = x_MH.shape
+    w_gate_EIH = check_tensor(
+        "w_gate", w_gate_EIH, dtypes=(BF16,), shape=[("El", None), ("I", None), ("H", H)], device=dev
+    )
+    El, I = w_gate_EIH.shape[:2]
+    check_tensor("offsets", offsets_El1, dtypes=(torch.int64,), shape=[("El+1", El + 1)], device=dev)
+    check_tensor("w_up", w_up_EIH, dtypes=(BF16,), shape=[("El", El), ("I", I), ("H", H)], device=dev)
+    check_tensor("w_down", w_down_EHI, dtypes=(BF16,), shape=[("El", El), ("H", H), ("I", I)], device=dev)
+    rows_I = [("M", M), ("I", I)]
+    check_tensor("a", a_MI, dtypes=(BF16,), shape=rows_I, device=dev)
+    check_tensor("b", b_MI, dtypes=(BF16,), shape=rows_I, device=dev)
+    check_tensor("dy", dy_MH, dtypes=(BF16,), shape=[("M", M), ("H", H)], device=dev)
+    if router_weights_M is not None:
+        check_tensor("router_weights", router_weights_M, dtypes=(torch.float32,), shape=[("M", M)], device=dev)
+    check_tensor(
+        "acc_gate_up", acc_gate_up_E2IH, dtypes=(torch.float32,), shape=[("El", El), ("2I", 2 * I), ("H", H)],
+        device=dev,
+    )  # fmt: skip
+    check_tensor("acc_down", acc_down_EHI, dtypes=(torch.float32,), shape=[("El", El), ("H", H), ("I", I)], device=dev)
+    if not isinstance(num_sms, int) or num_sms < 0:
+        raise ValueError(f"num_sms must be an int >= 0 (0: every SM), got {num_sms!r}")
+    if out is None:
+        out = GroupedBackward(
+            torch.zeros(M, H, dtype=BF16, device=dev), torch.zeros(M, dtype=torch.float32, device=dev)
+        )
+    check_tensor("out.dx", out.dx, dtypes=(BF16,), shape=[("M", M), ("H", H)], device=dev)
+    check_tensor("out.d_w", out.d_w, dtypes=(torch.float32,), shape=[("M", M)], device=dev)
+    cuda = dev.type == "cuda"
+    if cuda and scratch is None:
+        scratch = GroupedScratch(
+            torch.empty(M, I, dtype=torch.float32, device=dev),
+            torch.empty(M, I, dtype=BF16, device=dev),
+            torch.empty(M, 2 * I, dtype=BF16, device=dev),
+            torch.empty(M, H, dtype=BF16, device=dev),
+        )
+    if cuda and scratch is not None:
+        check_tensor("scratch.g", scratch.g, dtypes=(torch.float32,), shape=rows_I, device=dev)
+        check_tensor("scratch.h", scratch.h, dtypes=(BF16,), shape=rows_I, device=dev)
+        check_tensor("scratch.d_ab", scratch.d_ab, dtypes=(BF16,), shape=[("M", M), ("2I", 2 * I)], device=dev)
+        check_tensor("scratch.wdy", scratch.wdy, dtypes=(BF16,), shape=[("M", M), ("H", H)], device=dev)
+    g_ptr, h_ptr, d_ab_ptr, wdy_ptr = (
+        (scratch.g.data_ptr(), scratch.h.data_ptr(), scratch.d_ab.data_ptr(), scratch.wdy.data_ptr())
+        if cuda and scratch is not None
+        else (0, 0, 0, 0)
+    )
+    on_device = torch.cuda.device(dev) if cuda else contextlib.nullcontext()
+    with on_device:
+        mok_bf16.grouped_backward(
+            dev.type,
+            x_MH.data_ptr(),
+            offsets_El1.data_ptr(),
+            a_MI.data_ptr(),
+            b_MI.data_ptr(),
+            dy_MH.data_ptr(),
+            0 if router_weights_M is None else router_weights_M.data_ptr(),
+            w_gate_EIH.data_ptr(),
+            w_up_EIH.data_ptr(),
+            w_down_EHI.data_ptr(),
+            out.dx.data_ptr(),
+            out.d_w.data_ptr(),
+            acc_gate_up_E2IH.data_ptr(),
+            acc_down_EHI.data_ptr(),
+            g_ptr,
+            h_ptr,
+            d_ab_ptr,
+            wdy_ptr,
+            M,
+            H,
+            I,
+            El,
+            limit=limit,
+            num_sms=num_sms,
+            num_threads=torch.get_num_threads() if not cuda else 1,
+            stream=torch.cuda.current_stream(dev).cuda_stream if cuda else 0,
         )
     return out

@@ -1,0 +1,195 @@
+// The grouped SwiGLU backward on the GPU, over the experts' segments of consecutive rows:
+//
+//   g:       g = dy @ Wd_e                  (grouped GEMM, Wd N-major; fp32 out, unrounded)
+//   SwiGLU:  h, d_a, d_b, d_w = <g, h> and bf16(w dy) per row (an elementwise kernel: mok-core's
+//            element math, the reference's bit for bit given a, b, g and w; d_w summed in a
+//            fixed order that depends only on I)
+//   dx:      dx = [d_a, d_b] @ [Wg_e; Wu_e]  (grouped GEMM over K = 2I, gate part first)
+//   wgrads:  acc_gate_up[e] += [d_a, d_b]^T x,  acc_down[e] += bf16(w dy)^T h
+//            (wgrad_gemm.cuh: rows as the reduction, fp32 carried across calls)
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "grouped_gemm.cuh"
+#include "hopper.cuh"
+#include "launch.cuh"
+#include "mok/bf16/experts.h"
+#include "mok/core/bf16.h"
+#include "mok/core/expert_math.h"
+#include "wgrad_gemm.cuh"
+
+namespace mok::bf16 {
+namespace {
+
+using gemm::BLoad;
+using kernels::check;
+
+// One warp per row of [offsets[0], offsets[El]) (clamped to [0, M]); lane l takes the 8-element
+// pieces l, l + 32, ... of the row. d_w: each lane sums fl(g_i * h_i) over its elements in
+// ascending order from +0, then the lanes' sums are added by a butterfly (xor 16, 8, 4, 2, 1):
+// an order fixed by I alone, the same on every lane.
+struct SwigluBackwardRows {
+  const std::uint16_t* a;
+  const std::uint16_t* b;
+  const float* g;               // [M, I]
+  const float* router_weights;  // [M] or null: all ones
+  const std::uint16_t* dy;      // [M, H]
+  std::uint16_t* h;             // [M, I]
+  std::uint16_t* d_ab;          // [M, 2I]
+  std::uint16_t* wdy;           // [M, H]
+  float* d_w;                   // [M]
+  const std::int64_t* offsets;
+  int num_experts;
+  std::int64_t num_rows;
+  int inner, hidden;
+  core::SwigluLimit limit;
+};
+
+__device__ inline std::uint16_t lo16(std::uint32_t w) { return static_cast<std::uint16_t>(w); }
+__device__ inline std::uint16_t hi16(std::uint32_t w) {
+  return static_cast<std::uint16_t>(w >> 16);
+}
+__device__ inline std::uint32_t pack(std::uint16_t lo, std::uint16_t hi) {
+  return static_cast<std::uint32_t>(lo) | (static_cast<std::uint32_t>(hi) << 16);
+}
+
+__global__ void swiglu_backward_kernel(SwigluBackwardRows r) {
+  const auto clamp = [&](std::int64_t v) { return v < 0 ? 0 : (v > r.num_rows ? r.num_rows : v); };
+  const std::int64_t lo = clamp(r.offsets[0]);
+  const std::int64_t hi = clamp(r.offsets[r.num_experts]);
+  const int lane = threadIdx.x % 32;
+  const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (blockDim.x / 32);
+  const int I = r.inner, H = r.hidden;
+  for (std::int64_t row =
+           lo + (blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x) / 32;
+       row < hi; row += warps) {
+    const float w = r.router_weights == nullptr ? 1.0f : r.router_weights[row];
+    float part = 0.0f;
+    for (int i = 8 * lane; i < I; i += 8 * 32) {
+      const std::int64_t at = row * I + i;
+      const uint4 av = *reinterpret_cast<const uint4*>(r.a + at);
+      const uint4 bv = *reinterpret_cast<const uint4*>(r.b + at);
+      const float4 g0 = *reinterpret_cast<const float4*>(r.g + at);
+      const float4 g1 = *reinterpret_cast<const float4*>(r.g + at + 4);
+      const std::uint32_t aw[4] = {av.x, av.y, av.z, av.w};
+      const std::uint32_t bw[4] = {bv.x, bv.y, bv.z, bv.w};
+      const float gs[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
+      std::uint32_t hw[4], daw[4], dbw[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const core::SwigluGrad e0 =
+            core::swiglu_backward(gs[2 * q], w, lo16(aw[q]), lo16(bw[q]), r.limit);
+        const core::SwigluGrad e1 =
+            core::swiglu_backward(gs[2 * q + 1], w, hi16(aw[q]), hi16(bw[q]), r.limit);
+        part = core::mac_rn(part, gs[2 * q], e0.h);
+        part = core::mac_rn(part, gs[2 * q + 1], e1.h);
+        hw[q] = pack(core::float_to_bf16(e0.h), core::float_to_bf16(e1.h));
+        daw[q] = pack(e0.d_a, e1.d_a);
+        dbw[q] = pack(e0.d_b, e1.d_b);
+      }
+      *reinterpret_cast<uint4*>(r.h + at) = make_uint4(hw[0], hw[1], hw[2], hw[3]);
+      *reinterpret_cast<uint4*>(r.d_ab + row * 2 * I + i) =
+          make_uint4(daw[0], daw[1], daw[2], daw[3]);
+      *reinterpret_cast<uint4*>(r.d_ab + row * 2 * I + I + i) =
+          make_uint4(dbw[0], dbw[1], dbw[2], dbw[3]);
+    }
+#pragma unroll
+    for (int d = 16; d >= 1; d /= 2)
+      part = core::add_rn(part, __shfl_xor_sync(0xFFFFFFFFu, part, d));
+    if (lane == 0) r.d_w[row] = part;
+    for (int i = 8 * lane; i < H; i += 8 * 32) {
+      const std::int64_t at = row * H + i;
+      const uint4 v = *reinterpret_cast<const uint4*>(r.dy + at);
+      const std::uint32_t dw[4] = {v.x, v.y, v.z, v.w};
+      std::uint32_t o[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        o[q] = pack(core::weighted_bf16(w, core::bf16_to_float(lo16(dw[q]))),
+                    core::weighted_bf16(w, core::bf16_to_float(hi16(dw[q]))));
+      }
+      *reinterpret_cast<uint4*>(r.wdy + at) = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+  }
+}
+
+void launch_wgrad(const CUtensorMap& map_a, const CUtensorMap& map_b, const gemm::WgradProblem& p,
+                  int num_sms, cudaStream_t stream) {
+  using R = gemm::Ring<kernels::kStages>;
+  auto* kernel = gemm::wgrad_gemm_kernel<kernels::kStages>;
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, R::kSharedBytes),
+        "setting the shared memory size");
+  const std::int64_t tiles = static_cast<std::int64_t>(p.num_experts) *
+                             ((p.m + gemm::kBlockM - 1) / gemm::kBlockM) *
+                             ((p.n + gemm::kMmaN - 1) / gemm::kMmaN);
+  const int grid =
+      static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>(num_sms, tiles)));
+  kernel<<<grid, gemm::kThreads, R::kSharedBytes, stream>>>(map_a, map_b, p);
+  check(cudaGetLastError(), "launching a weight-gradient GEMM");
+}
+
+}  // namespace
+
+void grouped_backward_cuda(const GroupedBackwardArgs& args, std::uintptr_t stream_handle) {
+  const ExpertShape& s = args.shape;
+  auto* stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  const int sms = args.num_sms > 0 ? static_cast<int>(args.num_sms) : kernels::device_sms();
+  const std::uint64_t M = static_cast<std::uint64_t>(s.num_rows);
+  const std::uint64_t H = static_cast<std::uint64_t>(s.hidden);
+  const std::uint64_t I = static_cast<std::uint64_t>(s.inner);
+  const std::uint64_t El = static_cast<std::uint64_t>(s.num_experts);
+  const auto* offsets = reinterpret_cast<const std::int64_t*>(args.offsets);
+  const auto ptr = [](std::uintptr_t p) { return reinterpret_cast<const void*>(p); };
+  const int Ei = static_cast<int>(El), Hi = static_cast<int>(H), Ii = static_cast<int>(I);
+
+  // g = dy @ Wd_e: Wd [El, H, I] is N-major for this GEMM (K = H rows per expert).
+  const CUtensorMap map_dy = hopper::make_tensor_map(ptr(args.dy), M, H, gemm::kBlockM);
+  const CUtensorMap map_wd = hopper::make_tensor_map(ptr(args.w_down), El * H, I, 64);
+  const gemm::Problem pg{offsets, s.num_rows, Ei, Ii, Hi, Hi};
+  kernels::launch<BLoad::kNMajor>(map_dy, map_wd, map_wd, pg,
+                                  kernels::StoreF32{reinterpret_cast<float*>(args.scratch_g), Ii},
+                                  sms, stream);
+
+  const SwigluBackwardRows rows{reinterpret_cast<const std::uint16_t*>(args.a),
+                                reinterpret_cast<const std::uint16_t*>(args.b),
+                                reinterpret_cast<const float*>(args.scratch_g),
+                                reinterpret_cast<const float*>(args.router_weights),
+                                reinterpret_cast<const std::uint16_t*>(args.dy),
+                                reinterpret_cast<std::uint16_t*>(args.scratch_h),
+                                reinterpret_cast<std::uint16_t*>(args.scratch_d_ab),
+                                reinterpret_cast<std::uint16_t*>(args.scratch_wdy),
+                                reinterpret_cast<float*>(args.out_d_w),
+                                offsets,
+                                Ei,
+                                s.num_rows,
+                                Ii,
+                                Hi,
+                                args.limit};
+  // The element math is a long float64 chain: every warp slot of the SMs hides its latency.
+  swiglu_backward_kernel<<<8 * sms, 256, 0, stream>>>(rows);
+  check(cudaGetLastError(), "launching the SwiGLU backward kernel");
+
+  // dx = d_a @ Wg_e + d_b @ Wu_e: one GEMM over K = 2I, Wg then Wu ([El, I, H], N-major).
+  const CUtensorMap map_dab =
+      hopper::make_tensor_map(ptr(args.scratch_d_ab), M, 2 * I, gemm::kBlockM);
+  const CUtensorMap map_wg = hopper::make_tensor_map(ptr(args.w_gate), El * I, H, 64);
+  const CUtensorMap map_wu = hopper::make_tensor_map(ptr(args.w_up), El * I, H, 64);
+  const gemm::Problem pdx{offsets, s.num_rows, Ei, Hi, 2 * Ii, Ii};
+  kernels::launch<BLoad::kNMajor>(
+      map_dab, map_wg, map_wu, pdx,
+      kernels::StoreBf16{reinterpret_cast<std::uint16_t*>(args.out_dx), Hi}, sms, stream);
+
+  // Weight gradients, rows as the reduction: both operands staged MN-major (64-row boxes).
+  const CUtensorMap map_dab_rows = hopper::make_tensor_map(ptr(args.scratch_d_ab), M, 2 * I, 64);
+  const CUtensorMap map_x_rows = hopper::make_tensor_map(ptr(args.x), M, H, 64);
+  launch_wgrad(map_dab_rows, map_x_rows,
+               {offsets, s.num_rows, Ei, 2 * Ii, Hi, reinterpret_cast<float*>(args.acc_gate_up)},
+               sms, stream);
+  const CUtensorMap map_wdy_rows = hopper::make_tensor_map(ptr(args.scratch_wdy), M, H, 64);
+  const CUtensorMap map_h_rows = hopper::make_tensor_map(ptr(args.scratch_h), M, I, 64);
+  launch_wgrad(map_wdy_rows, map_h_rows,
+               {offsets, s.num_rows, Ei, Hi, Ii, reinterpret_cast<float*>(args.acc_down)}, sms,
+               stream);
+}
+
+}  // namespace mok::bf16

@@ -1,0 +1,201 @@
+// The experts' weight gradients on sm_90a: C_e[M, N] += A[rows of e]^T @ B[rows of e] for every
+// local expert e, the rows (the table's, segment by segment) as the reduction dimension. A and
+// B are row-major bf16 activations ([rows, M] and [rows, N]: d_ab and x for d[Wg; Wu], w*dy
+// and h for dWd), both staged MN-major; C is an fp32 accumulator carried across calls.
+//
+// Tiles: per expert, 128 x 256 blocks of C (two consumer warpgroups of 64 rows), the list
+// "expert, then column tile, then row tile"; a persistent CTA walks it as the grouped GEMM does
+// (grouped_gemm.cuh: same ring, producer and consumers). An expert with no rows in this call
+// is skipped: its accumulator is left as it was.
+//
+// Determinism (DESIGN.md §2): a tile's accumulators start from C's fp32 values and take the
+// expert's rows in blocks of 64 counted from its segment start, each four wgmma k16 steps in
+// ascending order. The last block of a segment is zero-padded in shared memory (rows past the
+// segment belong to the next expert). So splitting an expert's rows over two calls gives the
+// bits of one call exactly when the split falls on a multiple of 64 rows from the segment start;
+// mok-torch's cuda backend uses these kernels only where every minibatch and segment boundary
+// does (expert_alignment a multiple of 64).
+#pragma once
+
+#include <cstdint>
+
+#include "grouped_gemm.cuh"
+#include "hopper.cuh"
+
+namespace mok::bf16::gemm {
+
+struct WgradProblem {
+  const std::int64_t* offsets;  // [El + 1] segment starts (device), clamped to [0, num_rows]
+  std::int64_t num_rows;        // rows of A and B
+  int num_experts;              // El >= 1
+  int m;                        // rows of C per expert: columns of A (a multiple of 64)
+  int n;                        // columns of C per expert: columns of B (a multiple of 64)
+  float* c;                     // fp32 [El, m, n], accumulated in place
+};
+
+// A tile of C and the rows it reduces.
+struct WgradTile {
+  int expert;
+  int row0;             // first row of C
+  int col0;             // first column of C
+  std::int64_t lo, hi;  // the expert's rows of A and B
+  int blocks;           // 64-row blocks in [lo, hi)
+};
+
+__device__ inline WgradTile locate_wgrad(const WgradProblem& p, int t) {
+  const int m_tiles = (p.m + kBlockM - 1) / kBlockM;
+  const int n_tiles = (p.n + kMmaN - 1) / kMmaN;
+  const int e = t / (m_tiles * n_tiles), local = t % (m_tiles * n_tiles);
+  const auto clamp = [&](std::int64_t r) { return r < 0 ? 0 : (r > p.num_rows ? p.num_rows : r); };
+  const std::int64_t lo = clamp(p.offsets[e]);
+  std::int64_t hi = clamp(p.offsets[e + 1]);
+  if (hi < lo) hi = lo;
+  return {e,
+          (local % m_tiles) * kBlockM,
+          (local / m_tiles) * kMmaN,
+          lo,
+          hi,
+          static_cast<int>((hi - lo + kBlockK - 1) / kBlockK)};
+}
+
+// Zeroes rows [valid, 64) of a 64 x 64 bf16 box (each row 128 bytes; the swizzle only permutes
+// 16-byte pieces within a row), with the `threads` threads numbered `t`.
+__device__ inline void zero_box_rows(unsigned char* box, int valid, int t, int threads) {
+  const int pieces = (kBlockK - valid) * 8;
+  for (int i = t; i < pieces; i += threads) {
+    *reinterpret_cast<uint4*>(box + valid * 128 + 16 * i) = make_uint4(0, 0, 0, 0);
+  }
+}
+
+template <int kStages>
+__global__ void __launch_bounds__(kThreads, 1)
+    wgrad_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
+                      const __grid_constant__ CUtensorMap map_b, WgradProblem p) {
+  using R = Ring<kStages>;
+  constexpr int kBox = kBlockK * 128;  // bytes of a 64 x 64 box
+  extern __shared__ unsigned char smem_raw[];
+  __shared__ alignas(8) std::uint64_t full[kStages];
+  __shared__ alignas(8) std::uint64_t empty[kStages];
+
+  const R ring{reinterpret_cast<unsigned char*>(
+      (reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) & ~std::uintptr_t{1023})};
+  if (threadIdx.x == 32) {
+    for (int s = 0; s < kStages; ++s) {
+      hopper::mbar_init(&full[s], 1);
+      hopper::mbar_init(&empty[s], 2);
+    }
+    hopper::fence_barrier_init();
+  }
+  __syncthreads();
+  const int total = p.num_experts * ((p.m + kBlockM - 1) / kBlockM) * ((p.n + kMmaN - 1) / kMmaN);
+
+  if (threadIdx.x < 128) {  // ---------------------------------------------- producer
+    hopper::regs_dealloc<40>();
+    if (threadIdx.x != 0) return;
+    hopper::prefetch_tensor_map(&map_a);
+    hopper::prefetch_tensor_map(&map_b);
+    int stage = 0;
+    std::uint32_t phase = 0;
+    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+      const WgradTile tile = locate_wgrad(p, t);
+      for (int kb = 0; kb < tile.blocks; ++kb) {
+        const int row = static_cast<int>(tile.lo) + kb * kBlockK;
+        hopper::mbar_wait(&empty[stage], phase ^ 1);
+        hopper::mbar_expect_tx(&full[stage], R::kStageBytes);
+#pragma unroll
+        for (int i = 0; i < kBlockM / 64; ++i) {
+          hopper::tma_load_2d(ring.a(stage) + i * kBox, &map_a, &full[stage], tile.row0 + 64 * i,
+                              row);
+        }
+#pragma unroll
+        for (int j = 0; j < kMmaN / 64; ++j) {
+          hopper::tma_load_2d(ring.b(stage) + j * kBox, &map_b, &full[stage], tile.col0 + 64 * j,
+                              row);
+        }
+        if (++stage == kStages) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------------ consumers
+  hopper::regs_alloc<232>();
+  const int consumer = threadIdx.x / 128 - 1;  // rows [64 c, 64 c + 64) of the C tile
+  const int t128 = threadIdx.x % 128;
+  const bool releases = t128 == 0;
+  int stage = 0;
+  std::uint32_t phase = 0;
+  Accumulators acc;
+  for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    const WgradTile tile = locate_wgrad(p, t);
+    if (tile.blocks == 0) continue;
+    float* c = p.c + static_cast<std::int64_t>(tile.expert) * p.m * p.n;
+    // The carried fp32 partial is the accumulators' start.
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = tile.row0 + 64 * consumer + frag_row(t128, 2 * half);
+#pragma unroll
+      for (int j = 0; j < kMmaN / 8; ++j) {
+        const int col = tile.col0 + frag_col(t128, j, 0);
+        float2 v = make_float2(0.0f, 0.0f);
+        if (row < p.m && col < p.n) {
+          v = *reinterpret_cast<const float2*>(c + static_cast<std::int64_t>(row) * p.n + col);
+        }
+        acc.d[4 * j + 2 * half] = v.x;
+        acc.d[4 * j + 2 * half + 1] = v.y;
+      }
+    }
+    hopper::fence_regs(acc.d);
+    const int tail = static_cast<int>((tile.hi - tile.lo) % kBlockK);  // rows of a partial block
+    int previous = -1;
+    for (int kb = 0; kb < tile.blocks; ++kb) {
+      hopper::mbar_wait(&full[stage], phase);
+      if (tail != 0 && kb == tile.blocks - 1) {
+        // Rows past the segment: zero this consumer's A box and half of B's boxes, then meet
+        // the other consumer so both see all of B zeroed before any wgmma reads it.
+        zero_box_rows(ring.a(stage) + consumer * kBox, tail, t128, 128);
+        for (int j = 2 * consumer; j < 2 * consumer + 2; ++j) {
+          zero_box_rows(ring.b(stage) + j * kBox, tail, t128, 128);
+        }
+        hopper::fence_proxy_async();
+        hopper::named_barrier(1, 256);
+      }
+      const std::uint32_t a = hopper::smem_addr(ring.a(stage) + consumer * kBox);
+      const std::uint32_t b = hopper::smem_addr(ring.b(stage));
+      hopper::wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < kBlockK / 16; ++k) {
+        hopper::Wgmma<kMmaN>::mma<1, 1>(acc.d, hopper::smem_desc_mn(a + 2048 * k),
+                                        hopper::smem_desc_mn(b + 2048 * k), 1);
+      }
+      hopper::wgmma_commit();
+      hopper::wgmma_wait<1>();
+      if (previous >= 0 && releases) hopper::mbar_arrive(&empty[previous]);
+      previous = stage;
+      if (++stage == kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+    }
+    hopper::wgmma_wait<0>();
+    hopper::fence_regs(acc.d);
+    if (previous >= 0 && releases) hopper::mbar_arrive(&empty[previous]);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = tile.row0 + 64 * consumer + frag_row(t128, 2 * half);
+#pragma unroll
+      for (int j = 0; j < kMmaN / 8; ++j) {
+        const int col = tile.col0 + frag_col(t128, j, 0);
+        if (row < p.m && col < p.n) {
+          *reinterpret_cast<float2*>(c + static_cast<std::int64_t>(row) * p.n + col) =
+              make_float2(acc.d[4 * j + 2 * half], acc.d[4 * j + 2 * half + 1]);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace mok::bf16::gemm

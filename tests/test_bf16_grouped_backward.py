@@ -1,0 +1,326 @@
+"""mok-bf16's grouped expert backward (`grouped_backward`): experts over segments of rows.
+
+CPU: the reference arithmetic, bitwise the per-row entry point (`swiglu_backward`) over the
+same segments. CUDA (skipped, with the reason, without a GPU): each kernel against float64 on
+the kernel's own inputs (g against dy @ Wd; dx, d_w and the weight gradients against the
+intermediate arrays the kernels passed each other), the element math bitwise the reference's,
+the whole within bf16 rounding of the reference arithmetic, and the determinism contract
+(DESIGN.md §2) bitwise: run to run, any grid size, a row's bits independent of where it sits,
+and the weight gradients' fp32 carry: rows split over two calls at a multiple of 64 rows from
+every segment start give the bits of one call.
+
+Shape letters: M rows, H hidden, I inner size, El local experts.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mok_bf16
+from mok_torch.backends.native.grouped import GroupedBackward, GroupedScratch, grouped_backward
+from mok_torch.backends.reference.arith import sigmoid
+from mok_torch.backends.reference.experts import swiglu
+
+BF16 = torch.bfloat16
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")
+
+
+def make(lengths: list[int], H: int, I: int, seed: int = 0, weighted: bool = True) -> dict:
+    """Inputs of a backward over consecutive segments of `lengths` rows (CPU tensors)."""
+    g = torch.Generator().manual_seed(seed)
+    El, M = len(lengths), sum(lengths)
+    return dict(
+        x=torch.randn(M, H, generator=g).to(BF16),
+        offsets=torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0),
+        a=torch.randn(M, I, generator=g).to(BF16),
+        b=torch.randn(M, I, generator=g).to(BF16),
+        dy=torch.randn(M, H, generator=g).to(BF16),
+        w=torch.rand(M, generator=g) if weighted else None,
+        wg=(torch.randn(El, I, H, generator=g) / H**0.5).to(BF16),
+        wu=(torch.randn(El, I, H, generator=g) / H**0.5).to(BF16),
+        wd=(torch.randn(El, H, I, generator=g) / I**0.5).to(BF16),
+    )
+
+
+def to(d: dict, device: str) -> dict:
+    return {k: None if v is None else v.to(device) for k, v in d.items()}
+
+
+def segments(offsets: torch.Tensor) -> list[tuple[int, int]]:
+    o = offsets.tolist()
+    return [(o[e], o[e + 1]) for e in range(len(o) - 1)]
+
+
+def accumulators(d: dict, fill: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    El, I, H = d["wg"].shape
+    dev = d["x"].device
+    return (
+        torch.full((El, 2 * I, H), fill, dtype=torch.float32, device=dev),
+        torch.full((El, H, I), fill, dtype=torch.float32, device=dev),
+    )
+
+
+def run(d: dict, acc=None, limit=None, num_sms=0, fill=7.0, scratch=None):
+    M, H = d["x"].shape
+    dev = d["x"].device
+    acc = accumulators(d) if acc is None else acc
+    out = GroupedBackward(
+        torch.full((M, H), fill, dtype=BF16, device=dev), torch.full((M,), fill, dtype=torch.float32, device=dev)
+    )
+    got = grouped_backward(
+        d["x"], d["offsets"], d["a"], d["b"], d["dy"], d["w"], d["wg"], d["wu"], d["wd"], *acc,
+        limit=limit, num_sms=num_sms, out=out, scratch=scratch,
+    )  # fmt: skip
+    return got, acc
+
+
+def per_row_cpu(d: dict, limit):
+    """swiglu_backward (the per-row CPU entry point) over the same segments."""
+    M, H = d["x"].shape
+    El, I = d["wg"].shape[:2]
+    experts = torch.full((M,), -1, dtype=torch.int64)
+    for e, (lo, hi) in enumerate(segments(d["offsets"])):
+        experts[lo:hi] = e
+    dx, d_w = torch.zeros(M, H, dtype=BF16), torch.zeros(M)
+    acc_gu, acc_d = accumulators(d)
+    mok_bf16.swiglu_backward(
+        "cpu", d["x"].data_ptr(), d["a"].data_ptr(), d["b"].data_ptr(), d["dy"].data_ptr(),
+        0 if d["w"] is None else d["w"].data_ptr(), experts.data_ptr(), d["wg"].data_ptr(), d["wu"].data_ptr(),
+        d["wd"].data_ptr(), dx.data_ptr(), d_w.data_ptr(), acc_gu.data_ptr(), acc_d.data_ptr(), M, H, I, El,
+        limit=limit, num_threads=2,
+    )  # fmt: skip
+    return dx, d_w, acc_gu, acc_d, experts >= 0
+
+
+# ------------------------------------------------------------------ CPU
+
+
+@pytest.mark.parametrize("lengths", [[5, 0, 9], [1], [0, 0], [13, 2, 0, 7]], ids=["three", "one-row", "empty", "four"])
+@pytest.mark.parametrize("limit", [None, 0.5])
+@pytest.mark.parametrize("weighted", [True, False], ids=["weighted", "unweighted"])
+def test_cpu_equals_per_row_entry_point(lengths, limit, weighted):
+    d = make(lengths, 24, 10, seed=len(lengths), weighted=weighted)
+    # Two rows past the last segment: their dx and d_w keep the sentinel, they add nothing.
+    d["x"], d["dy"] = (torch.cat([d[k], torch.randn(2, 24).to(BF16)]) for k in ("x", "dy"))
+    d["a"], d["b"] = (torch.cat([d[k], torch.randn(2, 10).to(BF16)]) for k in ("a", "b"))
+    if weighted:
+        d["w"] = torch.cat([d["w"], torch.rand(2)])
+    got, (acc_gu, acc_d) = run(d, limit=limit)
+    dx, d_w, want_gu, want_d, used = per_row_cpu(d, limit)
+    assert torch.equal(got.dx[used], dx[used]) and torch.equal(got.d_w[used], d_w[used])
+    assert torch.equal(acc_gu, want_gu) and torch.equal(acc_d, want_d)
+    assert bool((got.dx[~used] == 7.0).all()) and bool((got.d_w[~used] == 7.0).all())
+
+
+def test_cpu_split_over_calls_gives_one_call():
+    """The reference sums rows sequentially, so a split anywhere carries exactly."""
+    d = make([30, 17], 16, 8, seed=4)
+    _, acc_one = run(d)
+    acc = accumulators(d)
+    first = dict(d, offsets=torch.tensor([0, 11, 11]))
+    rest = dict(d, offsets=torch.tensor([11, 30, 47]))
+    run(first, acc)
+    run(rest, acc)
+    assert torch.equal(acc[0], acc_one[0]) and torch.equal(acc[1], acc_one[1])
+
+
+@pytest.mark.parametrize(
+    "offsets, match",
+    [([0, 5, 3], r"offsets\[2\]"), ([1, 4, 9], r"offsets\[2\]"), ([-1, 4, 8], r"offsets\[0\]")],
+    ids=["decreasing", "past-the-end", "negative"],
+)
+def test_cpu_bad_offsets_raise(offsets, match):
+    d = make([4, 4], 16, 8)
+    d["offsets"] = torch.tensor(offsets)
+    with pytest.raises(ValueError, match=match):
+        run(d)
+
+
+def test_bad_tensors_raise_naming_the_argument():
+    d = make([4, 4], 16, 8)
+    cases = [
+        (dict(a=d["a"].float()), TypeError, "a must have dtype bfloat16"),
+        (dict(dy=d["dy"][:3]), ValueError, "dy must have shape"),
+        (dict(w=d["w"].double()), TypeError, "router_weights must have dtype float32"),
+        (dict(wd=d["wd"].transpose(1, 2)), ValueError, "w_down must have shape"),
+        (dict(offsets=d["offsets"].int()), TypeError, "offsets must have dtype int64"),
+    ]
+    for change, error, match in cases:
+        with pytest.raises(error, match=match):
+            run(dict(d, **change))
+    acc_gu, acc_d = accumulators(d)
+    with pytest.raises(ValueError, match="acc_down must have shape"):
+        run(d, acc=(acc_gu, acc_d[:, :, :4]))
+    with pytest.raises(TypeError, match="acc_gate_up must have dtype float32"):
+        run(d, acc=(acc_gu.double(), acc_d))
+    with pytest.raises(ValueError, match="num_sms"):
+        run(d, num_sms=-1)
+
+
+@pytest.mark.parametrize(
+    "H, I, El, match",
+    [(96, 64, 2, "hidden must be a positive multiple of 64"), (64, 32, 2, "inner must be a positive multiple of 64"),
+     (64, 64, 1025, "num_experts must be <= 1024")],
+    ids=["H96", "I32", "El1025"],
+)  # fmt: skip
+def test_cuda_shape_limits_raise_before_any_launch(H, I, El, match):
+    """Checked on the host before the device is touched, so this runs on any machine."""
+    p = 64
+    with pytest.raises(ValueError, match=match):
+        mok_bf16.grouped_backward("cuda", p, p, p, p, p, 0, p, p, p, p, p, p, p, p, p, p, p, 4, H, I, El)
+
+
+def test_cuda_scratch_is_required():
+    p = 64
+    with pytest.raises(ValueError, match="scratch_g must not be 0"):
+        mok_bf16.grouped_backward("cuda", p, p, p, p, p, 0, p, p, p, p, p, p, p, 0, p, p, p, 4, 64, 64, 2)
+
+
+# ------------------------------------------------------------------ CUDA
+
+
+def assert_close(got: torch.Tensor, want64: torch.Tensor, scale64: torch.Tensor, rel: float, what: str) -> None:
+    """|got - want| <= rel * |want| + 2^-13 * scale (fp32 sums of bf16 products)."""
+    err = (got.double() - want64).abs()
+    bound = want64.abs() * rel + scale64 * 2.0**-13 + 1e-30
+    worst = (err / bound).max().item() if err.numel() else 0.0
+    assert worst <= 1.0, f"{what}: error {worst:.3f} x the bound"
+
+
+def element_math(g: torch.Tensor, a: torch.Tensor, b: torch.Tensor, w: torch.Tensor | None, limit):
+    """The reference's SwiGLU backward elements (experts.row_backward) on a given fp32 g."""
+    af, bf = a.float(), b.float()
+    if limit is not None:
+        af, bf = af.clamp(max=limit), bf.clamp(-limit, limit)
+    s = sigmoid(af)
+    silu = af * s
+    h = (silu * bf).to(BF16)
+    d_h = g if w is None else w[:, None] * g
+    d_a = (d_h * bf) * (s * (1.0 + af * (1.0 - s)))
+    d_b = d_h * silu
+    if limit is not None:
+        d_a = torch.where(a.float() <= limit, d_a, torch.zeros_like(d_a))
+        d_b = torch.where(b.float().abs() <= limit, d_b, torch.zeros_like(d_b))
+    return h, torch.cat([d_a, d_b], dim=-1).to(BF16)
+
+
+CUDA_CASES = [
+    pytest.param([300, 0, 129, 1], 128, 192, id="H128-I192-mixed"),
+    pytest.param([1], 64, 64, id="one-row"),
+    pytest.param([0, 0, 0], 64, 128, id="all-empty"),
+    pytest.param([517], 320, 256, id="one-expert-H320"),
+    pytest.param([64, 128, 127, 255, 257], 256, 128, id="tile-edges"),
+    pytest.param([1000, 3, 5, 0, 0, 2, 1, 24], 512, 384, id="skewed"),
+]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("lengths, H, I", CUDA_CASES)
+@pytest.mark.parametrize("limit", [None, 0.75])
+def test_cuda_against_float64(lengths, H, I, limit):
+    d = make(lengths, H, I, seed=H + I)
+    dc = to(d, "cuda")
+    M = d["x"].shape[0]
+    scratch = GroupedScratch(
+        torch.zeros(M, I, device="cuda"), *(torch.zeros(M, n, dtype=BF16, device="cuda") for n in (I, 2 * I, H))
+    )
+    got, acc = run(dc, limit=limit, scratch=scratch)
+    torch.cuda.synchronize()
+    dx, d_w = got.dx.cpu(), got.d_w.cpu()
+    g, h, d_ab, wdy = (t.cpu() for t in scratch)
+    acc_gu, acc_d = (t.cpu() for t in acc)
+    used = torch.zeros(M, dtype=torch.bool)
+    for lo, hi in segments(d["offsets"]):
+        used[lo:hi] = True
+    # The element math, bitwise the reference's on the kernel's g.
+    h_ref, d_ab_ref = element_math(g[used], d["a"][used], d["b"][used], d["w"][used], limit)
+    assert torch.equal(h[used], h_ref) and torch.equal(d_ab[used], d_ab_ref)
+    assert torch.equal(wdy[used], (d["w"][used, None] * d["dy"][used].float()).to(BF16))
+    assert torch.equal(h[used], swiglu(d["a"][used], d["b"][used], limit))
+    El = len(lengths)
+    g64 = torch.zeros(M, I, dtype=torch.float64)
+    dx64 = torch.zeros(M, H, dtype=torch.float64)
+    g_scale, dx_scale = torch.zeros_like(g64), torch.zeros_like(dx64)
+    gu64, gu_scale = torch.zeros(El, 2 * I, H, dtype=torch.float64), torch.zeros(El, 2 * I, H, dtype=torch.float64)
+    dn64, dn_scale = torch.zeros(El, H, I, dtype=torch.float64), torch.zeros(El, H, I, dtype=torch.float64)
+    for e, (lo, hi) in enumerate(segments(d["offsets"])):
+        wd64 = d["wd"][e].double()
+        g64[lo:hi] = d["dy"][lo:hi].double() @ wd64
+        g_scale[lo:hi] = d["dy"][lo:hi].double().abs() @ wd64.abs()
+        w_gu = torch.cat([d["wg"][e], d["wu"][e]]).double()
+        dx64[lo:hi] = d_ab[lo:hi].double() @ w_gu
+        dx_scale[lo:hi] = d_ab[lo:hi].double().abs() @ w_gu.abs()
+        gu64[e] = d_ab[lo:hi].double().T @ d["x"][lo:hi].double()
+        gu_scale[e] = d_ab[lo:hi].double().abs().T @ d["x"][lo:hi].double().abs()
+        dn64[e] = wdy[lo:hi].double().T @ h[lo:hi].double()
+        dn_scale[e] = wdy[lo:hi].double().abs().T @ h[lo:hi].double().abs()
+    assert_close(g[used], g64[used], g_scale[used], 2.0**-20, "g")
+    assert_close(dx[used], dx64[used], dx_scale[used], 2.0**-8, "dx")
+    dw64 = (g.double() * h.double()).sum(-1)
+    dw_scale = (g.double() * h.double()).abs().sum(-1)
+    assert_close(d_w[used], dw64[used], dw_scale[used], 2.0**-20, "d_w")
+    assert_close(acc_gu, gu64, gu_scale, 2.0**-20, "acc_gate_up")
+    assert_close(acc_d, dn64, dn_scale, 2.0**-20, "acc_down")
+    assert bool((dx[~used] == 7.0).all()) and bool((d_w[~used] == 7.0).all())
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_cuda_close_to_the_reference_arithmetic():
+    """Against the CPU entry point (sequential fp32 sums) end to end: within bf16 rounding."""
+    d = make([200, 90, 0, 33], 256, 128, seed=11)
+    got, acc = run(to(d, "cuda"))
+    dx, d_w, acc_gu, acc_d, used = per_row_cpu(d, None)
+    pairs = (("dx", got.dx[used], dx[used]), ("d_w", got.d_w[used], d_w[used]),
+             ("acc_gate_up", acc[0], acc_gu), ("acc_down", acc[1], acc_d))  # fmt: skip
+    for name, u, v in pairs:
+        rel = (u.cpu().float() - v.float()).norm() / v.float().norm()
+        assert rel < 4e-3, f"{name}: relative error {rel:.2e}"
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_cuda_bitwise_run_to_run_and_any_grid():
+    d = to(make([700, 5, 0, 333, 64], 512, 256, seed=5), "cuda")
+    first, acc = run(d)
+    for num_sms in (0, 0, 1, 3, 17):
+        again, acc2 = run(d, num_sms=num_sms)
+        for t, u in zip((*first, *acc), (*again, *acc2), strict=True):
+            assert torch.equal(t, u), f"num_sms={num_sms}"
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_cuda_rows_split_at_64_carry_the_weight_gradients():
+    """Calls over rows split at multiples of 64 from every segment start: the bits of one call;
+    dx and d_w of a row do not depend on the call or on where the row sits."""
+    lengths = [300, 129, 0, 70]
+    d = to(make(lengths, 256, 192, seed=9), "cuda")
+    whole, acc_one = run(d)
+    acc = accumulators(d)
+    # Call 1: rows [0, 128) (expert 0 only); call 2: rows [128, M), with 37 foreign rows before.
+    first = dict(d, offsets=torch.tensor([0, 128, 128, 128, 128], device="cuda"))
+    part1, _ = run(first, acc)
+    pad = {k: torch.randn(37, *d[k].shape[1:], device="cuda").to(d[k].dtype) for k in ("x", "a", "b", "dy")}
+    rest = {k: torch.cat([pad[k], d[k][128:]]) for k in pad}
+    rest.update(wg=d["wg"], wu=d["wu"], wd=d["wd"], w=torch.cat([torch.rand(37, device="cuda"), d["w"][128:]]))
+    rest["offsets"] = (d["offsets"] - 128 + 37).clamp(min=37)
+    part2, _ = run(rest, acc)
+    torch.cuda.synchronize()
+    assert torch.equal(acc[0], acc_one[0]) and torch.equal(acc[1], acc_one[1])
+    assert torch.equal(whole.dx[:128], part1.dx[:128]) and torch.equal(whole.dx[128:], part2.dx[37:])
+    assert torch.equal(whole.d_w[:128], part1.d_w[:128]) and torch.equal(whole.d_w[128:], part2.d_w[37:])
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_cuda_empty_experts_keep_their_accumulators():
+    d = to(make([0, 65, 0], 128, 64, seed=2), "cuda")
+    acc = accumulators(d, fill=0.25)
+    run(d, acc)
+    torch.cuda.synchronize()
+    for e in (0, 2):
+        assert bool((acc[0][e] == 0.25).all()) and bool((acc[1][e] == 0.25).all())
+    assert not bool((acc[0][1] == 0.25).all())
