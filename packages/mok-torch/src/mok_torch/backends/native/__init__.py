@@ -8,8 +8,11 @@ reference backend's): on the CPU, mok-bf16's compiled entry points when the inst
 mok-bf16 has them; otherwise the reference's PyTorch code. On an sm_90 GPU, in BF16, when H
 and I (and Is) are multiples of 64, the forward's GEMMs (routed and shared experts) are
 mok-bf16's tensor-core kernels instead (`grouped.py`): deterministic and invariant as the
-contract says, but no longer bitwise the reference (docs/determinism.md "The GPU GEMMs"); the
-backward is still the reference arithmetic.
+contract says, but no longer bitwise the reference (docs/determinism.md "The GPU GEMMs"). The
+backward runs mok-bf16's kernels too when the expert alignment is a multiple of 64 (their
+weight gradients take 64-row blocks from each segment start), else the reference arithmetic.
+The GPU kernels take a whole macrobatch per call (nothing overlaps the transport yet, so
+smaller calls would only add launches); the minibatches order the reference paths.
 
 On the GPU nothing reads a device value on the host: the ring walks every row of the
 table's capacity in static minibatches (rows past the last segment are empty and skipped
@@ -438,6 +441,25 @@ class NativeBackend:
         macrobatches = [(lo, min(lo + macro, rows)) for lo in range(0, rows, macro)]
         # Last to first: the ring ends holding macrobatch 0 (without outputs only it is needed).
         for lo, hi in reversed(macrobatches) if outputs else macrobatches[:1]:
+            if tensor_cores:
+                # The GPU GEMMs take the whole macrobatch at once (nothing overlaps the transport
+                # yet, so smaller calls would only cost launches; a row's bits do not depend on
+                # the call): pull its rows, the experts over its segments, push its outputs.
+                table = (sched.row_src_rank_C[lo:hi], sched.row_route_C[lo:hi])
+                n = hi - lo
+                # The copies run alone between the GEMMs: every SM moves rows (fwd_num_comm_sms is
+                # what the fused kernels will give to communication while they compute).
+                nw = ws.num_sms
+                tr.pull(ring_x[:n], "x_src", table, route_divisor=K, num_workers=nw)
+                y_rows = torch.empty(n, H, dtype=BF16, device=dev) if outputs else None
+                h = None if ring_h is None else ring_h[:n]
+                seg = (segments - lo).clamp_(0, n)
+                wd = kernel_weights[2] if outputs else None
+                grouped_forward(ring_x[:n], seg, kernel_weights[0], kernel_weights[1], wd, cfg.swiglu_limit,
+                                out=GroupedForward(ring_a[:n], ring_b[:n], h, y_rows), with_h=outputs)  # fmt: skip
+                if y_rows is not None:
+                    tr.push(y_rows, "rows", table, num_workers=nw)
+                continue
             for mlo in range(lo, hi, mini):
                 mhi = min(mlo + mini, hi)
                 table = (sched.row_src_rank_C[mlo:mhi], sched.row_route_C[mlo:mhi])
@@ -448,14 +470,6 @@ class NativeBackend:
                 if experts is not None:
                     y = torch.empty(mhi - mlo, H, dtype=BF16, device=dev) if outputs else None
                     experts.forward(experts_R[mlo:mhi], xs, ring_a[ring], ring_b[ring], y)
-                elif tensor_cores:  # the segments of rows [mlo, mhi), read on the device only
-                    y = torch.empty(mhi - mlo, H, dtype=BF16, device=dev) if outputs else None
-                    h = None if ring_h is None else ring_h[ring]
-                    out = GroupedForward(ring_a[ring], ring_b[ring], h, y)
-                    seg = (segments - mlo).clamp_(0, mhi - mlo)
-                    wd = kernel_weights[2] if outputs else None
-                    grouped_forward(xs, seg, kernel_weights[0], kernel_weights[1], wd, cfg.swiglu_limit,
-                                    out=out, with_h=outputs)  # fmt: skip
                 else:
                     r = _Rows(sched, mlo, mhi, offsets, weights)
                     a, b = gate_up(self._values(cfg, r.grid(xs), H), r.w, r.layout)
@@ -579,7 +593,7 @@ class NativeBackend:
         # A replay recomputes a and b with the GEMMs the forward used (so their bits match).
         tensor_cores = experts is None and gpu_forward_kernels(cfg, dev, H, inner, El)
         # The GPU backward's weight gradients take 64-row blocks from each segment start: every
-        # minibatch boundary and segment start must be a multiple of 64 for a split to carry
+        # macrobatch boundary and segment start must be a multiple of 64 for a split to carry
         # exactly (docs/determinism.md "The GPU GEMMs"); otherwise the reference arithmetic.
         gpu_backward = tensor_cores and gpu_backward_kernels(cfg)
         if tensor_cores:
@@ -591,6 +605,30 @@ class NativeBackend:
             weights = expert_weights(cfg, routed)
         for m, lo in enumerate(range(0, rows, macro)):  # first to last
             hi = min(lo + macro, rows)
+            if gpu_backward:
+                # The whole macrobatch in one call, as in the forward (and every SM moving rows):
+                # its weight gradients read and write each expert's fp32 accumulators once.
+                n, table, nw = hi - lo, (sched.row_src_rank_C[lo:hi], sched.row_route_C[lo:hi]), ws.num_sms
+                if m == 0:
+                    xs = ctx.x_routed_MH[:n]
+                else:  # replay: re-pull x and recompute the pre-activations
+                    xs = self._pulled_rows(cfg, n, H, dev)
+                    tr.pull(xs, "x_src", table, route_divisor=K, num_workers=nw)
+                dys = self._pulled_rows(cfg, n, H, dev)
+                tr.pull(dys, "dy_src", table, route_divisor=K, num_workers=nw)
+                wr = torch.empty(n, dtype=torch.float32, device=dev)
+                tr.pull(wr, "w_src", table, route_divisor=1, num_workers=nw)
+                seg = (segments - lo).clamp_(0, n)
+                if m == 0:
+                    a, b = ctx.a_MI[:n], ctx.b_MI[:n]
+                else:
+                    ab = grouped_forward(xs, seg, wg_k, wu_k, None, cfg.swiglu_limit, with_h=False)
+                    a, b = ab.a, ab.b
+                dx, d_w = grouped_backward(xs, seg, a, b, dys, wr, wg_k, wu_k, wd_k, d_gate_up, d_down,
+                                           cfg.swiglu_limit)  # fmt: skip
+                tr.push(dx, "rows", table, num_workers=nw)
+                tr.push(d_w, "d_w", table, num_workers=nw)
+                continue
             for mlo in range(lo, hi, mini):
                 mhi = min(mlo + mini, hi)
                 table = (sched.row_src_rank_C[mlo:mhi], sched.row_route_C[mlo:mhi])
@@ -604,16 +642,7 @@ class NativeBackend:
                 tr.pull(dys, "dy_src", table, route_divisor=K, num_workers=nw)
                 wr = torch.empty(mhi - mlo, dtype=torch.float32, device=dev)
                 tr.pull(wr, "w_src", table, route_divisor=1, num_workers=nw)
-                if gpu_backward:
-                    seg = (segments - mlo).clamp_(0, mhi - mlo)
-                    if m == 0:
-                        a, b = ctx.a_MI[ring], ctx.b_MI[ring]
-                    else:
-                        ab = grouped_forward(xs, seg, wg_k, wu_k, None, cfg.swiglu_limit, with_h=False)
-                        a, b = ab.a, ab.b
-                    dx, d_w = grouped_backward(xs, seg, a, b, dys, wr, wg_k, wu_k, wd_k, d_gate_up, d_down,
-                                               cfg.swiglu_limit)  # fmt: skip
-                elif experts is not None:
+                if experts is not None:
                     experts_M = experts_R[mlo:mhi]
                     if m == 0:
                         a, b = ctx.a_MI[ring], ctx.b_MI[ring]
