@@ -52,25 +52,24 @@ def segments(offsets: torch.Tensor) -> list[tuple[int, int]]:
     return [(o[e], o[e + 1]) for e in range(len(o) - 1)]
 
 
-def accumulators(d: dict, fill: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+def accumulators(d: dict, fill: float = 0.0, dtype: torch.dtype = torch.float32) -> tuple:
+    """(dWg, dWu, dWd) arrays filled with `fill`."""
     El, I, H = d["wg"].shape
     dev = d["x"].device
-    return (
-        torch.full((El, 2 * I, H), fill, dtype=torch.float32, device=dev),
-        torch.full((El, H, I), fill, dtype=torch.float32, device=dev),
-    )
+    return tuple(torch.full(s, fill, dtype=dtype, device=dev) for s in ((El, I, H), (El, I, H), (El, H, I)))
 
 
-def run(d: dict, acc=None, limit=None, num_sms=0, fill=7.0, scratch=None):
+def run(d: dict, acc=None, limit=None, num_sms=0, fill=7.0, scratch=None, carry_in=True, wgrad_out=None):
     M, H = d["x"].shape
     dev = d["x"].device
-    acc = accumulators(d) if acc is None else acc
+    if acc is None and (carry_in or wgrad_out is None):
+        acc = accumulators(d)
     out = GroupedBackward(
         torch.full((M, H), fill, dtype=BF16, device=dev), torch.full((M,), fill, dtype=torch.float32, device=dev)
     )
     got = grouped_backward(
-        d["x"], d["offsets"], d["a"], d["b"], d["dy"], d["w"], d["wg"], d["wu"], d["wd"], *acc,
-        limit=limit, num_sms=num_sms, out=out, scratch=scratch,
+        d["x"], d["offsets"], d["a"], d["b"], d["dy"], d["w"], d["wg"], d["wu"], d["wd"], acc,
+        limit=limit, num_sms=num_sms, out=out, scratch=scratch, carry_in=carry_in, wgrad_out=wgrad_out,
     )  # fmt: skip
     return got, acc
 
@@ -83,14 +82,14 @@ def per_row_cpu(d: dict, limit):
     for e, (lo, hi) in enumerate(segments(d["offsets"])):
         experts[lo:hi] = e
     dx, d_w = torch.zeros(M, H, dtype=BF16), torch.zeros(M)
-    acc_gu, acc_d = accumulators(d)
+    acc_gu, acc_d = torch.zeros(El, 2 * I, H), torch.zeros(El, H, I)
     mok_bf16.swiglu_backward(
         "cpu", d["x"].data_ptr(), d["a"].data_ptr(), d["b"].data_ptr(), d["dy"].data_ptr(),
         0 if d["w"] is None else d["w"].data_ptr(), experts.data_ptr(), d["wg"].data_ptr(), d["wu"].data_ptr(),
         d["wd"].data_ptr(), dx.data_ptr(), d_w.data_ptr(), acc_gu.data_ptr(), acc_d.data_ptr(), M, H, I, El,
         limit=limit, num_threads=2,
     )  # fmt: skip
-    return dx, d_w, acc_gu, acc_d, experts >= 0
+    return dx, d_w, (acc_gu[:, :I], acc_gu[:, I:], acc_d), experts >= 0
 
 
 # ------------------------------------------------------------------ CPU
@@ -106,11 +105,27 @@ def test_cpu_equals_per_row_entry_point(lengths, limit, weighted):
     d["a"], d["b"] = (torch.cat([d[k], torch.randn(2, 10).to(BF16)]) for k in ("a", "b"))
     if weighted:
         d["w"] = torch.cat([d["w"], torch.rand(2)])
-    got, (acc_gu, acc_d) = run(d, limit=limit)
-    dx, d_w, want_gu, want_d, used = per_row_cpu(d, limit)
+    got, acc = run(d, limit=limit)
+    dx, d_w, want, used = per_row_cpu(d, limit)
     assert torch.equal(got.dx[used], dx[used]) and torch.equal(got.d_w[used], d_w[used])
-    assert torch.equal(acc_gu, want_gu) and torch.equal(acc_d, want_d)
+    for u, v in zip(acc, want, strict=True):
+        assert torch.equal(u, v)
     assert bool((got.dx[~used] == 7.0).all()) and bool((got.d_w[~used] == 7.0).all())
+
+
+def test_cpu_weight_gradients_from_zero_in_bf16():
+    """carry_in=False ignores what the accumulators hold; wgrad_out gets the sums rounded once."""
+    d = make([9, 0, 5], 16, 8, seed=6)
+    _, want = run(d)
+    junk = accumulators(d, fill=float("nan"))
+    out16 = accumulators(d, dtype=BF16)
+    run(d, acc=junk, carry_in=False, wgrad_out=out16)
+    for u, v, w in zip(junk, want, out16, strict=True):
+        assert torch.equal(u, v) and torch.equal(w, v.to(BF16))
+    only16 = accumulators(d, dtype=BF16)
+    run(d, carry_in=False, wgrad_out=only16)  # no fp32 accumulators at all
+    for u, v in zip(only16, out16, strict=True):
+        assert torch.equal(u, v)
 
 
 def test_cpu_split_over_calls_gives_one_call():
@@ -122,7 +137,8 @@ def test_cpu_split_over_calls_gives_one_call():
     rest = dict(d, offsets=torch.tensor([11, 30, 47]))
     run(first, acc)
     run(rest, acc)
-    assert torch.equal(acc[0], acc_one[0]) and torch.equal(acc[1], acc_one[1])
+    for u, v in zip(acc, acc_one, strict=True):
+        assert torch.equal(u, v)
 
 
 @pytest.mark.parametrize(
@@ -149,11 +165,19 @@ def test_bad_tensors_raise_naming_the_argument():
     for change, error, match in cases:
         with pytest.raises(error, match=match):
             run(dict(d, **change))
-    acc_gu, acc_d = accumulators(d)
-    with pytest.raises(ValueError, match="acc_down must have shape"):
-        run(d, acc=(acc_gu, acc_d[:, :, :4]))
-    with pytest.raises(TypeError, match="acc_gate_up must have dtype float32"):
-        run(d, acc=(acc_gu.double(), acc_d))
+    gate, up, down = accumulators(d)
+    with pytest.raises(ValueError, match=r"acc\.down must have shape"):
+        run(d, acc=(gate, up, down[:, :, :4]))
+    with pytest.raises(TypeError, match=r"acc\.gate must have dtype float32"):
+        run(d, acc=(gate.double(), up, down))
+    with pytest.raises(TypeError, match=r"wgrad_out\.up must have dtype bfloat16"):
+        run(d, wgrad_out=(gate.bfloat16(), up, down.bfloat16()))
+    with pytest.raises(ValueError, match="acc or wgrad_out must be given"):
+        grouped_backward(d["x"], d["offsets"], d["a"], d["b"], d["dy"], d["w"], d["wg"], d["wu"], d["wd"], None,
+                         carry_in=False)  # fmt: skip
+    with pytest.raises(ValueError, match="carry_in=True needs acc"):
+        grouped_backward(d["x"], d["offsets"], d["a"], d["b"], d["dy"], d["w"], d["wg"], d["wu"], d["wd"], None,
+                         wgrad_out=accumulators(d, dtype=BF16))  # fmt: skip
     with pytest.raises(ValueError, match="num_sms"):
         run(d, num_sms=-1)
 
@@ -167,14 +191,19 @@ def test_bad_tensors_raise_naming_the_argument():
 def test_cuda_shape_limits_raise_before_any_launch(H, I, El, match):
     """Checked on the host before the device is touched, so this runs on any machine."""
     p = 64
+    acc_out = (p, p, p, 0, 0, 0, True)  # fp32 accumulators, no bf16 outputs, carry in
     with pytest.raises(ValueError, match=match):
-        mok_bf16.grouped_backward("cuda", p, p, p, p, p, 0, p, p, p, p, p, p, p, p, p, p, p, 4, H, I, El)
+        mok_bf16.grouped_backward("cuda", p, p, p, p, p, 0, p, p, p, p, p, *acc_out, p, p, p, p, 4, H, I, El)
 
 
-def test_cuda_scratch_is_required():
+def test_cuda_scratch_and_accumulators_are_required():
     p = 64
+    acc_out = (p, p, p, 0, 0, 0, True)
     with pytest.raises(ValueError, match="scratch_g must not be 0"):
-        mok_bf16.grouped_backward("cuda", p, p, p, p, p, 0, p, p, p, p, p, p, p, 0, p, p, p, 4, 64, 64, 2)
+        mok_bf16.grouped_backward("cuda", p, p, p, p, p, 0, p, p, p, p, p, *acc_out, 0, p, p, p, 4, 64, 64, 2)
+    no_up = (p, 0, p, 0, 0, 0, False)  # dWu has neither an accumulator nor an output
+    with pytest.raises(ValueError, match="acc_up must not be 0"):
+        mok_bf16.grouped_backward("cuda", p, p, p, p, p, 0, p, p, p, p, p, *no_up, p, p, p, p, 4, 64, 64, 2)
 
 
 # ------------------------------------------------------------------ CUDA
@@ -230,7 +259,7 @@ def test_cuda_against_float64(lengths, H, I, limit):
     torch.cuda.synchronize()
     dx, d_w = got.dx.cpu(), got.d_w.cpu()
     g, h, d_ab, wdy = (t.cpu() for t in scratch)
-    acc_gu, acc_d = (t.cpu() for t in acc)
+    acc_gate, acc_up, acc_d = (t.cpu() for t in acc)
     used = torch.zeros(M, dtype=torch.bool)
     for lo, hi in segments(d["offsets"]):
         used[lo:hi] = True
@@ -261,8 +290,9 @@ def test_cuda_against_float64(lengths, H, I, limit):
     dw64 = (g.double() * h.double()).sum(-1)
     dw_scale = (g.double() * h.double()).abs().sum(-1)
     assert_close(d_w[used], dw64[used], dw_scale[used], 2.0**-20, "d_w")
-    assert_close(acc_gu, gu64, gu_scale, 2.0**-20, "acc_gate_up")
-    assert_close(acc_d, dn64, dn_scale, 2.0**-20, "acc_down")
+    assert_close(acc_gate, gu64[:, :I], gu_scale[:, :I], 2.0**-20, "dWg")
+    assert_close(acc_up, gu64[:, I:], gu_scale[:, I:], 2.0**-20, "dWu")
+    assert_close(acc_d, dn64, dn_scale, 2.0**-20, "dWd")
     assert bool((dx[~used] == 7.0).all()) and bool((d_w[~used] == 7.0).all())
 
 
@@ -272,9 +302,9 @@ def test_cuda_close_to_the_reference_arithmetic():
     """Against the CPU entry point (sequential fp32 sums) end to end: within bf16 rounding."""
     d = make([200, 90, 0, 33], 256, 128, seed=11)
     got, acc = run(to(d, "cuda"))
-    dx, d_w, acc_gu, acc_d, used = per_row_cpu(d, None)
+    dx, d_w, want, used = per_row_cpu(d, None)
     pairs = (("dx", got.dx[used], dx[used]), ("d_w", got.d_w[used], d_w[used]),
-             ("acc_gate_up", acc[0], acc_gu), ("acc_down", acc[1], acc_d))  # fmt: skip
+             ("dWg", acc[0], want[0]), ("dWu", acc[1], want[1]), ("dWd", acc[2], want[2]))  # fmt: skip
     for name, u, v in pairs:
         rel = (u.cpu().float() - v.float()).norm() / v.float().norm()
         assert rel < 4e-3, f"{name}: relative error {rel:.2e}"
@@ -298,29 +328,48 @@ def test_cuda_rows_split_at_64_carry_the_weight_gradients():
     dx and d_w of a row do not depend on the call or on where the row sits."""
     lengths = [300, 129, 0, 70]
     d = to(make(lengths, 256, 192, seed=9), "cuda")
-    whole, acc_one = run(d)
-    acc = accumulators(d)
-    # Call 1: rows [0, 128) (expert 0 only); call 2: rows [128, M), with 37 foreign rows before.
+    # One call from +0 (the accumulators hold junk that must not be read), bf16 out as well.
+    acc_one, out_one = accumulators(d, fill=float("nan")), accumulators(d, dtype=BF16)
+    whole, _ = run(d, acc_one, carry_in=False, wgrad_out=out_one)
+    acc = accumulators(d, fill=float("nan"))
+    # Call 1: rows [0, 128) (expert 0 only), from +0; call 2: rows [128, M) with 37 foreign rows
+    # before them, carrying call 1's sums in, writing bf16 only.
     first = dict(d, offsets=torch.tensor([0, 128, 128, 128, 128], device="cuda"))
-    part1, _ = run(first, acc)
+    part1, _ = run(first, acc, carry_in=False)
     pad = {k: torch.randn(37, *d[k].shape[1:], device="cuda").to(d[k].dtype) for k in ("x", "a", "b", "dy")}
     rest = {k: torch.cat([pad[k], d[k][128:]]) for k in pad}
     rest.update(wg=d["wg"], wu=d["wu"], wd=d["wd"], w=torch.cat([torch.rand(37, device="cuda"), d["w"][128:]]))
     rest["offsets"] = (d["offsets"] - 128 + 37).clamp(min=37)
-    part2, _ = run(rest, acc)
+    out = accumulators(d, dtype=BF16)
+    part2, _ = run(rest, acc, wgrad_out=out)
     torch.cuda.synchronize()
-    assert torch.equal(acc[0], acc_one[0]) and torch.equal(acc[1], acc_one[1])
+    for u, v, w, z in zip(acc, acc_one, out, out_one, strict=True):
+        assert torch.equal(u, v) and torch.equal(w, z) and torch.equal(z, v.to(BF16))
     assert torch.equal(whole.dx[:128], part1.dx[:128]) and torch.equal(whole.dx[128:], part2.dx[37:])
     assert torch.equal(whole.d_w[:128], part1.d_w[:128]) and torch.equal(whole.d_w[128:], part2.d_w[37:])
+    # From +0 is the same as carrying zeros in.
+    acc_zero = accumulators(d)
+    run(d, acc_zero)
+    for u, v in zip(acc_zero, acc_one, strict=True):
+        assert torch.equal(u, v)
 
 
 @pytest.mark.gpu
 @needs_gpu
-def test_cuda_empty_experts_keep_their_accumulators():
+def test_cuda_experts_without_rows():
+    """Carried in: their accumulators stay; from +0: their gradients are written as zeros."""
     d = to(make([0, 65, 0], 128, 64, seed=2), "cuda")
     acc = accumulators(d, fill=0.25)
-    run(d, acc)
+    out = accumulators(d, fill=3.0, dtype=BF16)
+    run(d, acc, wgrad_out=out)
+    fresh = accumulators(d, fill=float("nan"))
+    run(d, fresh, carry_in=False)
     torch.cuda.synchronize()
     for e in (0, 2):
-        assert bool((acc[0][e] == 0.25).all()) and bool((acc[1][e] == 0.25).all())
+        for t in acc:
+            assert bool((t[e] == 0.25).all())
+        for t in out:
+            assert bool((t[e] == 0.25).all())
+        for t in fresh:
+            assert bool((t[e] == 0.0).all())
     assert not bool((acc[0][1] == 0.25).all())

@@ -142,11 +142,12 @@ void register_experts(pybind11::module_& m) {
       [](const std::string& device, std::uintptr_t x, std::uintptr_t offsets, std::uintptr_t a_,
          std::uintptr_t b_, std::uintptr_t dy, std::uintptr_t router_weights, std::uintptr_t w_gate,
          std::uintptr_t w_up, std::uintptr_t w_down, std::uintptr_t out_dx, std::uintptr_t out_d_w,
-         std::uintptr_t acc_gate_up, std::uintptr_t acc_down, std::uintptr_t scratch_g,
-         std::uintptr_t scratch_h, std::uintptr_t scratch_d_ab, std::uintptr_t scratch_wdy,
-         std::int64_t num_rows, std::int64_t hidden, std::int64_t inner, std::int64_t num_experts,
-         std::optional<double> limit, std::int64_t num_sms, std::int64_t num_threads,
-         std::uintptr_t stream) {
+         std::uintptr_t acc_gate, std::uintptr_t acc_up, std::uintptr_t acc_down,
+         std::uintptr_t out_gate, std::uintptr_t out_up, std::uintptr_t out_down, bool carry_in,
+         std::uintptr_t scratch_g, std::uintptr_t scratch_h, std::uintptr_t scratch_d_ab,
+         std::uintptr_t scratch_wdy, std::int64_t num_rows, std::int64_t hidden, std::int64_t inner,
+         std::int64_t num_experts, std::optional<double> limit, std::int64_t num_sms,
+         std::int64_t num_threads, std::uintptr_t stream) {
         GroupedBackwardArgs a;
         a.x = x;
         a.offsets = offsets;
@@ -159,8 +160,13 @@ void register_experts(pybind11::module_& m) {
         a.w_down = w_down;
         a.out_dx = out_dx;
         a.out_d_w = out_d_w;
-        a.acc_gate_up = acc_gate_up;
+        a.acc_gate = acc_gate;
+        a.acc_up = acc_up;
         a.acc_down = acc_down;
+        a.out_gate = out_gate;
+        a.out_up = out_up;
+        a.out_down = out_down;
+        a.carry_in = carry_in;
         a.scratch_g = scratch_g;
         a.scratch_h = scratch_h;
         a.scratch_d_ab = scratch_d_ab;
@@ -173,19 +179,22 @@ void register_experts(pybind11::module_& m) {
       },
       py::arg("device"), py::arg("x"), py::arg("offsets"), py::arg("a"), py::arg("b"),
       py::arg("dy"), py::arg("router_weights"), py::arg("w_gate"), py::arg("w_up"),
-      py::arg("w_down"), py::arg("out_dx"), py::arg("out_d_w"), py::arg("acc_gate_up"),
-      py::arg("acc_down"), py::arg("scratch_g"), py::arg("scratch_h"), py::arg("scratch_d_ab"),
-      py::arg("scratch_wdy"), py::arg("num_rows"), py::arg("hidden"), py::arg("inner"),
-      py::arg("num_experts"), py::arg("limit") = py::none(), py::arg("num_sms") = 0,
-      py::arg("num_threads") = 1, py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+      py::arg("w_down"), py::arg("out_dx"), py::arg("out_d_w"), py::arg("acc_gate"),
+      py::arg("acc_up"), py::arg("acc_down"), py::arg("out_gate"), py::arg("out_up"),
+      py::arg("out_down"), py::arg("carry_in"), py::arg("scratch_g"), py::arg("scratch_h"),
+      py::arg("scratch_d_ab"), py::arg("scratch_wdy"), py::arg("num_rows"), py::arg("hidden"),
+      py::arg("inner"), py::arg("num_experts"), py::arg("limit") = py::none(),
+      py::arg("num_sms") = 0, py::arg("num_threads") = 1, py::arg("stream") = 0,
+      py::call_guard<py::gil_scoped_release>(),
       "SwiGLU expert backward over segments of consecutive rows (grouped_forward's layout). "
       "Writes out_dx (bf16 [M, H]: [d_a, d_b] @ [Wg; Wu]) and out_d_w (fp32 [M]: <g, h>, g = dy "
-      "@ Wd unweighted) for the rows of the segments, and adds acc_gate_up[e] += [d_a, d_b]^T x "
-      "(fp32 [El, 2I, H]) and acc_down[e] += bf16(w dy)^T h (fp32 [El, H, I]) in place; "
+      "@ Wd unweighted) for the rows of the segments; the weight gradients dWg, dWu ([El, I, H]) "
+      "and dWd ([El, H, I]) are C + the segments' sums, C the fp32 accumulators acc_* when "
+      "carry_in (else +0), written to acc_* (fp32) and/or out_* (bf16, rounded) where given; "
       "router_weights fp32 [M] or 0 (all ones). 'cuda': tensor-core GEMMs; the weight gradients "
-      "take each expert's rows in 64-row blocks from its segment start on top of the carried "
-      "fp32 values (calls split at multiples of 64 rows from the segment starts give the bits of "
-      "one call); scratch_g fp32 [M, I], scratch_h bf16 [M, I], scratch_d_ab bf16 [M, 2I], "
+      "take each expert's rows in 64-row blocks from its segment start (calls split at multiples "
+      "of 64 rows from the segment starts, the later ones with carry_in, give the bits of one "
+      "call); scratch_g fp32 [M, I], scratch_h bf16 [M, I], scratch_d_ab bf16 [M, 2I], "
       "scratch_wdy bf16 [M, H] are required and 16-byte aligned; H and I multiples of 64, El <= "
       "1024. 'cpu': the reference arithmetic (swiglu_backward per segment), scratch unused "
       "(may be 0), offsets checked. Raises ValueError naming a bad argument.");

@@ -5,8 +5,8 @@
 //            element math, the reference's bit for bit given a, b, g and w; d_w summed in a
 //            fixed order that depends only on I)
 //   dx:      dx = [d_a, d_b] @ [Wg_e; Wu_e]  (grouped GEMM over K = 2I, gate part first)
-//   wgrads:  acc_gate_up[e] += [d_a, d_b]^T x,  acc_down[e] += bf16(w dy)^T h
-//            (wgrad_gemm.cuh: rows as the reduction, fp32 carried across calls)
+//   wgrads:  dWg, dWu = C + [d_a, d_b]^T x (one GEMM),  dWd = C + bf16(w dy)^T h
+//            (wgrad_gemm.cuh: rows as the reduction, fp32 carried across calls, bf16 out)
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -114,9 +114,10 @@ __global__ void swiglu_backward_kernel(SwigluBackwardRows r) {
 }
 
 void launch_wgrad(const CUtensorMap& map_a, const CUtensorMap& map_b, const gemm::WgradProblem& p,
-                  int num_sms, cudaStream_t stream) {
+                  bool carry_in, int num_sms, cudaStream_t stream) {
   using R = gemm::Ring<kernels::kStages>;
-  auto* kernel = gemm::wgrad_gemm_kernel<kernels::kStages>;
+  auto* kernel = carry_in ? gemm::wgrad_gemm_kernel<kernels::kStages, true>
+                          : gemm::wgrad_gemm_kernel<kernels::kStages, false>;
   check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, R::kSharedBytes),
         "setting the shared memory size");
   const std::int64_t tiles = static_cast<std::int64_t>(p.num_experts) *
@@ -180,16 +181,19 @@ void grouped_backward_cuda(const GroupedBackwardArgs& args, std::uintptr_t strea
       kernels::StoreBf16{reinterpret_cast<std::uint16_t*>(args.out_dx), Hi}, sms, stream);
 
   // Weight gradients, rows as the reduction: both operands staged MN-major (64-row boxes).
+  const auto f32 = [](std::uintptr_t p) { return reinterpret_cast<float*>(p); };
+  const auto bf16 = [](std::uintptr_t p) { return reinterpret_cast<std::uint16_t*>(p); };
   const CUtensorMap map_dab_rows = hopper::make_tensor_map(ptr(args.scratch_d_ab), M, 2 * I, 64);
   const CUtensorMap map_x_rows = hopper::make_tensor_map(ptr(args.x), M, H, 64);
-  launch_wgrad(map_dab_rows, map_x_rows,
-               {offsets, s.num_rows, Ei, 2 * Ii, Hi, reinterpret_cast<float*>(args.acc_gate_up)},
-               sms, stream);
+  gemm::WgradProblem gate_up{offsets, s.num_rows, Ei, 2 * Ii, Hi, Ii, {}};
+  gate_up.part[0] = {f32(args.acc_gate), bf16(args.out_gate)};
+  gate_up.part[1] = {f32(args.acc_up), bf16(args.out_up)};
+  launch_wgrad(map_dab_rows, map_x_rows, gate_up, args.carry_in, sms, stream);
   const CUtensorMap map_wdy_rows = hopper::make_tensor_map(ptr(args.scratch_wdy), M, H, 64);
   const CUtensorMap map_h_rows = hopper::make_tensor_map(ptr(args.scratch_h), M, I, 64);
-  launch_wgrad(map_wdy_rows, map_h_rows,
-               {offsets, s.num_rows, Ei, Hi, Ii, reinterpret_cast<float*>(args.acc_down)}, sms,
-               stream);
+  gemm::WgradProblem down{offsets, s.num_rows, Ei, Hi, Ii, Hi, {}};
+  down.part[0] = {f32(args.acc_down), bf16(args.out_down)};
+  launch_wgrad(map_wdy_rows, map_h_rows, down, args.carry_in, sms, stream);
 }
 
 }  // namespace mok::bf16

@@ -1,14 +1,16 @@
 // The experts' weight gradients on sm_90a: C_e[M, N] += A[rows of e]^T @ B[rows of e] for every
 // local expert e, the rows (the table's, segment by segment) as the reduction dimension. A and
 // B are row-major bf16 activations ([rows, M] and [rows, N]: d_ab and x for d[Wg; Wu], w*dy
-// and h for dWd), both staged MN-major; C is an fp32 accumulator carried across calls.
+// and h for dWd), both staged MN-major. C's rows [0, split) and [split, M) are two arrays
+// (dWg and dWu from one GEMM over [d_a, d_b]), each an fp32 accumulator carried across calls
+// and/or a bf16 output.
 //
 // Tiles: per expert, 128 x 256 blocks of C (two consumer warpgroups of 64 rows), the list
 // "expert, then column tile, then row tile"; a persistent CTA walks it as the grouped GEMM does
 // (grouped_gemm.cuh: same ring, producer and consumers). An expert with no rows in this call
-// is skipped: its accumulator is left as it was.
+// gets C unchanged (its carried value, or +0) in the outputs.
 //
-// Determinism (DESIGN.md §2): a tile's accumulators start from C's fp32 values and take the
+// Determinism (DESIGN.md §2): a tile's accumulators start from C's fp32 values (or +0) and take the
 // expert's rows in blocks of 64 counted from its segment start, each four wgmma k16 steps in
 // ascending order. The last block of a segment is zero-padded in shared memory (rows past the
 // segment belong to the next expert). So splitting an expert's rows over two calls gives the
@@ -21,8 +23,15 @@
 
 #include "grouped_gemm.cuh"
 #include "hopper.cuh"
+#include "mok/core/bf16.h"
 
 namespace mok::bf16::gemm {
+
+// One part of C: rows [0, split) or [split, m) of every expert, [El, rows, n] row-major.
+struct WgradPart {
+  float* f32;           // the fp32 accumulator, or null
+  std::uint16_t* bf16;  // the sums rounded to bf16, or null
+};
 
 struct WgradProblem {
   const std::int64_t* offsets;  // [El + 1] segment starts (device), clamped to [0, num_rows]
@@ -30,7 +39,19 @@ struct WgradProblem {
   int num_experts;              // El >= 1
   int m;                        // rows of C per expert: columns of A (a multiple of 64)
   int n;                        // columns of C per expert: columns of B (a multiple of 64)
-  float* c;                     // fp32 [El, m, n], accumulated in place
+  int split;                    // C rows [0, split) in part[0], [split, m) in part[1]
+  WgradPart part[2];
+
+  // Where element (e, row, col) of C lives in its part; `low`: in part[0].
+  __device__ std::int64_t index(int e, int row, int col, bool low) const {
+    const int rows = low ? split : m - split;
+    const int r = low ? row : row - split;
+    return (static_cast<std::int64_t>(e) * rows + r) * n + col;
+  }
+  // The part's arrays, chosen without indexing (a kernel parameter indexed at run time would
+  // be copied to local memory).
+  __device__ float* f32(bool low) const { return low ? part[0].f32 : part[1].f32; }
+  __device__ std::uint16_t* bf16(bool low) const { return low ? part[0].bf16 : part[1].bf16; }
 };
 
 // A tile of C and the rows it reduces.
@@ -67,7 +88,9 @@ __device__ inline void zero_box_rows(unsigned char* box, int valid, int t, int t
   }
 }
 
-template <int kStages>
+// kCarryIn: start from C's fp32 values (a template argument: a run-time choice there makes
+// ptxas serialise the wgmmas).
+template <int kStages, bool kCarryIn>
 __global__ void __launch_bounds__(kThreads, 1)
     wgrad_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                       const __grid_constant__ CUtensorMap map_b, WgradProblem p) {
@@ -130,20 +153,25 @@ __global__ void __launch_bounds__(kThreads, 1)
   std::uint32_t phase = 0;
   Accumulators acc;
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    // A tile with no rows still writes C (its carried value, or +0), so every output exists.
     const WgradTile tile = locate_wgrad(p, t);
-    if (tile.blocks == 0) continue;
-    float* c = p.c + static_cast<std::int64_t>(tile.expert) * p.m * p.n;
-    // The carried fp32 partial is the accumulators' start.
+    // This consumer's 64 rows of C lie in one part (split is a multiple of 64): its arrays from
+    // the first of them, so the loads and stores below index them alike.
+    const int row0 = tile.row0 + 64 * consumer;
+    const bool low = row0 < p.split;
+    const std::int64_t first = p.index(tile.expert, row0, 0, low);
+    float* const c32 = p.f32(low) == nullptr ? nullptr : p.f32(low) + first;
+    std::uint16_t* const c16 = p.bf16(low) == nullptr ? nullptr : p.bf16(low) + first;
+    // The carried fp32 partial (or +0) is the accumulators' start.
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int row = tile.row0 + 64 * consumer + frag_row(t128, 2 * half);
+      const int r = frag_row(t128, 2 * half);
 #pragma unroll
       for (int j = 0; j < kMmaN / 8; ++j) {
         const int col = tile.col0 + frag_col(t128, j, 0);
-        float2 v = make_float2(0.0f, 0.0f);
-        if (row < p.m && col < p.n) {
-          v = *reinterpret_cast<const float2*>(c + static_cast<std::int64_t>(row) * p.n + col);
-        }
+        const bool in = kCarryIn && row0 + r < p.m && col < p.n;
+        const float2 v =
+            in ? *reinterpret_cast<const float2*>(c32 + r * p.n + col) : make_float2(0.0f, 0.0f);
         acc.d[4 * j + 2 * half] = v.x;
         acc.d[4 * j + 2 * half + 1] = v.y;
       }
@@ -185,13 +213,17 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (previous >= 0 && releases) hopper::mbar_arrive(&empty[previous]);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int row = tile.row0 + 64 * consumer + frag_row(t128, 2 * half);
+      const int r = frag_row(t128, 2 * half);
 #pragma unroll
       for (int j = 0; j < kMmaN / 8; ++j) {
         const int col = tile.col0 + frag_col(t128, j, 0);
-        if (row < p.m && col < p.n) {
-          *reinterpret_cast<float2*>(c + static_cast<std::int64_t>(row) * p.n + col) =
-              make_float2(acc.d[4 * j + 2 * half], acc.d[4 * j + 2 * half + 1]);
+        if (row0 + r >= p.m || col >= p.n) continue;
+        const float lo = acc.d[4 * j + 2 * half], hi = acc.d[4 * j + 2 * half + 1];
+        if (c32 != nullptr) *reinterpret_cast<float2*>(c32 + r * p.n + col) = make_float2(lo, hi);
+        if (c16 != nullptr) {
+          *reinterpret_cast<std::uint32_t*>(c16 + r * p.n + col) =
+              static_cast<std::uint32_t>(core::float_to_bf16(lo)) |
+              (static_cast<std::uint32_t>(core::float_to_bf16(hi)) << 16);
         }
       }
     }

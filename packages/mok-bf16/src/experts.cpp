@@ -238,8 +238,19 @@ void grouped_backward(std::string_view device, const GroupedBackwardArgs& a,
   check_pointer(fn, "w_down", a.w_down, al, gemm);
   check_pointer(fn, "out_dx", a.out_dx, al, rows && s.hidden > 0);
   check_pointer(fn, "out_d_w", a.out_d_w, 4, rows);
-  check_pointer(fn, "acc_gate_up", a.acc_gate_up, cuda ? 16 : 4, gemm);
-  check_pointer(fn, "acc_down", a.acc_down, cuda ? 16 : 4, gemm);
+  // Each weight gradient goes to its fp32 accumulator, its bf16 output, or both.
+  const struct {
+    const char* acc_name;
+    std::uintptr_t acc;
+    const char* out_name;
+    std::uintptr_t out;
+  } wgrads[3] = {{"acc_gate", a.acc_gate, "out_gate", a.out_gate},
+                 {"acc_up", a.acc_up, "out_up", a.out_up},
+                 {"acc_down", a.acc_down, "out_down", a.out_down}};
+  for (const auto& w : wgrads) {
+    check_pointer(fn, w.acc_name, w.acc, cuda ? 16 : 4, gemm && (a.carry_in || w.out == 0));
+    check_pointer(fn, w.out_name, w.out, cuda ? 16 : 2, false);
+  }
   check_pointer(fn, "scratch_g", a.scratch_g, 16, cuda && gemm);
   check_pointer(fn, "scratch_h", a.scratch_h, 16, cuda && gemm);
   check_pointer(fn, "scratch_d_ab", a.scratch_d_ab, 16, cuda && gemm);

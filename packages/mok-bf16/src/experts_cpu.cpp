@@ -293,13 +293,31 @@ void grouped_forward_cpu(const GroupedForwardArgs& args) {
 
 // Each segment through the per-row backward with every row's expert set to the segment's, in
 // expert order: each accumulator sees its expert's rows in ascending order, as in one call of
-// swiglu_backward over the rows. Rows outside the segments are left alone.
+// swiglu_backward over the rows. The weight gradients go through one [El, 2I, H] + [El, H, I]
+// fp32 accumulator (the per-row entry point's layout), filled from the caller's accumulators
+// (carry_in) or +0, then copied to the accumulators and outputs asked for. Rows outside the
+// segments are left alone.
 void grouped_backward_cpu(const GroupedBackwardArgs& args) {
   const std::int64_t El = args.shape.num_experts, H = args.shape.hidden, I = args.shape.inner;
+  const std::int64_t block = I * H;  // elements of one expert's dWg, dWu or dWd
   const auto* offsets = reinterpret_cast<const std::int64_t*>(args.offsets);
   const auto at = [](std::uintptr_t base, std::int64_t elements, std::int64_t bytes) {
     return base == 0 ? std::uintptr_t{0} : base + static_cast<std::uintptr_t>(elements * bytes);
   };
+  std::vector<float> gate_up(static_cast<std::size_t>(El * 2 * block), 0.0f);
+  std::vector<float> down(static_cast<std::size_t>(El * block), 0.0f);
+  // Expert e's gate, up and down blocks in the combined accumulators.
+  const auto part = [&](int which, std::int64_t e) {
+    return which == 2 ? down.data() + e * block : gate_up.data() + (2 * e + which) * block;
+  };
+  const std::uintptr_t accs[3] = {args.acc_gate, args.acc_up, args.acc_down};
+  const std::uintptr_t outs[3] = {args.out_gate, args.out_up, args.out_down};
+  if (args.carry_in) {
+    for (int which = 0; which < 3; ++which) {
+      const auto* acc = reinterpret_cast<const float*>(accs[which]);
+      for (std::int64_t e = 0; e < El; ++e) std::copy_n(acc + e * block, block, part(which, e));
+    }
+  }
   for (std::int64_t e = 0; e < El; ++e) {
     const std::int64_t lo = offsets[e], n = offsets[e + 1] - lo;
     if (n == 0) continue;
@@ -316,12 +334,23 @@ void grouped_backward_cpu(const GroupedBackwardArgs& args) {
     b.w_down = args.w_down;
     b.out_dx = at(args.out_dx, lo * H, 2);
     b.out_d_w = at(args.out_d_w, lo, 4);
-    b.acc_gate_up = args.acc_gate_up;
-    b.acc_down = args.acc_down;
+    b.acc_gate_up = reinterpret_cast<std::uintptr_t>(gate_up.data());
+    b.acc_down = reinterpret_cast<std::uintptr_t>(down.data());
     b.shape = {n, H, I, El};
     b.limit = args.limit;
     b.num_threads = args.num_threads;
     swiglu_backward_cpu(b);
+  }
+  for (int which = 0; which < 3; ++which) {
+    auto* acc = reinterpret_cast<float*>(accs[which]);
+    auto* out = reinterpret_cast<u16*>(outs[which]);
+    for (std::int64_t e = 0; e < El; ++e) {
+      const float* sum = part(which, e);
+      if (acc != nullptr) std::copy_n(sum, block, acc + e * block);
+      if (out != nullptr) {
+        for (std::int64_t i = 0; i < block; ++i) out[e * block + i] = float_to_bf16(sum[i]);
+      }
+    }
   }
 }
 

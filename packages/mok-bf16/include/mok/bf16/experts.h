@@ -124,18 +124,25 @@ struct GroupedForwardArgs {
 //
 //   g = dy @ Wd_e (fp32),  d_w = <g, h>,  d_a, d_b as swiglu_backward,
 //   dx = [d_a, d_b] @ [Wg_e; Wu_e],
-//   acc_gate_up[e] += [d_a, d_b]^T x,  acc_down[e] += bf16(w dy)^T h   (in place, fp32)
+//   dWg_e = C + sum_r d_a_r^T x_r,  dWu_e = C + sum_r d_b_r^T x_r,  dWd_e = C + sum_r bf16(w_r
+//   dy_r)^T h_r
+//
+// The weight gradients: C is the fp32 accumulator's value when carry_in (else +0, and the
+// accumulator is not read); the sums go to the fp32 accumulators (acc_*) when given and, rounded
+// to bf16, to out_* when given (so the last of several calls can hand out bf16 gradients
+// without another pass). Each of the three needs its accumulator or its output or both. Every
+// expert's gradients are written, those of experts without rows too (C).
 //
 // On "cuda": tensor-core GEMMs (cuda/experts_backward.cu). g, dx: as grouped_forward's GEMMs
 // (a row's bits depend only on the row). d_w: each lane of a warp sums its elements (8-element
 // pieces l, l + 32, ... of the row, ascending), then a butterfly over the lanes; the element
-// math is the reference's. Weight gradients: the accumulators start from the carried fp32
-// values and take the expert's rows in 64-row blocks from the segment start, the last block
-// zero-padded; two calls over rows split at a multiple of 64 from each segment start give the
-// bits of one call. The scratch arrays hold g, h, [d_a, d_b] and bf16(w dy) between the
-// kernels (required on "cuda", unused on "cpu"). On "cpu": the reference arithmetic
-// (swiglu_backward on each segment's rows). Rows outside every segment are not written and add
-// nothing; offsets as in grouped_forward.
+// math is the reference's. Weight gradients: the sums start from C and take the expert's rows
+// in 64-row blocks from the segment start, the last block zero-padded; two calls over rows
+// split at a multiple of 64 from each segment start (the second with carry_in) give the bits of
+// one call. The scratch arrays hold g, h, [d_a, d_b] and bf16(w dy) between the kernels
+// (required on "cuda", unused on "cpu"). On "cpu": the reference arithmetic (swiglu_backward on
+// each segment's rows). Rows outside every segment are not written and add nothing; offsets as
+// in grouped_forward.
 struct GroupedBackwardArgs {
   std::uintptr_t x = 0;               // bf16 [M, H]
   std::uintptr_t offsets = 0;         // int64 [El + 1]
@@ -148,8 +155,13 @@ struct GroupedBackwardArgs {
   std::uintptr_t w_down = 0;          // bf16 [El, H, I]
   std::uintptr_t out_dx = 0;          // bf16 [M, H]
   std::uintptr_t out_d_w = 0;         // fp32 [M]
-  std::uintptr_t acc_gate_up = 0;     // fp32 [El, 2I, H] (in place)
-  std::uintptr_t acc_down = 0;        // fp32 [El, H, I] (in place)
+  std::uintptr_t acc_gate = 0;        // fp32 [El, I, H], or 0 (then out_gate)
+  std::uintptr_t acc_up = 0;          // fp32 [El, I, H], or 0 (then out_up)
+  std::uintptr_t acc_down = 0;        // fp32 [El, H, I], or 0 (then out_down)
+  std::uintptr_t out_gate = 0;        // bf16 [El, I, H], or 0
+  std::uintptr_t out_up = 0;          // bf16 [El, I, H], or 0
+  std::uintptr_t out_down = 0;        // bf16 [El, H, I], or 0
+  bool carry_in = true;               // start from the accumulators' values (they must be given)
   std::uintptr_t scratch_g = 0;       // fp32 [M, I]   (cuda)
   std::uintptr_t scratch_h = 0;       // bf16 [M, I]   (cuda)
   std::uintptr_t scratch_d_ab = 0;    // bf16 [M, 2I]  (cuda)

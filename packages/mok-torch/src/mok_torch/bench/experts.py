@@ -13,7 +13,8 @@ expert's rows rounded up to 16 as the schedule's alignment does) with:
 and forward + backward (unweighted rows, so both compute the same gradients):
 
 - `mok-fwd-bwd`: the grouped forward, then mok-bf16's grouped backward (g = dy @ Wd with the
-  SwiGLU backward and d_w, dx, and the three weight gradients into fp32 accumulators);
+  SwiGLU backward and d_w, dx, and the three weight gradients in bf16, as a layer call with one
+  macrobatch hands them out);
   `mok-bwd`: the backward alone;
 - `torch-fwd-bwd`: the `torch._grouped_mm` forward and its autograd backward
   (`torch.autograd.grad` of x and the three weights);
@@ -80,8 +81,8 @@ def _case(ranks: Ranks, shape: Shape, El: int, routing: str, ns: argparse.Namesp
     ends = torch.tensor(sizes, device=dev).cumsum(0)
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64, device=dev), ends])
     dy = torch.randn(M, H, device=dev, generator=g).to(BF16)
-    acc_gu = torch.zeros(El, 2 * I, H, dtype=torch.float32, device=dev)
-    acc_d = torch.zeros(El, H, I, dtype=torch.float32, device=dev)
+    # The weight gradients as a one-macrobatch layer call hands them out: bf16, from +0.
+    wgrads = (torch.empty_like(wg), torch.empty_like(wu), torch.empty_like(wd))
     flops = 6 * M * H * I
     row: dict[str, Any] = {
         "shape_name": shape.name,
@@ -108,17 +109,14 @@ def _case(ranks: Ranks, shape: Shape, El: int, routing: str, ns: argparse.Namesp
 
     saved = ours()
 
-    def ours_backward() -> Any:  # the accumulators start from zero, as in a layer call
-        acc_gu.zero_()
-        acc_d.zero_()
-        return grouped_backward(x, offsets, saved.a, saved.b, dy, None, wg, wu, wd, acc_gu, acc_d)
+    def ours_backward() -> Any:
+        return grouped_backward(x, offsets, saved.a, saved.b, dy, None, wg, wu, wd, None, carry_in=False,
+                                wgrad_out=wgrads)  # fmt: skip
 
     def ours_fwd_bwd() -> Any:
         f = ours()
-        acc_gu.zero_()
-        acc_d.zero_()
-        b = grouped_backward(x, offsets, f.a, f.b, dy, None, wg, wu, wd, acc_gu, acc_d)
-        return b.dx, acc_gu, acc_d
+        b = grouped_backward(x, offsets, f.a, f.b, dy, None, wg, wu, wd, None, carry_in=False, wgrad_out=wgrads)
+        return (b.dx, *wgrads)
 
     leaves = [t.detach().requires_grad_() for t in (x, wg, wu, wd)]
 
@@ -154,7 +152,7 @@ def _case(ranks: Ranks, shape: Shape, El: int, routing: str, ns: argparse.Namesp
         row["mok-fwd-bwd"]["bitwise_repeatable"] = all(torch.equal(u, v) for u, v in zip(first, second, strict=True))
         if row["torch-fwd-bwd"]["status"] == "ok":
             dx, dwg, dwu, dwd = (t.float() for t in theirs_fwd_bwd())
-            ours_grads = (first[0].float(), first[1][:, :I], first[1][:, I:], first[2])
+            ours_grads = tuple(t.float() for t in first)
             row["mok-fwd-bwd"]["rel_diff_vs_torch"] = {
                 name: ((u - v).norm() / v.norm()).item()
                 for name, u, v in zip(("dx", "dWg", "dWu", "dWd"), ours_grads, (dx, dwg, dwu, dwd), strict=True)

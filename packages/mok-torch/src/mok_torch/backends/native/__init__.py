@@ -118,6 +118,15 @@ def gpu_backward_kernels(cfg: MoKConfig) -> bool:
     return cfg.expert_alignment % 64 == 0
 
 
+def _wgrad_tensors(El: int, H: int, inner: int, dtype: torch.dtype, device: torch.device) -> Weights3:
+    """(dWg, dWu, dWd) arrays, uninitialised: the GPU backward writes every element."""
+    return (
+        torch.empty(El, inner, H, dtype=dtype, device=device),
+        torch.empty(El, inner, H, dtype=dtype, device=device),
+        torch.empty(El, H, inner, dtype=dtype, device=device),
+    )
+
+
 def _row_experts(sched: Schedule, rows: int) -> torch.Tensor:
     """The local expert of each of the first `rows` table rows, -1 for padding rows (int64)."""
     index = torch.arange(rows, device=sched.row_src_rank_C.device, dtype=torch.int32)
@@ -551,13 +560,13 @@ class NativeBackend:
             assert a_TIs is not None and b_TIs is not None
             (T, H), Is, dev = x_TH.shape, shared[0].shape[0], x_TH.device
             one = torch.arange(2, dtype=torch.int64, device=dev) * T  # one segment: every token
-            acc_gu = torch.zeros(1, 2 * Is, H, dtype=torch.float32, device=dev)
-            acc_d = torch.zeros(1, H, Is, dtype=torch.float32, device=dev)
             wg, wu, wd = (w.contiguous()[None] for w in shared)
+            grads = _wgrad_tensors(1, H, Is, wgrad_dtype, dev)
+            fp32 = wgrad_dtype == torch.float32
             out = grouped_backward(x_TH.contiguous(), one, a_TIs, b_TIs, dy_TH.contiguous(), None, wg, wu, wd,
-                                   acc_gu, acc_d, limit)  # fmt: skip
-            dWg, dWu, dWd = routed_wgrads(acc_gu, acc_d, wgrad_dtype)
-            return out.dx, (dWg[0], dWu[0], dWd[0])
+                                   grads if fp32 else None, limit, carry_in=False,
+                                   wgrad_out=None if fp32 else grads)  # fmt: skip
+            return out.dx, (grads[0][0], grads[1][0], grads[2][0])
         if kernels is None or shared is None:
             return shared_backward(x_TH, dy_TH, a_TIs, b_TIs, shared, limit, wgrad_dtype)
         assert a_TIs is not None and b_TIs is not None
@@ -587,8 +596,6 @@ class NativeBackend:
         tr.barrier(5)
         rows, macro, mini, offsets = self._rows_plan(cfg, ws, sched, inner)
         dev, nw = ws.device, cfg.bwd_num_comm_sms
-        d_gate_up = torch.zeros(El, 2 * inner, H, dtype=torch.float32, device=dev)
-        d_down = torch.zeros(El, H, inner, dtype=torch.float32, device=dev)
         experts = self._routed_experts(cfg, routed)
         # A replay recomputes a and b with the GEMMs the forward used (so their bits match).
         tensor_cores = experts is None and gpu_forward_kernels(cfg, dev, H, inner, El)
@@ -599,9 +606,19 @@ class NativeBackend:
         if tensor_cores:
             wg_k, wu_k, wd_k = (w.contiguous() for w in routed)
             segments = sched.expert_offsets_El1.to(torch.int64)
+        if gpu_backward:
+            # The weight gradients: fp32 accumulators carried between macrobatches (or handed
+            # out, for fp32 parameters), the last macrobatch writing the bf16 gradients itself.
+            fp32 = wgrad_dtype == torch.float32
+            num_macro = -(-rows // macro)
+            acc = _wgrad_tensors(El, H, inner, torch.float32, dev) if fp32 or num_macro > 1 else None
+            final = acc if fp32 else _wgrad_tensors(El, H, inner, BF16, dev)
+        else:
+            d_gate_up = torch.zeros(El, 2 * inner, H, dtype=torch.float32, device=dev)
+            d_down = torch.zeros(El, H, inner, dtype=torch.float32, device=dev)
         if experts is not None:
             experts_R = _row_experts(sched, rows)
-        else:
+        elif not gpu_backward:
             weights = expert_weights(cfg, routed)
         for m, lo in enumerate(range(0, rows, macro)):  # first to last
             hi = min(lo + macro, rows)
@@ -624,8 +641,9 @@ class NativeBackend:
                 else:
                     ab = grouped_forward(xs, seg, wg_k, wu_k, None, cfg.swiglu_limit, with_h=False)
                     a, b = ab.a, ab.b
-                dx, d_w = grouped_backward(xs, seg, a, b, dys, wr, wg_k, wu_k, wd_k, d_gate_up, d_down,
-                                           cfg.swiglu_limit)  # fmt: skip
+                last = hi == rows
+                dx, d_w = grouped_backward(xs, seg, a, b, dys, wr, wg_k, wu_k, wd_k, acc, cfg.swiglu_limit,
+                                           carry_in=m > 0, wgrad_out=final if last and not fp32 else None)  # fmt: skip
                 tr.push(dx, "rows", table, num_workers=nw)
                 tr.push(d_w, "d_w", table, num_workers=nw)
                 continue
@@ -674,4 +692,7 @@ class NativeBackend:
         dx = self._combine(tr, dxs, tr.view["rows"][: T * K], None, T, K, H)
         d_router = tr.view["d_w"][: T * K].clone().view(T, K).to(router_weights_TK.dtype)
         self._after_call(tr)
+        if gpu_backward:
+            assert final is not None
+            return Grads(dx, d_router, final, d_shared)
         return Grads(dx, d_router, routed_wgrads(d_gate_up, d_down, wgrad_dtype), d_shared)

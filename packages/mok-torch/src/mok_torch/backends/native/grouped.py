@@ -123,6 +123,9 @@ class GroupedScratch(NamedTuple):
     wdy: torch.Tensor  # [M, H] bf16: bf16(w dy)
 
 
+Wgrads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # dWg [El, I, H], dWu [El, I, H], dWd [El, H, I]
+
+
 def grouped_backward(
     x_MH: torch.Tensor,
     offsets_El1: torch.Tensor,
@@ -133,22 +136,26 @@ def grouped_backward(
     w_gate_EIH: torch.Tensor,
     w_up_EIH: torch.Tensor,
     w_down_EHI: torch.Tensor,
-    acc_gate_up_E2IH: torch.Tensor,
-    acc_down_EHI: torch.Tensor,
+    acc: Wgrads | None,
     limit: float | None = None,
     num_sms: int = 0,
     out: GroupedBackward | None = None,
     scratch: GroupedScratch | None = None,
+    *,
+    carry_in: bool = True,
+    wgrad_out: Wgrads | None = None,
 ) -> GroupedBackward:
     """The SwiGLU experts' backward on rows [offsets[e], offsets[e+1]) for each local expert e.
 
-    Returns dx and d_w of those rows (other rows as `out` has them: zeros in fresh outputs) and
-    adds the weight gradients to the fp32 accumulators in place: acc_gate_up[e] += [d_a, d_b]^T x
-    (gate rows first), acc_down[e] += bf16(w dy)^T h. router_weights None: all ones (the shared
-    expert). On CUDA the weight gradients take each expert's rows in 64-row blocks from its
-    segment start, so calls split at multiples of 64 rows from every segment start give the bits
-    of one call (docs/determinism.md "The GPU GEMMs"). `scratch`: the CUDA kernels' intermediate
-    arrays (allocated when None; unused on the CPU).
+    Returns dx and d_w of those rows (other rows as `out` has them: zeros in fresh outputs).
+    The weight gradients dWg = C + sum d_a^T x, dWu = C + sum d_b^T x, dWd = C + sum bf16(w dy)^T h
+    start from C = the fp32 accumulators `acc` when carry_in (else +0) and go to `acc` (fp32, in
+    place) and/or `wgrad_out` (bf16, rounded once): the last of several calls can hand out bf16
+    gradients directly. router_weights None: all ones (the shared expert). On CUDA the weight
+    gradients take each expert's rows in 64-row blocks from its segment start, so calls split at
+    multiples of 64 rows from every segment start give the bits of one call (docs/determinism.md
+    "The GPU GEMMs"). `scratch`: the CUDA kernels' intermediate arrays (allocated when None;
+    unused on the CPU).
     """
     import mok_bf16
 
@@ -168,11 +175,18 @@ def grouped_backward(
     check_tensor("dy", dy_MH, dtypes=(BF16,), shape=[("M", M), ("H", H)], device=dev)
     if router_weights_M is not None:
         check_tensor("router_weights", router_weights_M, dtypes=(torch.float32,), shape=[("M", M)], device=dev)
-    check_tensor(
-        "acc_gate_up", acc_gate_up_E2IH, dtypes=(torch.float32,), shape=[("El", El), ("2I", 2 * I), ("H", H)],
-        device=dev,
-    )  # fmt: skip
-    check_tensor("acc_down", acc_down_EHI, dtypes=(torch.float32,), shape=[("El", El), ("H", H), ("I", I)], device=dev)
+    if acc is None and wgrad_out is None:
+        raise ValueError("acc or wgrad_out must be given: where the weight gradients go")
+    if carry_in and acc is None:
+        raise ValueError("carry_in=True needs acc (the fp32 accumulators to start from)")
+    shapes = ([("El", El), ("I", I), ("H", H)], [("El", El), ("I", I), ("H", H)], [("El", El), ("H", H), ("I", I)])
+    for group, dtype, given in (("acc", torch.float32, acc), ("wgrad_out", BF16, wgrad_out)):
+        if given is None:
+            continue
+        if not isinstance(given, tuple) or len(given) != 3:
+            raise TypeError(f"{group} must be a tuple (dWg, dWu, dWd) of tensors")
+        for name, t, shape in zip(("gate", "up", "down"), given, shapes, strict=True):
+            check_tensor(f"{group}.{name}", t, dtypes=(dtype,), shape=shape, device=dev)
     if not isinstance(num_sms, int) or num_sms < 0:
         raise ValueError(f"num_sms must be an int >= 0 (0: every SM), got {num_sms!r}")
     if out is None:
@@ -199,6 +213,8 @@ def grouped_backward(
         if cuda and scratch is not None
         else (0, 0, 0, 0)
     )
+    acc_ptrs = (0, 0, 0) if acc is None else (acc[0].data_ptr(), acc[1].data_ptr(), acc[2].data_ptr())
+    out_ptrs = (0, 0, 0) if wgrad_out is None else tuple(t.data_ptr() for t in wgrad_out)
     on_device = torch.cuda.device(dev) if cuda else contextlib.nullcontext()
     with on_device:
         mok_bf16.grouped_backward(
@@ -214,8 +230,13 @@ def grouped_backward(
             w_down_EHI.data_ptr(),
             out.dx.data_ptr(),
             out.d_w.data_ptr(),
-            acc_gate_up_E2IH.data_ptr(),
-            acc_down_EHI.data_ptr(),
+            acc_ptrs[0],
+            acc_ptrs[1],
+            acc_ptrs[2],
+            out_ptrs[0],
+            out_ptrs[1],
+            out_ptrs[2],
+            carry_in,
             g_ptr,
             h_ptr,
             d_ab_ptr,
