@@ -67,6 +67,7 @@ def latest_rows(runs: list[tuple[dict[str, Any], Path]]) -> tuple[list[dict[str,
                 _device=report["device"]["name"],
                 _world=report["world_size"],
                 _precision=row.get("precision", report["config"]["precision"]),
+                _created=report["created"],
             )
             key = (
                 extended["_device"],
@@ -77,7 +78,18 @@ def latest_rows(runs: list[tuple[dict[str, Any], Path]]) -> tuple[list[dict[str,
                 row["provider"],
             )
             latest[key] = (extended, path)
-    keys = sorted(latest)
+    # A skip (its reason is a fact about the code of its run) gives way once a newer run has
+    # measured the same provider on the same shape, under any routing.
+    measured_at: dict[tuple, str] = {}
+    for k, (row, _) in latest.items():
+        if row.get("status") != "skipped":
+            case = k[:4] + k[5:]
+            measured_at[case] = max(measured_at.get(case, ""), row["_created"])
+    keys = sorted(
+        k
+        for k, (row, _) in latest.items()
+        if row.get("status") != "skipped" or measured_at.get(k[:4] + k[5:], "") <= row["_created"]
+    )
     rows = [latest[k][0] for k in keys]
     sources = sorted({latest[k][1] for k in keys}, key=lambda p: p.name)
     return rows, sources

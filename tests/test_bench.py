@@ -225,6 +225,26 @@ def _synthetic_report(created: str, ms: float) -> dict:
     }
 
 
+def test_readme_table_drops_a_skip_once_a_newer_run_measured_the_provider():
+    """A skip's reason is a fact about its run's code: a later measurement of the same provider
+    and shape (any routing) retires it; a skip newer than every measurement stays."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import readme_table
+    finally:
+        sys.path.pop(0)
+    old = _synthetic_report("2026-12-01T10:00:00+00:00", 9.0)
+    old["results"] = [dict(r, routing=routing, provider="mok", status="skipped", reason="too slow")
+                      for r in old["results"][:1] for routing in ("balanced", "skewed")]  # fmt: skip
+    new = _synthetic_report("2026-12-02T10:00:00+00:00", 5.0)
+    new["results"] = [dict(new["results"][0], provider="mok"), new["results"][1]]  # mok measured, balanced only
+    rows, _ = readme_table.latest_rows([(old, Path("old.json")), (new, Path("new.json"))])
+    got = {(r["routing"], r["provider"]): r["status"] for r in rows}
+    assert got == {("balanced", "mok"): "ok", ("balanced", "deepep"): "skipped"}
+    rows, _ = readme_table.latest_rows([(old, Path("old.json"))])
+    assert {r["status"] for r in rows} == {"skipped"} and len(rows) == 2
+
+
 def test_readme_table_is_generated_and_idempotent(tmp_path):
     results = tmp_path / "results"
     results.mkdir()
