@@ -115,3 +115,15 @@ def assert_bitwise(
             raise AssertionError(
                 f"{what}{k} differs bitwise: {int((diff > 0).sum())} elements, max |diff| {diff.max().item():.3e}"
             )
+
+
+# (id, segment lengths, H, I) of the grouped expert kernels' GPU tests: mixed sizes, one row,
+# all experts empty, H not a multiple of 128, segments on and off tile edges, skewed.
+GROUPED_CASES = [
+    ("H128-I192-mixed", [300, 0, 129, 1], 128, 192),
+    ("one-row", [1], 64, 64),
+    ("all-empty", [0, 0, 0], 64, 128),
+    ("one-expert-H320", [517], 320, 256),
+    ("tile-edges", [64, 128, 127, 255, 257], 256, 128),
+    ("skewed", [1000, 3, 5, 0, 0, 2, 1, 24], 512, 384),
+]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import GROUPED_CASES
 
 import mok_bf16
 from mok_torch.backends.native.grouped import GroupedBackward, GroupedScratch, grouped_backward
@@ -234,14 +235,7 @@ def element_math(g: torch.Tensor, a: torch.Tensor, b: torch.Tensor, w: torch.Ten
     return h, torch.cat([d_a, d_b], dim=-1).to(BF16)
 
 
-CUDA_CASES = [
-    pytest.param([300, 0, 129, 1], 128, 192, id="H128-I192-mixed"),
-    pytest.param([1], 64, 64, id="one-row"),
-    pytest.param([0, 0, 0], 64, 128, id="all-empty"),
-    pytest.param([517], 320, 256, id="one-expert-H320"),
-    pytest.param([64, 128, 127, 255, 257], 256, 128, id="tile-edges"),
-    pytest.param([1000, 3, 5, 0, 0, 2, 1, 24], 512, 384, id="skewed"),
-]
+CUDA_CASES = [pytest.param(lengths, H, I, id=name) for name, lengths, H, I in GROUPED_CASES]
 
 
 @pytest.mark.gpu

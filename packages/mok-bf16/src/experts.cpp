@@ -101,6 +101,26 @@ void check_grouped_cuda_shape(std::string_view fn, const ExpertShape& s) {
   }
 }
 
+// The CUDA side of a grouped entry point: the tile constraints, then `run` (the kernels) when
+// there are rows. Returns false on the CPU. `run` is a generic lambda, instantiated only in a
+// CUDA build (where the *_cuda functions exist).
+template <class Args, class Run>
+bool run_on_cuda(std::string_view fn, Device kind, const Args& a, std::uintptr_t stream,
+                 const Run& run) {
+  if (kind != Device::kCuda) return false;
+  check_grouped_cuda_shape(fn, a.shape);
+#if MOK_WITH_CUDA
+  if (a.shape.num_rows > 0) run(a, stream);
+#else
+  (void)stream;
+  (void)run;
+  throw std::runtime_error(std::string(fn) +
+                           ": device=\"cuda\" but mok-bf16 was built without CUDA (MOK_CUDA=OFF, "
+                           "or no nvcc when it was built)");
+#endif
+  return true;
+}
+
 // Segment offsets read on the host (the CPU path): checked before anything is written.
 void check_offsets(std::string_view fn, std::uintptr_t offsets, const ExpertShape& s) {
   const auto* off = reinterpret_cast<const std::int64_t*>(offsets);
@@ -197,18 +217,9 @@ void grouped_forward(std::string_view device, const GroupedForwardArgs& a, std::
   check_pointer(fn, "out_y", a.out_y, al, false);
   check_pointer(fn, "out_h", a.out_h, al, gemm && a.out_y != 0);
   check_pointer(fn, "w_down", a.w_down, al, gemm && a.out_y != 0);
-  if (kind == Device::kCuda) {
-    check_grouped_cuda_shape(fn, s);
-#if MOK_WITH_CUDA
-    if (!rows) return;
-    grouped_forward_cuda(a, stream);
+  if (run_on_cuda(fn, kind, a, stream,
+                  [](const auto& args, std::uintptr_t st) { grouped_forward_cuda(args, st); })) {
     return;
-#else
-    (void)stream;
-    throw std::runtime_error(
-        "grouped_forward: device=\"cuda\" but mok-bf16 was built without CUDA (MOK_CUDA=OFF, or "
-        "no nvcc when it was built)");
-#endif
   }
   check_offsets(fn, a.offsets, s);
   if (gemm || rows) grouped_forward_cpu(a);
@@ -255,18 +266,9 @@ void grouped_backward(std::string_view device, const GroupedBackwardArgs& a,
   check_pointer(fn, "scratch_h", a.scratch_h, 16, cuda && gemm);
   check_pointer(fn, "scratch_d_ab", a.scratch_d_ab, 16, cuda && gemm);
   check_pointer(fn, "scratch_wdy", a.scratch_wdy, 16, cuda && gemm);
-  if (cuda) {
-    check_grouped_cuda_shape(fn, s);
-#if MOK_WITH_CUDA
-    if (!rows) return;
-    grouped_backward_cuda(a, stream);
+  if (run_on_cuda(fn, kind, a, stream,
+                  [](const auto& args, std::uintptr_t st) { grouped_backward_cuda(args, st); })) {
     return;
-#else
-    (void)stream;
-    throw std::runtime_error(
-        "grouped_backward: device=\"cuda\" but mok-bf16 was built without CUDA (MOK_CUDA=OFF, or "
-        "no nvcc when it was built)");
-#endif
   }
   check_offsets(fn, a.offsets, s);
   if (gemm || rows) grouped_backward_cpu(a);

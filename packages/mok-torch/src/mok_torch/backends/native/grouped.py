@@ -31,6 +31,26 @@ class GroupedForward(NamedTuple):
     y: torch.Tensor | None  # [M, H] bf16: h @ Wd^T, None when not asked for
 
 
+def _check_rows_and_weights(
+    x_MH: torch.Tensor,
+    offsets_El1: torch.Tensor,
+    w_gate_EIH: torch.Tensor,
+    w_up_EIH: torch.Tensor,
+    w_down_EHI: torch.Tensor | None,
+) -> tuple[torch.device, int, int, int, int]:
+    """(device, M, H, El, I) of the rows, segment offsets and expert weights, all checked."""
+    x_MH = check_tensor("x", x_MH, dtypes=(BF16,), shape=[("M", None), ("H", None)])
+    dev = x_MH.device
+    M, H = x_MH.shape
+    check_tensor("w_gate", w_gate_EIH, dtypes=(BF16,), shape=[("El", None), ("I", None), ("H", H)], device=dev)
+    El, I = w_gate_EIH.shape[:2]
+    check_tensor("offsets", offsets_El1, dtypes=(torch.int64,), shape=[("El+1", El + 1)], device=dev)
+    check_tensor("w_up", w_up_EIH, dtypes=(BF16,), shape=[("El", El), ("I", I), ("H", H)], device=dev)
+    if w_down_EHI is not None:
+        check_tensor("w_down", w_down_EHI, dtypes=(BF16,), shape=[("El", El), ("H", H), ("I", I)], device=dev)
+    return dev, M, H, El, I
+
+
 def grouped_forward(
     x_MH: torch.Tensor,
     offsets_El1: torch.Tensor,
@@ -51,17 +71,7 @@ def grouped_forward(
     """
     import mok_bf16
 
-    x_MH = check_tensor("x", x_MH, dtypes=(BF16,), shape=[("M", None), ("H", None)])
-    dev = x_MH.device
-    M, H = x_MH.shape
-    w_gate_EIH = check_tensor(
-        "w_gate", w_gate_EIH, dtypes=(BF16,), shape=[("El", None), ("I", None), ("H", H)], device=dev
-    )
-    El, I = w_gate_EIH.shape[:2]
-    check_tensor("offsets", offsets_El1, dtypes=(torch.int64,), shape=[("El+1", El + 1)], device=dev)
-    check_tensor("w_up", w_up_EIH, dtypes=(BF16,), shape=[("El", El), ("I", I), ("H", H)], device=dev)
-    if w_down_EHI is not None:
-        check_tensor("w_down", w_down_EHI, dtypes=(BF16,), shape=[("El", El), ("H", H), ("I", I)], device=dev)
+    dev, M, H, El, I = _check_rows_and_weights(x_MH, offsets_El1, w_gate_EIH, w_up_EIH, w_down_EHI)
     if not with_h and w_down_EHI is not None:
         raise ValueError("with_h=False needs w_down=None: the down projection reads h")
     if not isinstance(num_sms, int) or num_sms < 0:
@@ -159,16 +169,7 @@ def grouped_backward(
     """
     import mok_bf16
 
-    x_MH = check_tensor("x", x_MH, dtypes=(BF16,), shape=[("M", None), ("H", None)])
-    dev = x_MH.device
-    M, H = x_MH.shape
-    w_gate_EIH = check_tensor(
-        "w_gate", w_gate_EIH, dtypes=(BF16,), shape=[("El", None), ("I", None), ("H", H)], device=dev
-    )
-    El, I = w_gate_EIH.shape[:2]
-    check_tensor("offsets", offsets_El1, dtypes=(torch.int64,), shape=[("El+1", El + 1)], device=dev)
-    check_tensor("w_up", w_up_EIH, dtypes=(BF16,), shape=[("El", El), ("I", I), ("H", H)], device=dev)
-    check_tensor("w_down", w_down_EHI, dtypes=(BF16,), shape=[("El", El), ("H", H), ("I", I)], device=dev)
+    dev, M, H, El, I = _check_rows_and_weights(x_MH, offsets_El1, w_gate_EIH, w_up_EIH, w_down_EHI)
     rows_I = [("M", M), ("I", I)]
     check_tensor("a", a_MI, dtypes=(BF16,), shape=rows_I, device=dev)
     check_tensor("b", b_MI, dtypes=(BF16,), shape=rows_I, device=dev)
