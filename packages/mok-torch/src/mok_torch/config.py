@@ -50,7 +50,9 @@ class MoKConfig:
         macrobatch_size: rows of the ring buffer that holds routed activations (a multiple of
             `minibatch_size`); None keeps all rows (no replay in backward).
         expert_alignment: each expert's row segment starts at a multiple of this (a power
-            of two; the GEMM tile height on the GPU).
+            of two). The `cuda` backend's BF16 backward kernels need a multiple of 64 (their
+            weight gradients take 64-row blocks from each segment start); with less it runs
+            the routed experts' backward in the reference arithmetic (slow).
         swiglu_limit: optional clamp `a <= limit`, `-limit <= b <= limit` (gpt-oss style).
         timeout_s: how long a wait on another rank may take before it raises.
     """
