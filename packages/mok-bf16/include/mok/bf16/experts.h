@@ -177,8 +177,9 @@ inline constexpr std::int64_t kMaxGroupedExperts = 1024;
 
 // Checked calls. `device` is "cpu" or "cuda"; `stream` a cudaStream_t as an integer (unused on
 // the CPU). Throw std::invalid_argument (Python ValueError) naming a bad argument, and
-// std::runtime_error for "cuda", which has no kernels yet. On "cpu" the expert ids are checked
-// before anything is written.
+// std::runtime_error where "cuda" has no kernels (the per-row swiglu_* entry points; the GPU
+// has the grouped_* ones) or the build has no CUDA. On "cpu" the expert ids or offsets are
+// checked before anything is written.
 void swiglu_forward(std::string_view device, const SwigluForwardArgs& args, std::uintptr_t stream);
 void swiglu_backward(std::string_view device, const SwigluBackwardArgs& args,
                      std::uintptr_t stream);

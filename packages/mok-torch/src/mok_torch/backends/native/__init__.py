@@ -15,9 +15,10 @@ The GPU kernels take a whole macrobatch per call (nothing overlaps the transport
 smaller calls would only add launches); the minibatches order the reference paths.
 
 On the GPU nothing reads a device value on the host: the ring walks every row of the
-table's capacity in static minibatches (rows past the last segment are empty and skipped
-by the transport), each row carries its expert, and a whole forward + backward can be
-captured in one CUDA graph. On the CPU the host reads the segment offsets; mok-bf16 gets
+table's capacity in static macrobatches (minibatches on the reference paths; rows past the
+last segment are empty and skipped by the transport), the kernels read the segment offsets
+on the device (the reference paths give each row its expert), and a whole forward + backward
+can be captured in one CUDA graph. On the CPU the host reads the segment offsets; mok-bf16 gets
 flat rows, each with its local expert (-1 for padding rows, which it skips), and the PyTorch
 fallback works on expert blocks, as the reference does.
 
@@ -113,8 +114,8 @@ def gpu_forward_kernels(cfg: MoKConfig, device: torch.device, hidden: int, inner
 
 def gpu_backward_kernels(cfg: MoKConfig) -> bool:
     """Whether the backward runs mok-bf16's GPU kernels where the forward's GEMMs run on the GPU:
-    when every segment start and minibatch boundary is a multiple of the weight gradients' 64-row
-    blocks (config checks make minibatches multiples of the alignment)."""
+    when every segment start and macrobatch boundary is a multiple of the weight gradients' 64-row
+    blocks (config checks make mini- and macrobatches multiples of the alignment)."""
     return cfg.expert_alignment % 64 == 0
 
 
