@@ -827,11 +827,16 @@ def require_cuda(num_gpus=1):
         pytest.skip(reason)
 
 
+# The GPU adds rows of 33 and 2.5 vectors per lane and round (528, 40976 bytes): the predicated
+# last round of the warp movers.
+GPU_ROW_BYTES = [*ROW_BYTES, 528, 40976]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("strides", ["dense", "padded"])
 @pytest.mark.parametrize("route_divisor", [K, 1])
-@pytest.mark.parametrize("row_bytes", ROW_BYTES)
-@pytest.mark.parametrize("num_workers", [1, 3, 16])
+@pytest.mark.parametrize("row_bytes", GPU_ROW_BYTES)
+@pytest.mark.parametrize("num_workers", [1, 3, 16, 132])
 def test_cuda_pull_matches_reference(num_workers, row_bytes, route_divisor, strides):
     require_cuda()
     check_pull("cuda", move_of(row_bytes, strides), route_divisor, num_workers, seed=row_bytes + num_workers)
@@ -839,8 +844,8 @@ def test_cuda_pull_matches_reference(num_workers, row_bytes, route_divisor, stri
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("strides", ["dense", "padded"])
-@pytest.mark.parametrize("row_bytes", ROW_BYTES)
-@pytest.mark.parametrize("num_workers", [1, 3, 16])
+@pytest.mark.parametrize("row_bytes", GPU_ROW_BYTES)
+@pytest.mark.parametrize("num_workers", [1, 3, 16, 132])
 def test_cuda_push_matches_reference(num_workers, row_bytes, strides):
     require_cuda()
     check_push("cuda", move_of(row_bytes, strides), num_workers, seed=row_bytes + num_workers)

@@ -17,11 +17,13 @@ using transport::DeviceSync;
 using transport::PullRows;
 using transport::PushRows;
 
-// Row movers: 8 warps per CTA, one row per warp at a time. Eight rows in flight per CTA, each
-// lane with 4 x 16-byte loads outstanding, is 16 KiB in flight per CTA: with ~1-2 µs NVLink
-// latency, 8-16 CTAs cover the ~360 GB/s per direction measured on our H200 pair.
-constexpr int kCopyThreads = 256;
+// Row movers: 16 warps per CTA, one row per warp at a time, each lane with 8 16-byte loads in
+// flight: 64 KiB in flight per CTA (128 registers a thread, none spilled). The first version kept
+// 16 KiB (8 warps x 4) and moved ~9 GB/s per CTA over NVLink; this one ~20 GB/s, about what one
+// SM moves over NVLink by any means we tried (the copy engine's bulk copies included: NOTES.md).
+constexpr int kCopyThreads = 512;
 constexpr int kCopyWarps = kCopyThreads / 32;
+constexpr int kCopyUnroll = 8;
 // The barrier: one CTA, one thread per peer (a loop beyond 1024 peers).
 constexpr int kBarrierMaxThreads = 1024;
 
@@ -31,14 +33,14 @@ constexpr int kBarrierMaxThreads = 1024;
 // (a peer's symmetric memory, or local) into the table row, or zero-fills it (padding). No
 // synchronization inside: rows are independent, and the barrier kernel that precedes or follows
 // on the stream orders them against the peers.
-__global__ void __launch_bounds__(kCopyThreads) pull_rows_kernel(PullRows move) {
+__global__ void __launch_bounds__(kCopyThreads, 1) pull_rows_kernel(PullRows move) {
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const std::int64_t warp = static_cast<std::int64_t>(blockIdx.x) * kCopyWarps + threadIdx.x / 32;
   const std::int64_t num_warps = static_cast<std::int64_t>(gridDim.x) * kCopyWarps;
   for (std::int64_t i = warp; i < move.capacity; i += num_warps) {
     const unsigned char* src = move.src_row(i);
     if (src != nullptr) {
-      transport::warp_copy_row(move.dst_row(i), src, move.row_bytes, lane);
+      transport::warp_copy_row<kCopyUnroll>(move.dst_row(i), src, move.row_bytes, lane);
     } else {
       transport::warp_zero_row(move.dst_row(i), move.row_bytes, lane);
     }
@@ -48,13 +50,15 @@ __global__ void __launch_bounds__(kCopyThreads) pull_rows_kernel(PullRows move) 
 // push_rows_kernel: the same grid and row striping as the pull; each warp copies its local table
 // row into the destination rank's buffer at the row's route (one row per route, so no two warps
 // of any rank write the same bytes). Padding rows are skipped.
-__global__ void __launch_bounds__(kCopyThreads) push_rows_kernel(PushRows move) {
+__global__ void __launch_bounds__(kCopyThreads, 1) push_rows_kernel(PushRows move) {
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const std::int64_t warp = static_cast<std::int64_t>(blockIdx.x) * kCopyWarps + threadIdx.x / 32;
   const std::int64_t num_warps = static_cast<std::int64_t>(gridDim.x) * kCopyWarps;
   for (std::int64_t i = warp; i < move.capacity; i += num_warps) {
     unsigned char* dst = move.dst_row(i);
-    if (dst != nullptr) transport::warp_copy_row(dst, move.src_row(i), move.row_bytes, lane);
+    if (dst != nullptr) {
+      transport::warp_copy_row<kCopyUnroll>(dst, move.src_row(i), move.row_bytes, lane);
+    }
   }
 }
 

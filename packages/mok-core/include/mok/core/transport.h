@@ -206,22 +206,25 @@ struct DeviceSync {
   }
 };
 
-// Copies `n` vectors of type V with one warp. Each lane keeps kUnroll independent loads in
-// flight before its stores (peer memory is ~1 µs away: one load per lane would leave NVLink idle).
+// Copies `n` vectors of type V with one warp. Each lane issues up to kUnroll independent loads
+// (predicated at the row's end, so the last round is as deep as the others) before its stores:
+// peer memory is ~2 µs away, and bytes in flight are what a copy over NVLink is made of.
 template <typename V, int kUnroll = 4>
 __device__ __forceinline__ void warp_copy_vectors(unsigned char* dst, const unsigned char* src,
                                                   std::int64_t n, int lane) {
   const V* s = reinterpret_cast<const V*>(src);
   V* d = reinterpret_cast<V*>(dst);
-  std::int64_t j = lane;
-  for (; j + (kUnroll - 1) * 32 < n; j += kUnroll * 32) {
+  for (std::int64_t j = lane; j < n; j += kUnroll * 32) {
     V v[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) v[u] = s[j + u * 32];
+    for (int u = 0; u < kUnroll; ++u) {
+      if (j + u * 32 < n) v[u] = s[j + u * 32];
+    }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) d[j + u * 32] = v[u];
+    for (int u = 0; u < kUnroll; ++u) {
+      if (j + u * 32 < n) d[j + u * 32] = v[u];
+    }
   }
-  for (; j < n; j += 32) d[j] = s[j];
 }
 
 template <typename V>
@@ -234,6 +237,7 @@ __device__ __forceinline__ void warp_zero_vectors(unsigned char* dst, std::int64
 // One warp copies one row of `bytes`: at the widest width both addresses allow (16 bytes for rows
 // of any 16-byte-aligned tensor), then the tail (< width bytes) byte by byte. Warp-uniform
 // branches: every lane sees the same addresses.
+template <int kUnroll = 4>
 __device__ __forceinline__ void warp_copy_row(unsigned char* dst, const unsigned char* src,
                                               std::int64_t bytes, int lane) {
   // Rows live in global memory (local, a peer's over NVLink, or mapped host memory). Said so, the
@@ -244,19 +248,19 @@ __device__ __forceinline__ void warp_copy_row(unsigned char* dst, const unsigned
   const std::int64_t body = bytes / width * width;
   switch (width) {
     case 16:
-      warp_copy_vectors<uint4>(dst, src, body / 16, lane);
+      warp_copy_vectors<uint4, kUnroll>(dst, src, body / 16, lane);
       break;
     case 8:
-      warp_copy_vectors<uint2>(dst, src, body / 8, lane);
+      warp_copy_vectors<uint2, kUnroll>(dst, src, body / 8, lane);
       break;
     case 4:
-      warp_copy_vectors<std::uint32_t>(dst, src, body / 4, lane);
+      warp_copy_vectors<std::uint32_t, kUnroll>(dst, src, body / 4, lane);
       break;
     case 2:
-      warp_copy_vectors<std::uint16_t>(dst, src, body / 2, lane);
+      warp_copy_vectors<std::uint16_t, kUnroll>(dst, src, body / 2, lane);
       break;
     default:
-      warp_copy_vectors<std::uint8_t>(dst, src, body, lane);
+      warp_copy_vectors<std::uint8_t, kUnroll>(dst, src, body, lane);
       break;
   }
   for (std::int64_t j = body + lane; j < bytes; j += 32) dst[j] = src[j];

@@ -43,7 +43,7 @@ from .providers import Settings, TorchA2AProvider
 from .shapes import resolve_shapes
 from .timing import Ranks, median, reduce_max, synchronize, time_ms
 
-CTA_COUNTS = (4, 8, 16, 24, 32)
+CTA_COUNTS = (2, 4, 8, 16, 24, 32)
 
 
 def _gbps(nbytes: float, ms: float) -> float:
@@ -204,6 +204,12 @@ def _rates(per_cta: dict[str, Any]) -> str:
     return " ".join(f"{ctas}:{v['GBps_per_direction']:.0f}" for ctas, v in per_cta.items())
 
 
+def fewest_ctas(per_cta: dict[str, Any], rate: float) -> int | None:
+    """The fewest CTAs measured to reach `rate` GB/s per direction (None: no count did)."""
+    hits = [int(c) for c, v in per_cta.items() if v["GBps_per_direction"] >= rate]
+    return min(hits) if hits else None
+
+
 def _print(doc: dict[str, Any]) -> None:
     link = doc["ceilings"]["nvlink"]
     rate = "-" if not link or link["value"] is None else f"{link['value']:.0f} GB/s per direction"
@@ -222,6 +228,11 @@ def _print(doc: dict[str, Any]) -> None:
             f"schedule {r['schedule_ms'] * 1e3:.0f} us (table {r['table_kernel_ms'] * 1e3:.0f} us, "
             f"{share:.1f}% of torch-a2a fwd)  combine {r['combine']['ms'] * 1e3:.0f} us"
         )
+    if link and link["value"]:
+        goal = 0.9 * link["value"]
+        print(f"fewest CTAs reaching 90% of NVLink ({goal:.0f} GB/s; None: no count measured did):")
+        for r in doc["results"]:
+            print(f"  {r['shape']['name']:<20} pull {fewest_ctas(r['pull'], goal)}  push {fewest_ctas(r['push'], goal)}")
 
 
 def _run(ns: argparse.Namespace) -> None:
