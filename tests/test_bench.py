@@ -19,7 +19,7 @@ from multiproc import run_ranks
 from mok_torch import MoKConfig, resolve_backend
 from mok_torch.bench import floors, launch
 from mok_torch.bench.inputs import LayerCall, make_call, make_weights
-from mok_torch.bench.providers import MokProvider, Settings, TorchA2AProvider, TorchLoopProvider
+from mok_torch.bench.providers import MokProvider, Settings, TorchA2AProvider, TorchLoopProvider, make_providers
 from mok_torch.bench.shapes import Shape, resolve_shapes
 from mok_torch.bench.timing import Ranks
 from mok_torch.cli import main as mok_main
@@ -174,7 +174,10 @@ def bench_rank(rank: int, world: int, group, out: str) -> dict:
     call = make_call(shape, "skewed", make_weights(shape, ranks), ranks)
     mok_out = _forward_backward(MokProvider("mok", "reference", "bf16").prepare(call, ranks, SETTINGS), call)
     a2a_out = _forward_backward(TorchA2AProvider(compiled=False).prepare(call, ranks, SETTINGS), call)
-    return {"report": report, "mok": mok_out, "torch-a2a": a2a_out}
+    (push_pull,) = make_providers(["mok-push-pull"], ["cpu"], "bf16")
+    assert push_pull.config.dispatch == "push" and push_pull.config.combine == "pull"
+    moved = _forward_backward(push_pull.prepare(call, ranks, SETTINGS), call)
+    return {"report": report, "mok": mok_out, "torch-a2a": a2a_out, "mok-push-pull": moved}
 
 
 @pytest.mark.multiprocess
@@ -195,6 +198,8 @@ def test_two_ranks_on_gloo(tmp_path):
     for res in per_rank:
         for key, want in res["mok"].items():
             assert_close(f"EP 2 torch-a2a {key}", res["torch-a2a"][key], want)
+            # the other directions move the same bytes: the cpu backend is bitwise the reference
+            assert torch.equal(res["mok-push-pull"][key], want), key
 
 
 def _synthetic_report(created: str, ms: float) -> dict:

@@ -55,15 +55,25 @@ def reference_pull(srcs_R, row_src_rank_C, row_route_C, route_divisor, row_bytes
     return out
 
 
-def reference_push(src, row_src_rank_C, row_route_C, row_bytes, src_stride, dst_stride, dsts_R):
-    """dsts_R with dsts_R[s][route * dst_stride :][:row_bytes] <- table row i, for each real row."""
+def reference_push(src, row_src_rank_C, row_route_C, row_bytes, src_stride, dst_stride, dsts_R, src_divisor=1):
+    """dsts_R with dsts_R[s][route * dst_stride :][:row_bytes] <- src row i // src_divisor, for each real row."""
     outs = [d.clone() for d in dsts_R]
     for i, (s, route) in enumerate(zip(row_src_rank_C.tolist(), row_route_C.tolist(), strict=True)):
         if s >= 0:
+            j = i // src_divisor
             outs[s][route * dst_stride : route * dst_stride + row_bytes] = src[
-                i * src_stride : i * src_stride + row_bytes
+                j * src_stride : j * src_stride + row_bytes
             ]
     return outs
+
+
+def reference_zero(dst, row_src_rank_C, row_bytes, dst_stride):
+    """dst with the first row_bytes of every padding row's stride zeroed."""
+    out = dst.clone()
+    for i, s in enumerate(row_src_rank_C.tolist()):
+        if s < 0:
+            out[i * dst_stride : i * dst_stride + row_bytes] = 0
+    return out
 
 
 def make_table(tokens_R, topk, num_padding, seed, num_dropped=0):
@@ -165,7 +175,21 @@ def check_pull(device, move, route_divisor, num_workers, dst_offset=0, src_offse
     assert torch.equal(dst.cpu(), want)
 
 
-def check_push(device, move, num_workers, dst_offset=0, src_offset=0, seed=0):
+def check_zero(device, move, num_workers, seed=0):
+    row_src_rank_C, _ = make_table(TOKENS_R, K, num_padding=9, seed=seed)
+    capacity = row_src_rank_C.numel()
+    dst = offset_buffer(capacity * move.dst_stride, 0, device, seed=seed + 7)
+    want = reference_zero(dst.cpu(), row_src_rank_C, move.row_bytes, move.dst_stride)
+    table = row_src_rank_C.to(device)
+    core.zero_rows(
+        device, dst.data_ptr(), table.data_ptr(), capacity, move.row_bytes, move.dst_stride, num_workers,
+        stream_of(device),
+    )  # fmt: skip
+    synchronize(device)
+    assert torch.equal(dst.cpu(), want)
+
+
+def check_push(device, move, num_workers, dst_offset=0, src_offset=0, seed=0, src_divisor=1):
     row_src_rank_C, row_route_C = make_table(TOKENS_R, K, num_padding=7, seed=seed, num_dropped=4)
     capacity = row_src_rank_C.numel()
     src = offset_buffer(capacity * move.src_stride, src_offset, device, seed=seed + 99)
@@ -180,6 +204,7 @@ def check_push(device, move, num_workers, dst_offset=0, src_offset=0, seed=0):
         move.src_stride,
         move.dst_stride,
         [d.cpu() for d in dsts_R],
+        src_divisor,
     )
     core.push_rows(
         device,
@@ -193,6 +218,7 @@ def check_push(device, move, num_workers, dst_offset=0, src_offset=0, seed=0):
         move.dst_stride,
         num_workers,
         stream_of(device),
+        src_divisor,
     )
     synchronize(device)
     for r, (got, exp) in enumerate(zip(dsts_R, want, strict=True)):
@@ -212,6 +238,43 @@ def test_cpu_pull_matches_reference(num_workers, row_bytes, route_divisor, strid
 @pytest.mark.parametrize("num_workers", [1, 2, 3, 4])
 def test_cpu_push_matches_reference(num_workers, row_bytes, strides):
     check_push("cpu", move_of(row_bytes, strides), num_workers, seed=row_bytes + num_workers)
+
+
+@pytest.mark.parametrize("strides", ["dense", "padded"])
+@pytest.mark.parametrize("row_bytes", [4, 6, 14336])
+@pytest.mark.parametrize("num_workers", [1, 3])
+def test_cpu_push_of_token_rows_to_every_route(num_workers, row_bytes, strides):
+    """src_divisor = K: route i takes token row i // K (the push dispatch)."""
+    check_push("cpu", move_of(row_bytes, strides), num_workers, seed=row_bytes, src_divisor=K)
+
+
+@pytest.mark.parametrize("strides", ["dense", "padded"])
+@pytest.mark.parametrize("row_bytes", ROW_BYTES)
+@pytest.mark.parametrize("num_workers", [1, 2, 4])
+def test_cpu_zero_rows_touches_only_padding(num_workers, row_bytes, strides):
+    check_zero("cpu", move_of(row_bytes, strides), num_workers, seed=row_bytes + num_workers)
+
+
+def test_zero_rows_rejects_bad_arguments():
+    src_rank = torch.tensor([-1, 0], dtype=torch.int32)
+    dst = torch.zeros(64, dtype=torch.uint8)
+    ok = dict(device="cpu", dst=dst.data_ptr(), row_src_rank=src_rank.data_ptr(), capacity=2, row_bytes=16,
+              dst_stride=32, num_workers=1)  # fmt: skip
+    core.zero_rows(**ok)
+    for override, name in ((dict(capacity=-1), "capacity"), (dict(row_bytes=-1), "row_bytes"),
+                           (dict(dst_stride=8), "dst_stride"), (dict(num_workers=0), "num_workers"),
+                           (dict(dst=0), "dst must not be 0"), (dict(row_src_rank=2), "row_src_rank"),
+                           (dict(device="tpu"), "device")):  # fmt: skip
+        with pytest.raises(ValueError, match=name):
+            core.zero_rows(**{**ok, **override})
+
+
+def test_push_rejects_a_bad_src_divisor(valid_move):
+    kwargs, _ = valid_move
+    push = {k: v for k, v in kwargs.items() if k not in ("dst", "src_ptrs", "route_divisor")}
+    push.update(src=kwargs["dst"], dst_ptrs=kwargs["src_ptrs"], capacity=8)
+    with pytest.raises(ValueError, match="src_divisor"):
+        core.push_rows(**push, src_divisor=0)
 
 
 def test_cpu_more_workers_than_rows():
@@ -849,6 +912,17 @@ def test_cuda_pull_matches_reference(num_workers, row_bytes, route_divisor, stri
 def test_cuda_push_matches_reference(num_workers, row_bytes, strides):
     require_cuda()
     check_push("cuda", move_of(row_bytes, strides), num_workers, seed=row_bytes + num_workers)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("strides", ["dense", "padded"])
+@pytest.mark.parametrize("row_bytes", [4, 6, 528, 14336])
+@pytest.mark.parametrize("num_workers", [1, 16])
+def test_cuda_push_of_token_rows_and_zero_rows(num_workers, row_bytes, strides):
+    require_cuda()
+    move = move_of(row_bytes, strides)
+    check_push("cuda", move, num_workers, seed=row_bytes, src_divisor=K)
+    check_zero("cuda", move, num_workers, seed=row_bytes + 1)
 
 
 @pytest.mark.gpu

@@ -25,6 +25,7 @@ CONFIGS = [
     dict(expert_alignment=128),
     dict(expert_alignment=16, macrobatch_size=32),
     dict(expert_alignment=8, fwd_num_comm_sms=40, bwd_num_comm_sms=28),
+    dict(expert_alignment=8, minibatch_size=8, macrobatch_size=16, dispatch="push", combine="pull"),
 ]
 
 

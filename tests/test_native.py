@@ -24,6 +24,10 @@ CONFIGS = [
     dict(expert_alignment=8),
     dict(expert_alignment=8, minibatch_size=8, macrobatch_size=16),
     dict(expert_alignment=1, minibatch_size=5, macrobatch_size=15, fwd_num_comm_sms=2, bwd_num_comm_sms=4),
+    # the other directions: sources push their rows into the tables, pull their outputs back
+    dict(expert_alignment=8, dispatch="push", combine="pull"),
+    dict(expert_alignment=4, minibatch_size=8, macrobatch_size=16, dispatch="push"),
+    dict(expert_alignment=1, minibatch_size=5, macrobatch_size=15, combine="pull"),
 ]
 # Where the GPU GEMMs run, an expert alignment that is a multiple of 64 also puts the backward on
 # mok-bf16's kernels (their weight gradients take 64-row blocks from each segment start).
@@ -31,6 +35,7 @@ GPU_BACKWARD_CONFIGS = [
     dict(expert_alignment=64),
     dict(expert_alignment=64, minibatch_size=64, macrobatch_size=128),
     dict(expert_alignment=128, minibatch_size=128, macrobatch_size=256, fwd_num_comm_sms=2, bwd_num_comm_sms=4),
+    dict(expert_alignment=64, minibatch_size=64, macrobatch_size=128, dispatch="push", combine="pull"),
 ]
 ALL_KEYS = CONTRACT_KEYS + ("dWg_s", "dWu_s", "dWd_s")
 
@@ -99,6 +104,26 @@ def test_cpu_backend_across_processes(world):
     _check_ep(run_ranks(world, "test_native.native_scenario", "cpu"), world)
 
 
+def route_rows_scenario(rank: int, world: int, group, device: str) -> bool:
+    """The native schedule's route (rank, row) arrays equal the reference's, bitwise."""
+    backend, dev = ("cuda", f"cuda:{rank}") if device == "cuda" else ("cpu", "cpu")
+    inp = make_inputs(T_GLOBAL, 32, 16, 6, 2, 0, "skewed", seed=3)
+    top = inp.top_experts_TK[_slice(world, rank)]
+    got = {}
+    for name in ("reference", backend):
+        cfg = config(backend=name, expert_alignment=4)
+        ws = mok.get_workspace(cfg, group, device=dev, max_tokens=T_GLOBAL, hidden_size=32, topk=2, num_experts=6)
+        sched = mok.build_schedule(ws, cfg, top.to(dev))
+        got[name] = (sched.route_rank_TK.cpu(), sched.route_row_TK.cpu())
+    (a_rank, a_row), (b_rank, b_row) = got["reference"], got[backend]
+    return torch.equal(a_rank, b_rank) and torch.equal(a_row, b_row) and a_row.numel() == top.numel()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_cpu_route_rows_match_the_reference(world):
+    assert all(run_ranks(world, "test_native.route_rows_scenario", "cpu"))
+
+
 def straggler_scenario(rank: int, world: int, group, device: str) -> str:
     """Rank 1 builds the schedule (a collective) and then never calls forward."""
     backend, dev = ("cuda", f"cuda:{rank}") if device == "cuda" else ("cpu", "cpu")
@@ -152,15 +177,17 @@ def test_cuda_rank_that_never_arrives_times_out():
     assert "rank 0 waited more than 1 s for rank 1" in msg and "forward: inputs written" in msg, msg
 
 
-def graph_scenario(rank: int, world: int, group, device: str, dims: str = "small") -> dict:
+def graph_scenario(rank: int, world: int, group, device: str, dims: str = "small", directions: str = "") -> dict:
     """Capture schedule + forward + backward in one CUDA graph; replay it on new inputs.
     dims "kernels": H, I, Is multiples of 64 and the alignment 64, so the forward and the backward
-    run mok-bf16's GPU kernels (a macrobatch smaller than the table: the backward replays)."""
+    run mok-bf16's GPU kernels (a macrobatch smaller than the table: the backward replays).
+    directions "push-pull": push dispatch and pull combine."""
     dev = torch.device("cuda", torch.cuda.current_device())
+    moves = dict(dispatch="push", combine="pull") if directions == "push-pull" else {}
     if dims == "kernels":
-        cfg = config(backend="cuda", expert_alignment=64, minibatch_size=64, macrobatch_size=128)
+        cfg = config(backend="cuda", expert_alignment=64, minibatch_size=64, macrobatch_size=128, **moves)
     else:
-        cfg = config(backend="cuda", expert_alignment=8, minibatch_size=16, macrobatch_size=32)
+        cfg = config(backend="cuda", expert_alignment=8, minibatch_size=16, macrobatch_size=32, **moves)
     T, H, I, E, K, Is = (24, 32, 16, 4 * world, 2, 8) if dims == "small" else (24, 128, 64, 4 * world, 2, 64)
     first = make_inputs(T * world, H, I, E, K, Is, seed=1)
     second = make_inputs(T * world, H, I, E, K, Is, "skewed", seed=2)
@@ -184,7 +211,7 @@ def graph_scenario(rank: int, world: int, group, device: str, dims: str = "small
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        step()  # warm-up: allocates the workspace's symmetric memory outside the capture
+        step()  # warm-up: allocates the workspace's (and the directions') buffers outside the capture
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -285,10 +312,25 @@ def test_cuda_backend_with_gpu_gemms_across_gpus():
 
 
 @two_gpus
-def test_cuda_graph_capture_two_gpus():
-    for res in run_ranks(2, "test_native.graph_scenario", "cuda", device="cuda"):
+@pytest.mark.parametrize("directions", ["", "push-pull"])
+def test_cuda_graph_capture_two_gpus(directions):
+    for res in run_ranks(2, "test_native.graph_scenario", "cuda", "small", directions, device="cuda"):
         for a, b in zip(res["replayed"], res["eager"], strict=True):
             assert torch.equal(a, b)
+
+
+@two_gpus
+def test_cuda_graph_capture_two_gpus_gpu_gemms_push_pull():
+    if not native.gpu_forward_kernels(config(backend="cuda"), torch.device("cuda"), 128, 64, 1):
+        pytest.skip("mok-bf16's grouped forward needs an sm_90 GPU and a CUDA build of mok-bf16")
+    for res in run_ranks(2, "test_native.graph_scenario", "cuda", "kernels", "push-pull", device="cuda"):
+        for a, b in zip(res["replayed"], res["eager"], strict=True):
+            assert torch.equal(a, b)
+
+
+@two_gpus
+def test_cuda_route_rows_match_the_reference():
+    assert all(run_ranks(2, "test_native.route_rows_scenario", "cuda", device="cuda"))
 
 
 def test_cpu_backend_without_expert_kernels_is_bitwise_the_reference(monkeypatch):

@@ -7,7 +7,7 @@ import torch
 from helpers import DEVICE, config
 
 import mok_torch as mok
-from mok_torch.backends.reference.schedule import send_side, table_from_routes
+from mok_torch.backends.reference.schedule import route_rows, send_side, table_from_routes
 
 
 def naive_table(routes, tokens, rank, El, align, capacity):
@@ -55,6 +55,35 @@ def test_table_matches_naive(R, align, seed):
         assert got.expert_counts_El.cpu().tolist() == counts
         assert got.row_src_rank_C.dtype == torch.int32 and got.row_route_C.dtype == torch.int32
         assert got.recv_counts_R.cpu().tolist() == [sum(1 for x in src if x == s) for s in range(R)]
+
+
+@pytest.mark.parametrize("R", [1, 2, 3])
+@pytest.mark.parametrize("align", [1, 4, 16])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_route_rows_point_at_their_table_rows(R, align, seed):
+    """Every route's (rank, row) is the row that rank's table gives it: the address a push
+    dispatch writes to and a pull combine reads from."""
+    g = torch.Generator().manual_seed(seed)
+    El, K, Tmax = 3, 2, 9
+    E = El * R
+    tokens = torch.randint(0, Tmax + 1, (R,), generator=g)
+    tokens[0] = Tmax
+    routes = torch.stack([torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(Tmax)]) for _ in range(R)])
+    if seed == 1:
+        routes[:, :, 0] = 0  # a hot expert
+    capacity = mok.workspace.align_up(R * Tmax * K + El * (align - 1), align)
+    tables = [
+        table_from_routes(routes, tokens, rank=r, num_local_experts=El, alignment=align, capacity=capacity)
+        for r in range(R)
+    ]
+    for s in range(R):
+        T = int(tokens[s])
+        rank, row = route_rows(routes, tokens, rank=s, num_tokens=T, num_local_experts=El, alignment=align)
+        assert rank.dtype == torch.int32 and row.dtype == torch.int32 and rank.shape == (T * K,)
+        assert rank.tolist() == (routes[s, :T].reshape(-1) // El).tolist()
+        for j in range(T * K):
+            table = tables[int(rank[j])]
+            assert int(table.row_src_rank_C[row[j]]) == s and int(table.row_route_C[row[j]]) == j
 
 
 def test_send_side_orders_by_expert_then_route():

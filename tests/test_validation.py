@@ -193,6 +193,8 @@ def test_moe_rejects():
         (dict(swiglu_limit="7"), TypeError, "MoKConfig.swiglu_limit"),
         (dict(minibatch_size=1.5), TypeError, "MoKConfig.minibatch_size must be an int"),
         (dict(timeout_s=0), ValueError, "MoKConfig.timeout_s"),
+        (dict(dispatch="broadcast"), ValueError, "MoKConfig.dispatch must be one of"),
+        (dict(combine=None), ValueError, "MoKConfig.combine must be one of"),
     ],
 )
 def test_config_rejects(kw, exc, msg):

@@ -54,18 +54,37 @@ void register_transport(pybind11::module_& m) {
       [](const std::string& device, std::int64_t src, std::int64_t dst_ptrs,
          std::int64_t row_src_rank, std::int64_t row_route, std::int64_t capacity,
          std::int64_t row_bytes, std::int64_t src_stride, std::int64_t dst_stride,
-         std::int64_t num_workers, std::int64_t stream) {
+         std::int64_t num_workers, std::int64_t stream, std::int64_t src_divisor) {
         push_rows(parse_transport_device(device), src, dst_ptrs, row_src_rank, row_route, capacity,
-                  row_bytes, src_stride, dst_stride, num_workers, stream);
+                  row_bytes, src_stride, dst_stride, num_workers, stream, src_divisor);
       },
       py::arg("device"), py::arg("src"), py::arg("dst_ptrs"), py::arg("row_src_rank"),
       py::arg("row_route"), py::arg("capacity"), py::arg("row_bytes"), py::arg("src_stride"),
       py::arg("dst_stride"), py::arg("num_workers"), py::arg("stream") = 0,
+      py::arg("src_divisor") = 1, py::call_guard<py::gil_scoped_release>(),
+      "Push rows to other ranks (docs/core-runtime.md). For each i < capacity with "
+      "row_src_rank[i] >= 0, copy row_bytes from src + (i // src_divisor) * src_stride to "
+      "dst_ptrs[row_src_rank[i]] + row_route[i] * dst_stride (one destination row per i; "
+      "i with row_src_rank[i] < 0 are skipped). An expert rank pushes its table rows back to "
+      "their routes (src_divisor 1: the push combine); a source rank pushes each token's row "
+      "to its routes' rows in the expert ranks' tables (src_divisor K: the push dispatch). "
+      "Arguments as in pull_rows.");
+
+  m.def(
+      "zero_rows",
+      [](const std::string& device, std::int64_t dst, std::int64_t row_src_rank,
+         std::int64_t capacity, std::int64_t row_bytes, std::int64_t dst_stride,
+         std::int64_t num_workers, std::int64_t stream) {
+        zero_rows(parse_transport_device(device), dst, row_src_rank, capacity, row_bytes,
+                  dst_stride, num_workers, stream);
+      },
+      py::arg("device"), py::arg("dst"), py::arg("row_src_rank"), py::arg("capacity"),
+      py::arg("row_bytes"), py::arg("dst_stride"), py::arg("num_workers"), py::arg("stream") = 0,
       py::call_guard<py::gil_scoped_release>(),
-      "Push the schedule table's rows back to their source ranks (docs/core-runtime.md). For "
-      "each table row i with row_src_rank[i] >= 0, copy row_bytes from src + i * src_stride to "
-      "dst_ptrs[row_src_rank[i]] + row_route[i] * dst_stride (one destination row per route; "
-      "padding rows are skipped). Arguments as in pull_rows.");
+      "Zero-fill the padding rows of a table (docs/core-runtime.md): row_bytes at "
+      "dst + i * dst_stride for each i < capacity with row_src_rank[i] < 0; other rows are not "
+      "touched. What a pull does for padding rows, for tables whose rows were pushed. "
+      "Arguments as in pull_rows.");
 
   m.def(
       "barrier",

@@ -16,6 +16,7 @@ namespace {
 using transport::DeviceSync;
 using transport::PullRows;
 using transport::PushRows;
+using transport::ZeroRows;
 
 // Row movers: 16 warps per CTA, one row per warp at a time, each lane with 8 16-byte loads in
 // flight: 64 KiB in flight per CTA (128 registers a thread, none spilled). The first version kept
@@ -59,6 +60,16 @@ __global__ void __launch_bounds__(kCopyThreads, 1) push_rows_kernel(PushRows mov
     if (dst != nullptr) {
       transport::warp_copy_row<kCopyUnroll>(dst, move.src_row(i), move.row_bytes, lane);
     }
+  }
+}
+
+// zero_rows_kernel: the same striping; a warp zero-fills its row when it is padding.
+__global__ void __launch_bounds__(kCopyThreads, 1) zero_rows_kernel(ZeroRows rows) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const std::int64_t warp = static_cast<std::int64_t>(blockIdx.x) * kCopyWarps + threadIdx.x / 32;
+  const std::int64_t num_warps = static_cast<std::int64_t>(gridDim.x) * kCopyWarps;
+  for (std::int64_t i = warp; i < rows.capacity; i += num_warps) {
+    if (rows.padding(i)) transport::warp_zero_row(rows.dst_row(i), rows.row_bytes, lane);
   }
 }
 
@@ -145,6 +156,12 @@ void push_rows_cuda(const PushRows& move, int num_workers, std::int64_t stream) 
   push_rows_kernel<<<copy_grid(move.capacity, num_workers), kCopyThreads, 0, as_stream(stream)>>>(
       move);
   check_launch("push_rows");
+}
+
+void zero_rows_cuda(const ZeroRows& rows, int num_workers, std::int64_t stream) {
+  zero_rows_kernel<<<copy_grid(rows.capacity, num_workers), kCopyThreads, 0, as_stream(stream)>>>(
+      rows);
+  check_launch("zero_rows");
 }
 
 void barrier_cuda(std::uint64_t* epoch, const std::int64_t* signal_pad_ptrs, int rank,

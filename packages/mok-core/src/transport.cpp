@@ -15,6 +15,7 @@ namespace {
 
 using transport::PullRows;
 using transport::PushRows;
+using transport::ZeroRows;
 
 void require(bool ok, const char* fn, const std::string& what) {
   if (!ok) throw std::invalid_argument(std::string(fn) + ": " + what);
@@ -119,6 +120,14 @@ void push_rows_cpu(const PushRows& move, std::int64_t num_workers) {
   });
 }
 
+void zero_rows_cpu(const ZeroRows& rows, std::int64_t num_workers) {
+  for_row_ranges(rows.capacity, num_workers, [&rows](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t i = begin; i < end; ++i) {
+      if (rows.padding(i)) std::memset(rows.dst_row(i), 0, static_cast<size_t>(rows.row_bytes));
+    }
+  });
+}
+
 // The CPU side of the barrier protocol. The pads live in POSIX shared memory mapped by several
 // processes: GCC/Clang __atomic builtins on naturally aligned words are lock-free and
 // address-free, so they order correctly across processes as well as threads.
@@ -216,10 +225,11 @@ void pull_rows(TransportDevice device, std::int64_t dst, std::int64_t src_ptrs,
 void push_rows(TransportDevice device, std::int64_t src, std::int64_t dst_ptrs,
                std::int64_t row_src_rank, std::int64_t row_route, std::int64_t capacity,
                std::int64_t row_bytes, std::int64_t src_stride, std::int64_t dst_stride,
-               std::int64_t num_workers, std::int64_t stream) {
+               std::int64_t num_workers, std::int64_t stream, std::int64_t src_divisor) {
   constexpr const char* fn = "push_rows";
   check_row_move(fn, "src", src, "dst_ptrs", dst_ptrs, row_src_rank, row_route, capacity, row_bytes,
                  src_stride, dst_stride, num_workers);
+  require(src_divisor >= 1, fn, "src_divisor must be >= 1" + got(src_divisor));
   check_pointer(fn, "stream", stream, 1, true);
   const PushRows move{reinterpret_cast<const unsigned char*>(src),
                       reinterpret_cast<const std::int64_t*>(dst_ptrs),
@@ -228,7 +238,8 @@ void push_rows(TransportDevice device, std::int64_t src, std::int64_t dst_ptrs,
                       capacity,
                       row_bytes,
                       src_stride,
-                      dst_stride};
+                      dst_stride,
+                      src_divisor};
   if (device == TransportDevice::kCuda) {
 #if MOK_WITH_CUDA
     if (capacity > 0 && row_bytes > 0) push_rows_cuda(move, static_cast<int>(num_workers), stream);
@@ -238,6 +249,37 @@ void push_rows(TransportDevice device, std::int64_t src, std::int64_t dst_ptrs,
 #endif
   }
   if (row_bytes > 0) push_rows_cpu(move, num_workers);
+}
+
+void zero_rows(TransportDevice device, std::int64_t dst, std::int64_t row_src_rank,
+               std::int64_t capacity, std::int64_t row_bytes, std::int64_t dst_stride,
+               std::int64_t num_workers, std::int64_t stream) {
+  constexpr const char* fn = "zero_rows";
+  require(capacity >= 0, fn, "capacity must be >= 0" + got(capacity));
+  require(row_bytes >= 0, fn, "row_bytes must be >= 0" + got(row_bytes));
+  require(dst_stride >= row_bytes, fn,
+          "dst_stride must be >= row_bytes (" + std::to_string(row_bytes) + ")" + got(dst_stride));
+  require(num_workers >= 1 && num_workers <= transport::kMaxWorkers, fn,
+          "num_workers must be in [1, " + std::to_string(transport::kMaxWorkers) + "]" +
+              got(num_workers));
+  const bool idle = capacity == 0;
+  check_pointer(fn, "dst", dst, 1, idle || row_bytes == 0);
+  check_pointer(fn, "row_src_rank", row_src_rank, 4, idle);
+  check_pointer(fn, "stream", stream, 1, true);
+  require(capacity == 0 || dst_stride <= std::numeric_limits<std::int64_t>::max() / capacity, fn,
+          "capacity * dst_stride overflows int64");
+  const ZeroRows rows{reinterpret_cast<unsigned char*>(dst),
+                      reinterpret_cast<const std::int32_t*>(row_src_rank), capacity, row_bytes,
+                      dst_stride};
+  if (device == TransportDevice::kCuda) {
+#if MOK_WITH_CUDA
+    if (capacity > 0 && row_bytes > 0) zero_rows_cuda(rows, static_cast<int>(num_workers), stream);
+    return;
+#else
+    no_cuda(fn);
+#endif
+  }
+  if (row_bytes > 0) zero_rows_cpu(rows, num_workers);
 }
 
 bool barrier(TransportDevice device, std::int64_t epoch, std::int64_t signal_pad_ptrs,

@@ -24,11 +24,16 @@ void pull_rows(TransportDevice device, std::int64_t dst, std::int64_t src_ptrs,
                std::int64_t route_divisor, std::int64_t row_bytes, std::int64_t src_stride,
                std::int64_t dst_stride, std::int64_t num_workers, std::int64_t stream);
 
-// For each real table row i: copy row_bytes from src + i * src_stride to
+// For each real table row i: copy row_bytes from src + (i / src_divisor) * src_stride to
 // dst_ptrs[row_src_rank[i]] + row_route[i] * dst_stride.
 void push_rows(TransportDevice device, std::int64_t src, std::int64_t dst_ptrs,
                std::int64_t row_src_rank, std::int64_t row_route, std::int64_t capacity,
                std::int64_t row_bytes, std::int64_t src_stride, std::int64_t dst_stride,
+               std::int64_t num_workers, std::int64_t stream, std::int64_t src_divisor = 1);
+
+// For each padding row i (row_src_rank[i] < 0): zero row_bytes at dst + i * dst_stride.
+void zero_rows(TransportDevice device, std::int64_t dst, std::int64_t row_src_rank,
+               std::int64_t capacity, std::int64_t row_bytes, std::int64_t dst_stride,
                std::int64_t num_workers, std::int64_t stream);
 
 // The epoch barrier. On the CPU it blocks and returns false when the error words are (or get)
@@ -43,6 +48,7 @@ bool barrier(TransportDevice device, std::int64_t epoch, std::int64_t signal_pad
 // and throw std::runtime_error when the launch fails.
 void pull_rows_cuda(const transport::PullRows& move, int num_workers, std::int64_t stream);
 void push_rows_cuda(const transport::PushRows& move, int num_workers, std::int64_t stream);
+void zero_rows_cuda(const transport::ZeroRows& rows, int num_workers, std::int64_t stream);
 void barrier_cuda(std::uint64_t* epoch, const std::int64_t* signal_pad_ptrs, int rank,
                   int world_size, std::int32_t* error, int stage, std::int64_t timeout_ns,
                   std::int64_t stream);

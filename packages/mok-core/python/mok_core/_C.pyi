@@ -76,6 +76,17 @@ def push_rows(
     dst_stride: int,
     num_workers: int,
     stream: int = 0,
+    src_divisor: int = 1,
+) -> None: ...
+def zero_rows(
+    device: str,
+    dst: int,
+    row_src_rank: int,
+    capacity: int,
+    row_bytes: int,
+    dst_stride: int,
+    num_workers: int,
+    stream: int = 0,
 ) -> None: ...
 def barrier(
     device: str,

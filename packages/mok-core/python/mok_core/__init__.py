@@ -24,6 +24,7 @@ from ._C import (
     push_rows,
     schedule_capacity,
     version,
+    zero_rows,
 )
 
 __version__: str = version()
@@ -46,6 +47,7 @@ __all__ = [
     "push_rows",
     "schedule_capacity",
     "version",
+    "zero_rows",
 ]
 
 _PACKAGE_DIR = Path(__file__).resolve().parent

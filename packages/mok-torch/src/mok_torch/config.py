@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, fields
 
 PRECISIONS = ("bf16", "mxfp8")
 BACKENDS = ("auto", "reference", "cpu", "cuda")
+DIRECTIONS = ("pull", "push")
 
 # Hopper SM count, used by the minibatch heuristic when no device reports its own.
 DEFAULT_NUM_SMS = 132
@@ -55,6 +56,15 @@ class MoKConfig:
             the routed experts' backward in the reference arithmetic (slow).
         swiglu_limit: optional clamp `a <= limit`, `-limit <= b <= limit` (gpt-oss style).
         timeout_s: how long a wait on another rank may take before it raises.
+        dispatch: who moves the experts' input rows (x, and dy and w in backward) in the
+            native backends: "pull" (default: the expert's rank reads them from the source
+            ranks) or "push" (each source rank writes its routes' rows into the expert ranks'
+            tables; one more buffer of the table's size per input on every rank).
+        combine: who moves the experts' output rows (y, and dx and d_w in backward): "push"
+            (default: the expert's rank writes each row to its route on the source rank) or
+            "pull" (each source rank reads its routes' rows from the expert ranks; one more
+            buffer of the table's size). The reference backend moves rows with collectives and
+            ignores both. Defaults measured: docs/core-runtime.md "Directions".
     """
 
     precision: str = "bf16"
@@ -66,12 +76,17 @@ class MoKConfig:
     expert_alignment: int = 128
     swiglu_limit: float | None = None
     timeout_s: float = 300.0
+    dispatch: str = "pull"
+    combine: str = "push"
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise ValueError(f"MoKConfig.precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"MoKConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
+        for name in ("dispatch", "combine"):
+            if getattr(self, name) not in DIRECTIONS:
+                raise ValueError(f"MoKConfig.{name} must be one of {DIRECTIONS}, got {getattr(self, name)!r}")
         for name in ("fwd_num_comm_sms", "bwd_num_comm_sms"):
             value = getattr(self, name)
             _check_int(name, value, minimum=2)

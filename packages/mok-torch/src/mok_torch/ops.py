@@ -35,6 +35,8 @@ SCHEDULE_FIELDS = (
     "recv_counts_R",
     "send_order_TK",
     "send_counts_R",
+    "route_rank_TK",
+    "route_row_TK",
 )
 
 
@@ -116,6 +118,8 @@ def _(
         new(R, dtype=i64),
         new(T * K, dtype=i64),
         new(R, dtype=i64),
+        new(T * K, dtype=i32),
+        new(T * K, dtype=i32),
     ]
 
 

@@ -31,6 +31,9 @@ class Schedule:
         send_order_TK: this rank's route indices t*K + k in the order the expert ranks list
             them, i.e. sorted by (expert, t, k).
         send_counts_R: routes from this rank to each rank's experts.
+        route_rank_TK: the rank of each route's expert (int32 [T*K], route t*K + k).
+        route_row_TK: each route's row in that rank's table (int32 [T*K]): where a push
+            dispatch writes the route's input and a pull combine reads its output.
         tokens_per_rank_R: T of every rank of the group.
 
     Rows of one expert are in global token order (source rank, t, k), so the same expert
@@ -48,6 +51,8 @@ class Schedule:
     recv_counts_R: torch.Tensor
     send_order_TK: torch.Tensor
     send_counts_R: torch.Tensor
+    route_rank_TK: torch.Tensor
+    route_row_TK: torch.Tensor
     # Index arrays a backend derives from the table, computed once per schedule.
     aux: dict[str, Any] = field(default_factory=dict, repr=False)
 

@@ -63,8 +63,11 @@ struct PullRows {
   }
 };
 
-// A push: table row i -> dst_ptrs[row_src_rank[i]] + row_route[i] * dst_stride, one destination
-// row per route (nothing summed in flight); padding rows are skipped.
+// A push: row i / src_divisor of src -> dst_ptrs[row_src_rank[i]] + row_route[i] * dst_stride,
+// one destination row per route (nothing summed in flight); padding rows are skipped.
+// src_divisor = 1 pushes table rows (an expert rank's outputs, each to its route); K pushes token
+// rows to every route of the token (a source rank's x or dy, each to its rows in the expert
+// ranks' tables: the push dispatch).
 struct PushRows {
   const unsigned char* src;
   const std::int64_t* dst_ptrs;
@@ -74,14 +77,31 @@ struct PushRows {
   std::int64_t row_bytes;
   std::int64_t src_stride;
   std::int64_t dst_stride;
+  std::int64_t src_divisor = 1;
 
-  MOK_HD const unsigned char* src_row(std::int64_t i) const { return src + i * src_stride; }
+  MOK_HD const unsigned char* src_row(std::int64_t i) const {
+    return src + i / src_divisor * src_stride;
+  }
   // nullptr for a padding row.
   MOK_HD unsigned char* dst_row(std::int64_t i) const {
     const std::int32_t s = row_src_rank[i];
     if (s < 0) return nullptr;
     return rank_base(dst_ptrs, s) + static_cast<std::int64_t>(row_route[i]) * dst_stride;
   }
+};
+
+// Zero-fill: table row i of dst, for every padding row (row_src_rank[i] < 0). Rows pushed into a
+// table by their sources (the push dispatch) leave the padding rows untouched; the GEMMs read
+// them (the weight gradients sum over every row of a segment), so they must be zero.
+struct ZeroRows {
+  unsigned char* dst;
+  const std::int32_t* row_src_rank;
+  std::int64_t capacity;
+  std::int64_t row_bytes;
+  std::int64_t dst_stride;
+
+  MOK_HD unsigned char* dst_row(std::int64_t i) const { return dst + i * dst_stride; }
+  MOK_HD bool padding(std::int64_t i) const { return row_src_rank[i] < 0; }
 };
 
 // Rows [*begin, *end) of worker w out of n: contiguous, sizes differing by at most one. The CPU

@@ -8,7 +8,8 @@ A provider says why it cannot run a shape (`unavailable`, reported as "skipped: 
 returns the forward as a closure over a case's inputs (`prepare`); the runner times it, runs its
 backward through autograd (`y.backward(dy)`), and checks it twice for bitwise repeats.
 
-- `mok` / `mok-<backend>`: `mok_torch.moe`.
+- `mok` / `mok-<backend>`: `mok_torch.moe`; `mok-dispatch-push`, `mok-combine-pull`, `mok-push-pull`:
+  the same with the other transfer directions (MoKConfig.dispatch / .combine).
 - `torch-a2a`: what a PyTorch user writes today (torchtitan style): routes sorted by
   expert, counts exchanged with all_to_all_single and read on the host for split sizes,
   token rows through the differentiable all_to_all_single, regrouped per local expert and
@@ -42,7 +43,15 @@ from .shapes import Shape
 from .timing import Ranks
 
 DEFAULT_PROVIDERS = ("mok", "torch-a2a", "torch-loop", "deepep", "sonicmoe")
-KNOWN_PROVIDERS = ("mok", "mok-<backend>", "torch-a2a", "torch-a2a-compile", "torch-loop", "deepep", "sonicmoe")
+# mok with the non-default transfer directions (MoKConfig.dispatch / .combine), on --backend
+DIRECTION_PROVIDERS = {
+    "mok-dispatch-push": dict(dispatch="push"),
+    "mok-combine-pull": dict(combine="pull"),
+    "mok-push-pull": dict(dispatch="push", combine="pull"),
+}
+KNOWN_PROVIDERS = (
+    "mok", "mok-<backend>", *DIRECTION_PROVIDERS, "torch-a2a", "torch-a2a-compile", "torch-loop", "deepep", "sonicmoe",
+)  # fmt: skip
 # Backends whose experts run the reference arithmetic (one elementwise op per reduction step)
 # take minutes per layer call past this many T*K*H*I.
 REFERENCE_MAX_WORK = 2**24
@@ -117,11 +126,11 @@ def _detached(w: Weights3) -> Weights3:
 
 
 class MokProvider(Provider):
-    def __init__(self, name: str, backend: str, precision: str) -> None:
+    def __init__(self, name: str, backend: str, precision: str, **config: Any) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"provider {name!r}: unknown mok backend {backend!r} (known: {', '.join(BACKENDS)})")
         self.name, self.precision = name, precision
-        self.config = MoKConfig(precision=precision, backend=backend)
+        self.config = MoKConfig(precision=precision, backend=backend, **config)
 
     def backend(self, ranks: Ranks) -> str | None:
         try:
@@ -414,6 +423,8 @@ def make_providers(names: list[str], backends: list[str], precision: str) -> lis
         if name == "mok":
             for b in backends:
                 providers.append(MokProvider("mok" if len(backends) == 1 else f"mok-{b}", b, precision))
+        elif name in DIRECTION_PROVIDERS:
+            providers.append(MokProvider(name, backends[0], precision, **DIRECTION_PROVIDERS[name]))
         elif name.startswith("mok-"):
             providers.append(MokProvider(name, name[len("mok-") :], precision))
         elif name in ("torch-a2a", "torch-a2a-compile"):

@@ -232,7 +232,9 @@ def _print(doc: dict[str, Any]) -> None:
         goal = 0.9 * link["value"]
         print(f"fewest CTAs reaching 90% of NVLink ({goal:.0f} GB/s; None: no count measured did):")
         for r in doc["results"]:
-            print(f"  {r['shape']['name']:<20} pull {fewest_ctas(r['pull'], goal)}  push {fewest_ctas(r['push'], goal)}")
+            print(
+                f"  {r['shape']['name']:<20} pull {fewest_ctas(r['pull'], goal)}  push {fewest_ctas(r['push'], goal)}"
+            )
 
 
 def _run(ns: argparse.Namespace) -> None:

@@ -59,7 +59,7 @@ from ..reference.experts import (
     swiglu,
 )
 from ..reference.ring import Block, replays_in_backward
-from .grouped import GroupedForward, grouped_backward, grouped_forward
+from .grouped import GroupedBackward, GroupedForward, grouped_backward, grouped_forward
 from .transport import Transport, raise_transport_error
 
 Weights3 = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -284,6 +284,10 @@ class NativeBackend:
             tr = ws.state["native"] = Transport(ws, cfg.timeout_s)
         tr.timeout_ns = int(cfg.timeout_s * 1e9)
         self._check_errors(tr)
+        if cfg.dispatch == "push":
+            tr.ensure("dispatch")
+        if cfg.combine == "pull":
+            tr.ensure("combine")
         return tr
 
     def _check_errors(self, tr: Transport) -> None:
@@ -332,6 +336,94 @@ class NativeBackend:
         if cfg.precision == "mxfp8":
             return torch.zeros(n, H + H // 32, dtype=torch.uint8, device=device)
         return torch.zeros(n, H, dtype=BF16, device=device)
+
+    # Moving rows in the direction the config says (MoKConfig.dispatch / .combine):
+    #   inputs   _send_inputs (source side, before the barrier), then _receive per row range
+    #   outputs  _give per row range, then _collect (source side, after the barrier)
+
+    def _movers(self, cfg: MoKConfig, ws: Workspace, backward: bool = False) -> int:
+        """Workers of a row move: every SM on the GPU (the copies run alone between the kernels),
+        the configured communication workers on the CPU."""
+        if ws.device.type == "cuda":
+            return ws.num_sms
+        return cfg.bwd_num_comm_sms if backward else cfg.fwd_num_comm_sms
+
+    def _send_inputs(
+        self, cfg: MoKConfig, ws: Workspace, tr: Transport, sched: Schedule, *, x: torch.Tensor | None = None,
+        dy: torch.Tensor | None = None, w: torch.Tensor | None = None,
+    ) -> None:  # fmt: skip
+        """This rank's x / dy rows and router weights w (fp32 [T*K]) where the expert ranks take
+        them: into its own *_src fields (pull), or into the expert ranks' tables (push, whose
+        padding rows this rank zeroes in its own table)."""
+        K = sched.topk
+        if cfg.dispatch == "pull":
+            if x is not None:
+                self._write_rows(cfg, tr, "x_src", x)
+            if dy is not None:
+                self._write_rows(cfg, tr, "dy_src", dy)
+            if w is not None:
+                tr.view["w_src"][: w.shape[0]].copy_(w)
+            return
+        dest, nw = (sched.route_rank_TK, sched.route_row_TK), self._movers(cfg, ws, backward=dy is not None)
+        for field, rows in (("x_recv", x), ("dy_recv", dy)):
+            if rows is not None:
+                travel = pack_rows(rows) if cfg.precision == "mxfp8" else rows.contiguous()
+                tr.push(travel, field, dest, nw, src_divisor=K)
+                tr.zero_padding(field, sched.row_src_rank_C, nw)
+        if w is not None:
+            tr.push(w, "w_recv", dest, nw)
+            tr.zero_padding("w_recv", sched.row_src_rank_C, nw)
+
+    def _received(self, cfg: MoKConfig, tr: Transport, field: str, lo: int, hi: int) -> torch.Tensor:
+        """Table rows [lo, hi) of a pushed input field, in the form they travel (a view)."""
+        rows = tr.view[field][lo:hi]
+        if cfg.precision == "mxfp8" and field != "w_recv":
+            H = rows.shape[1]
+            return rows.view(torch.uint8)[:, : H + H // 32]
+        return rows
+
+    def _receive(
+        self, cfg: MoKConfig, tr: Transport, sched: Schedule, field: str, out: torch.Tensor, lo: int,
+        route_divisor: int, nw: int,
+    ) -> torch.Tensor:  # fmt: skip
+        """Table rows [lo, lo + len(out)) of input `field` ("x", "dy" or "w") into `out`: pulled
+        from the source ranks, or copied from what they pushed."""
+        hi = lo + out.shape[0]
+        if cfg.dispatch == "pull":
+            tr.pull(out, f"{field}_src", (sched.row_src_rank_C[lo:hi], sched.row_route_C[lo:hi]), route_divisor, nw)
+        else:
+            out.copy_(self._received(cfg, tr, f"{field}_recv", lo, hi))
+        return out
+
+    def _output_rows(self, cfg: MoKConfig, tr: Transport, field: str, lo: int, hi: int) -> torch.Tensor | None:
+        """Where a pull combine's output rows [lo, hi) go ("y_send", "dw_send"); None for a push."""
+        return tr.view[field][lo:hi] if cfg.combine == "pull" else None
+
+    def _give(
+        self, cfg: MoKConfig, tr: Transport, sched: Schedule, rows: torch.Tensor, push_field: str, send_field: str,
+        lo: int, nw: int,
+    ) -> None:  # fmt: skip
+        """Output rows of table rows [lo, lo + len(rows)) toward their routes: pushed into the
+        source ranks' `push_field`, or left in this rank's `send_field` for them to pull (a
+        no-op when `rows` already is that view)."""
+        hi = lo + rows.shape[0]
+        if cfg.combine == "push":
+            tr.push(rows, push_field, (sched.row_src_rank_C[lo:hi], sched.row_route_C[lo:hi]), nw)
+            return
+        out = tr.view[send_field][lo:hi]
+        if out.data_ptr() != rows.data_ptr():
+            out.copy_(rows)
+
+    def _collect(self, cfg: MoKConfig, ws: Workspace, tr: Transport, sched: Schedule, *, d_w: bool) -> None:
+        """After the barrier that follows the outputs: a pull combine reads this rank's routes'
+        rows (and router-weight gradients) from the expert ranks into `rows` (and `d_w`)."""
+        if cfg.combine == "push":
+            return
+        TK, nw = sched.num_tokens * sched.topk, self._movers(cfg, ws, backward=d_w)
+        dest = (sched.route_rank_TK, sched.route_row_TK)
+        tr.pull(tr.view["rows"][:TK], "y_send", dest, 1, nw)
+        if d_w:
+            tr.pull(tr.view["d_w"][:TK], "dw_send", dest, 1, nw)
 
     @staticmethod
     def _values(cfg: MoKConfig, rows: torch.Tensor, H: int) -> torch.Tensor:
@@ -392,7 +484,12 @@ class NativeBackend:
         )  # fmt: skip
         send_order, send_counts = new(T * K, torch.int64), new(R, torch.int64)
         core.build_send_side(dev, top.data_ptr(), T, K, El, R, send_order.data_ptr(), send_counts.data_ptr(), stream)
-        tr.barrier(2)  # every rank has read every rank's routes: they may be rewritten
+        # Each route's row in its expert rank's table (for a push dispatch and a pull combine):
+        # every rank pushes the index of each of its table rows to that row's route.
+        tr.push(tr.row_index, "route_row", (row_src, row_route), self._movers(cfg, ws))
+        tr.barrier(2)  # every rank has read every rank's routes (they may be rewritten); rows landed
+        route_row = tr.view["route_row"][: T * K].clone()  # the next schedule rewrites the field
+        route_rank = torch.div(top.reshape(-1), El, rounding_mode="floor").to(torch.int32)
         self._after_call(tr)
         return Schedule(
             workspace=ws,
@@ -406,6 +503,8 @@ class NativeBackend:
             recv_counts_R=recv,
             send_order_TK=send_order,
             send_counts_R=send_counts,
+            route_rank_TK=route_rank,
+            route_row_TK=route_row,
         )
 
     # ------------------------------------------------------------------ forward
@@ -455,27 +554,30 @@ class NativeBackend:
                 # The GPU GEMMs take the whole macrobatch at once (nothing overlaps the transport
                 # yet, so smaller calls would only cost launches; a row's bits do not depend on
                 # the call): pull its rows, the experts over its segments, push its outputs.
-                table = (sched.row_src_rank_C[lo:hi], sched.row_route_C[lo:hi])
                 n = hi - lo
                 # The copies run alone between the GEMMs: every SM moves rows (fwd_num_comm_sms is
                 # what the fused kernels will give to communication while they compute).
-                nw = ws.num_sms
-                tr.pull(ring_x[:n], "x_src", table, route_divisor=K, num_workers=nw)
-                y_rows = torch.empty(n, H, dtype=BF16, device=dev) if outputs else None
+                nw = self._movers(cfg, ws)
+                if cfg.dispatch == "push" and lo > 0:  # not kept: the GEMMs read the pushed rows
+                    xs = self._received(cfg, tr, "x_recv", lo, hi)
+                else:
+                    xs = self._receive(cfg, tr, sched, "x", ring_x[:n], lo, K, nw)
+                y_rows = None
+                if outputs:
+                    y_rows = self._output_rows(cfg, tr, "y_send", lo, hi)
+                    y_rows = torch.empty(n, H, dtype=BF16, device=dev) if y_rows is None else y_rows
                 h = None if ring_h is None else ring_h[:n]
                 seg = (segments - lo).clamp_(0, n)
                 wd = kernel_weights[2] if outputs else None
-                grouped_forward(ring_x[:n], seg, kernel_weights[0], kernel_weights[1], wd, cfg.swiglu_limit,
+                grouped_forward(xs, seg, kernel_weights[0], kernel_weights[1], wd, cfg.swiglu_limit,
                                 out=GroupedForward(ring_a[:n], ring_b[:n], h, y_rows), with_h=outputs)  # fmt: skip
                 if y_rows is not None:
-                    tr.push(y_rows, "rows", table, num_workers=nw)
+                    self._give(cfg, tr, sched, y_rows, "rows", "y_send", lo, nw)
                 continue
             for mlo in range(lo, hi, mini):
                 mhi = min(mlo + mini, hi)
-                table = (sched.row_src_rank_C[mlo:mhi], sched.row_route_C[mlo:mhi])
                 ring = slice(mlo - lo, mhi - lo)
-                xs = ring_x[ring]
-                tr.pull(xs, "x_src", table, route_divisor=K, num_workers=cfg.fwd_num_comm_sms)
+                xs = self._receive(cfg, tr, sched, "x", ring_x[ring], mlo, K, cfg.fwd_num_comm_sms)
                 y: torch.Tensor | None = None
                 if experts is not None:
                     y = torch.empty(mhi - mlo, H, dtype=BF16, device=dev) if outputs else None
@@ -489,7 +591,7 @@ class NativeBackend:
                         y_rows = down(swiglu(a, b, cfg.swiglu_limit), r.w, r.layout)
                         y = r.flat(y_rows, torch.empty(mhi - mlo, H, dtype=BF16, device=dev)).contiguous()
                 if y is not None:
-                    tr.push(y, "rows", table, num_workers=cfg.fwd_num_comm_sms)
+                    self._give(cfg, tr, sched, y, "rows", "y_send", mlo, cfg.fwd_num_comm_sms)
         return ring_x, ring_a, ring_b
 
     def _shared_forward(
@@ -520,11 +622,12 @@ class NativeBackend:
     ) -> tuple[torch.Tensor, ForwardContext]:  # fmt: skip
         tr = self._transport(ws, cfg)
         T, K, H = sched.num_tokens, sched.topk, ws.hidden_size
-        self._write_rows(cfg, tr, "x_src", x_TH)
+        self._send_inputs(cfg, ws, tr, sched, x=x_TH)
         tr.barrier(3)
         ring_x, ring_a, ring_b = self._routed_forward(cfg, ws, sched, tr, routed, outputs=True)
         ys, shared_a, shared_b = self._shared_forward(cfg, x_TH, shared, outputs=True)
-        tr.barrier(4)  # every push has landed
+        tr.barrier(4)  # every push has landed (or every output row is there to pull)
+        self._collect(cfg, ws, tr, sched, d_w=False)
         w = router_weights_TK.float().reshape(-1).contiguous()
         y = self._combine(tr, ys, tr.view["rows"][: T * K], w, T, K, H)
         self._after_call(tr)
@@ -540,7 +643,7 @@ class NativeBackend:
         shared: Weights3 | None,
     ) -> ForwardContext:
         tr = self._transport(ws, cfg)
-        self._write_rows(cfg, tr, "x_src", x_TH)
+        self._send_inputs(cfg, ws, tr, sched, x=x_TH)
         tr.barrier(7)
         ring_x, ring_a, ring_b = self._routed_forward(cfg, ws, sched, tr, routed, outputs=False)
         _, shared_a, shared_b = self._shared_forward(cfg, x_TH, shared, outputs=False)
@@ -590,10 +693,8 @@ class NativeBackend:
         T, K, H, El = sched.num_tokens, sched.topk, ws.hidden_size, ws.num_local_experts
         inner = routed[2].shape[2]
         replay = replays_in_backward(cfg, ws)
-        self._write_rows(cfg, tr, "dy_src", dy_TH)
-        tr.view["w_src"][: T * K].copy_(router_weights_TK.float().reshape(-1))
-        if replay:
-            self._write_rows(cfg, tr, "x_src", x_TH)
+        w_TK = router_weights_TK.float().reshape(-1).contiguous()
+        self._send_inputs(cfg, ws, tr, sched, x=x_TH if replay else None, dy=dy_TH, w=w_TK)
         tr.barrier(5)
         rows, macro, mini, offsets = self._rows_plan(cfg, ws, sched, inner)
         dev, nw = ws.device, cfg.bwd_num_comm_sms
@@ -626,16 +727,19 @@ class NativeBackend:
             if gpu_backward:
                 # The whole macrobatch in one call, as in the forward (and every SM moving rows):
                 # its weight gradients read and write each expert's fp32 accumulators once.
-                n, table, nw = hi - lo, (sched.row_src_rank_C[lo:hi], sched.row_route_C[lo:hi]), ws.num_sms
+                n, nw = hi - lo, self._movers(cfg, ws, backward=True)
+                pushed = cfg.dispatch == "push"  # the GEMMs read pushed rows where they are
                 if m == 0:
                     xs = ctx.x_routed_MH[:n]
-                else:  # replay: re-pull x and recompute the pre-activations
-                    xs = self._pulled_rows(cfg, n, H, dev)
-                    tr.pull(xs, "x_src", table, route_divisor=K, num_workers=nw)
-                dys = self._pulled_rows(cfg, n, H, dev)
-                tr.pull(dys, "dy_src", table, route_divisor=K, num_workers=nw)
-                wr = torch.empty(n, dtype=torch.float32, device=dev)
-                tr.pull(wr, "w_src", table, route_divisor=1, num_workers=nw)
+                elif pushed:  # replay: the re-dispatched x, and the pre-activations recomputed
+                    xs = self._received(cfg, tr, "x_recv", lo, hi)
+                else:
+                    xs = self._receive(cfg, tr, sched, "x", self._pulled_rows(cfg, n, H, dev), lo, K, nw)
+                if pushed:
+                    dys, wr = self._received(cfg, tr, "dy_recv", lo, hi), self._received(cfg, tr, "w_recv", lo, hi)
+                else:
+                    dys = self._receive(cfg, tr, sched, "dy", self._pulled_rows(cfg, n, H, dev), lo, K, nw)
+                    wr = self._receive(cfg, tr, sched, "w", torch.empty(n, dtype=torch.float32, device=dev), lo, 1, nw)
                 seg = (segments - lo).clamp_(0, n)
                 if m == 0:
                     a, b = ctx.a_MI[:n], ctx.b_MI[:n]
@@ -643,24 +747,27 @@ class NativeBackend:
                     ab = grouped_forward(xs, seg, wg_k, wu_k, None, cfg.swiglu_limit, with_h=False)
                     a, b = ab.a, ab.b
                 last = hi == rows
-                dx, d_w = grouped_backward(xs, seg, a, b, dys, wr, wg_k, wu_k, wd_k, acc, cfg.swiglu_limit,
+                dx_out, dw_out = (
+                    self._output_rows(cfg, tr, "y_send", lo, hi),
+                    self._output_rows(cfg, tr, "dw_send", lo, hi),
+                )
+                out = None if dx_out is None or dw_out is None else GroupedBackward(dx_out, dw_out)
+                dx, d_w = grouped_backward(xs, seg, a, b, dys, wr, wg_k, wu_k, wd_k, acc, cfg.swiglu_limit, out=out,
                                            carry_in=m > 0, wgrad_out=final if last and not fp32 else None)  # fmt: skip
-                tr.push(dx, "rows", table, num_workers=nw)
-                tr.push(d_w, "d_w", table, num_workers=nw)
+                self._give(cfg, tr, sched, dx, "rows", "y_send", lo, nw)
+                self._give(cfg, tr, sched, d_w, "d_w", "dw_send", lo, nw)
                 continue
             for mlo in range(lo, hi, mini):
                 mhi = min(mlo + mini, hi)
-                table = (sched.row_src_rank_C[mlo:mhi], sched.row_route_C[mlo:mhi])
                 ring = slice(mlo - lo, mhi - lo)
                 if m == 0:
                     xs = ctx.x_routed_MH[ring]
-                else:  # replay: re-pull x (and recompute the pre-activations below)
-                    xs = self._pulled_rows(cfg, mhi - mlo, H, dev)
-                    tr.pull(xs, "x_src", table, route_divisor=K, num_workers=nw)
-                dys = self._pulled_rows(cfg, mhi - mlo, H, dev)
-                tr.pull(dys, "dy_src", table, route_divisor=K, num_workers=nw)
-                wr = torch.empty(mhi - mlo, dtype=torch.float32, device=dev)
-                tr.pull(wr, "w_src", table, route_divisor=1, num_workers=nw)
+                else:  # replay: re-dispatch x (and recompute the pre-activations below)
+                    xs = self._receive(cfg, tr, sched, "x", self._pulled_rows(cfg, mhi - mlo, H, dev), mlo, K, nw)
+                dys = self._receive(cfg, tr, sched, "dy", self._pulled_rows(cfg, mhi - mlo, H, dev), mlo, K, nw)
+                wr = self._receive(
+                    cfg, tr, sched, "w", torch.empty(mhi - mlo, dtype=torch.float32, device=dev), mlo, 1, nw
+                )
                 if experts is not None:
                     experts_M = experts_R[mlo:mhi]
                     if m == 0:
@@ -686,10 +793,11 @@ class NativeBackend:
                     accumulate_wgrads(xg, dyg, wg, rg, r.acc(d_gate_up), r.acc(d_down), r.layout, weights=r.w)
                     dx_rows = torch.empty(mhi - mlo, H, dtype=BF16, device=dev)
                     dx, d_w = r.flat(rg.dx, dx_rows).contiguous(), r.flat(rg.d_w, wr).contiguous()
-                tr.push(dx, "rows", table, num_workers=nw)
-                tr.push(d_w, "d_w", table, num_workers=nw)
+                self._give(cfg, tr, sched, dx, "rows", "y_send", mlo, nw)
+                self._give(cfg, tr, sched, d_w, "d_w", "dw_send", mlo, nw)
         dxs, d_shared = self._shared_backward(cfg, x_TH, dy_TH, ctx.shared_a_TIs, ctx.shared_b_TIs, shared, wgrad_dtype)
-        tr.barrier(6)  # every push has landed
+        tr.barrier(6)  # every push has landed (or every output row is there to pull)
+        self._collect(cfg, ws, tr, sched, d_w=True)
         dx = self._combine(tr, dxs, tr.view["rows"][: T * K], None, T, K, H)
         d_router = tr.view["d_w"][: T * K].clone().view(T, K).to(router_weights_TK.dtype)
         self._after_call(tr)

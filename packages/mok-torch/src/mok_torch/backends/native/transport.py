@@ -10,11 +10,24 @@ that its peers read (pulls) and write (pushes) directly:
     w_src       fp32  [Tmax*K]    backward router weights, pulled per route
     rows        bf16  [Tmax*K, H] pushed expert outputs (forward) / dx rows (backward), one per route
     d_w         fp32  [Tmax*K]    pushed router-weight gradients, one per route
+    route_row   int32 [Tmax*K]    each route's row in its expert rank's table, pushed by that
+                                  rank while it builds the schedule
     pad         uint64 [R]        barrier slots: slot s holds the last epoch rank s announced
 
+The direction of each transfer is a setting (MoKConfig.dispatch / .combine). The defaults
+need only the segment above: expert ranks pull x, dy and w from the sources and push their
+outputs back. The other directions use a second segment per direction, made by the first
+call that needs it (a collective, like the first):
+
+    dispatch="push"  x_recv  bf16 [C, H], dy_recv bf16 [C, H], w_recv fp32 [C]: the sources
+                     write each route's row into the expert rank's table rows
+    combine="pull"   y_send  bf16 [C, H], dw_send fp32 [C]: the expert ranks leave their
+                     output rows in table order, the sources read their routes' rows
+
 Every call writes its own inputs, crosses a barrier, moves rows, and crosses a barrier
-again before it reads what peers pushed to it; so a buffer is never rewritten while a peer
-may still read it, and the barriers are the only synchronisation.
+again before it reads what peers pushed to it (or lets peers read what it left); so a
+buffer is never rewritten while a peer may still read it, and the barriers are the only
+synchronisation.
 """
 
 from __future__ import annotations
@@ -67,8 +80,27 @@ def layout(ws: Workspace) -> tuple[dict[str, Field], int]:
         ("w_src", torch.float32, (Tmax * K,)),
         ("rows", torch.bfloat16, (Tmax * K, H)),
         ("d_w", torch.float32, (Tmax * K,)),
+        ("route_row", torch.int32, (Tmax * K,)),
         ("pad", torch.int64, (R,)),  # uint64 slots (torch has no uint64 arithmetic we need)
     ]
+    return _fields(specs)
+
+
+# The segments of the non-default directions (MoKConfig.dispatch="push", .combine="pull").
+def exchange_layout(ws: Workspace, direction: str) -> tuple[dict[str, Field], int]:
+    C, H = ws.capacity, ws.hidden_size
+    if direction == "dispatch":
+        specs = [
+            ("x_recv", torch.bfloat16, (C, H)),
+            ("dy_recv", torch.bfloat16, (C, H)),
+            ("w_recv", torch.float32, (C,)),
+        ]
+    else:
+        specs = [("y_send", torch.bfloat16, (C, H)), ("dw_send", torch.float32, (C,))]
+    return _fields(specs)
+
+
+def _fields(specs: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> tuple[dict[str, Field], int]:
     fields, offset = {}, 0
     for name, dtype, shape in specs:
         f = Field(offset, dtype, shape)
@@ -90,31 +122,54 @@ class Transport:
         self.timeout_ns = int(timeout_s * 1e9)
         self.fields, self.nbytes = layout(ws)
         self._segments: list[Any] = []  # keep shared memory mappings alive
-        base, bases = self._allocate()
-        self.view = {
-            name: base[f.offset : f.offset + f.nbytes].view(f.dtype).view(f.shape) for name, f in self.fields.items()
-        }
-        ptr_device = self.device if self.dev == "cuda" else torch.device("cpu")
-        self.ptrs = {
-            name: torch.tensor([b + f.offset for b in bases], dtype=torch.int64, device=ptr_device)
-            for name, f in self.fields.items()
-        }
+        self.view: dict[str, torch.Tensor] = {}
+        self.ptrs: dict[str, torch.Tensor] = {}
+        self.field_of = dict(self.fields)  # every segment's fields, by name
+        self._add_segment(self.fields, self.nbytes)
+        self.directions: set[str] = set()  # exchange segments made so far
         self.epoch = torch.zeros(1, dtype=torch.int64, device=self.device)
+        # 0, 1, ..., C-1: what an expert rank pushes to each route to tell it its table row
+        self.row_index = torch.arange(ws.capacity, dtype=torch.int32, device=self.device)
         # (host copy of the error flag, event) of the last GPU call, read by the next one
         self.pending: tuple[torch.Tensor, Any] | None = None
         self.error = torch.zeros(4, dtype=torch.int32, device=self.device)
 
-    def _allocate(self) -> tuple[torch.Tensor, list[int]]:
+    def _add_segment(self, fields: dict[str, Field], nbytes: int) -> None:
+        """Allocate one segment of `fields` on every rank (collective): typed views, pointer arrays."""
+        base, bases = self._allocate(nbytes)
+        for name, f in fields.items():
+            self.view[name] = base[f.offset : f.offset + f.nbytes].view(f.dtype).view(f.shape)
+        ptr_device = self.device if self.dev == "cuda" else torch.device("cpu")
+        for name, f in fields.items():
+            self.ptrs[name] = torch.tensor([b + f.offset for b in bases], dtype=torch.int64, device=ptr_device)
+
+    def ensure(self, direction: str) -> None:
+        """The segment of `direction` ("dispatch": push dispatch, "combine": pull combine), made
+        on first use. Collective: every rank asks at the same call (they share the config)."""
+        if direction in self.directions:
+            return
+        if self.dev == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"mok: the {direction} buffers of MoKConfig.{direction}="
+                f"{'push' if direction == 'dispatch' else 'pull'} are made by the first call that uses them, "
+                "which cannot be inside a CUDA graph capture: run one call before capturing"
+            )
+        fields, nbytes = exchange_layout(self.ws, direction)
+        self._add_segment(fields, nbytes)
+        self.field_of.update(fields)
+        self.directions.add(direction)
+
+    def _allocate(self, nbytes: int) -> tuple[torch.Tensor, list[int]]:
         ws = self.ws
         if ws.world_size == 1:
-            base = torch.zeros(self.nbytes, dtype=torch.uint8, device=self.device)
+            base = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
             return base, [base.data_ptr()]
         if self.dev == "cuda":
             import torch.distributed._symmetric_memory as symm_mem
 
             if hasattr(symm_mem, "enable_symm_mem_for_group"):
                 symm_mem.enable_symm_mem_for_group(ws.group.group_name)
-            base = symm_mem.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+            base = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
             handle = symm_mem.rendezvous(base, ws.group)
             base.zero_()
             self._segments.append(handle)
@@ -126,13 +181,13 @@ class Transport:
         tag = torch.tensor([uuid.uuid4().int & ((1 << 62) - 1)], dtype=torch.int64)
         dist.broadcast(tag, src=dist.get_global_rank(ws.group, 0), group=ws.group)
         names = [f"/mok-{int(tag):016x}-{r}" for r in range(ws.world_size)]
-        own = self.core.ShmSegment(names[ws.rank], self.nbytes, True)
+        own = self.core.ShmSegment(names[ws.rank], nbytes, True)
         dist.barrier(group=ws.group)  # every segment exists
-        segments = [own if r == ws.rank else self.core.ShmSegment(n, self.nbytes, False) for r, n in enumerate(names)]
+        segments = [own if r == ws.rank else self.core.ShmSegment(n, nbytes, False) for r, n in enumerate(names)]
         dist.barrier(group=ws.group)  # every rank has mapped every segment: the names can go
         own.unlink()
         self._segments.extend(segments)
-        buf = (ctypes.c_uint8 * self.nbytes).from_address(own.address)
+        buf = (ctypes.c_uint8 * nbytes).from_address(own.address)
         self._segments.append(buf)
         return torch.frombuffer(buf, dtype=torch.uint8), [s.address for s in segments]
 
@@ -164,7 +219,7 @@ class Transport:
     ) -> None:
         """dst[i] = row of table row i from its source's `field` (zero for padding rows)."""
         src_rank, route = sched_rows
-        f = self.fields[field]
+        f = self.field_of[field]
         row_bytes = dst.stride(0) * dst.element_size() if dst.dim() > 1 else dst.element_size()
         src_stride = (f.nbytes // f.shape[0]) if len(f.shape) > 1 else torch.empty(0, dtype=f.dtype).element_size()
         self.core.pull_rows(
@@ -183,24 +238,46 @@ class Transport:
         )
 
     def push(
-        self, src: torch.Tensor, field: str, sched_rows: tuple[torch.Tensor, torch.Tensor], num_workers: int
+        self,
+        src: torch.Tensor,
+        field: str,
+        sched_rows: tuple[torch.Tensor, torch.Tensor],
+        num_workers: int,
+        src_divisor: int = 1,
     ) -> None:
-        """Row i of src to its source's `field`, at its route's slot (padding rows skipped)."""
-        src_rank, route = sched_rows
-        row_bytes = src.stride(0) * src.element_size() if src.dim() > 1 else src.element_size()
+        """Row i // src_divisor of src to rank sched_rows[0][i]'s `field`, at row sched_rows[1][i]
+        (i with rank -1 skipped): table rows back to their routes (src_divisor 1), or token rows
+        to their routes' table rows (src_divisor K, the push dispatch). src's rows may be
+        narrower than the field's (MXFP8 rows in bf16-sized slots)."""
+        dst_rank, dst_row = sched_rows
+        f = self.field_of[field]
+        row_bytes = src.shape[1] * src.element_size() if src.dim() > 1 else src.element_size()
+        src_stride = src.stride(0) * src.element_size() if src.dim() > 1 else src.element_size()
+        dst_stride = (f.nbytes // f.shape[0]) if len(f.shape) > 1 else torch.empty(0, dtype=f.dtype).element_size()
         self.core.push_rows(
             self.dev,
             src.data_ptr(),
             self.ptrs[field].data_ptr(),
-            src_rank.data_ptr(),
-            route.data_ptr(),
-            src_rank.shape[0],
+            dst_rank.data_ptr(),
+            dst_row.data_ptr(),
+            dst_rank.shape[0],
             row_bytes,
-            row_bytes,
-            row_bytes,
+            src_stride,
+            dst_stride,
             num_workers,
             self._stream(),
+            src_divisor,
         )
+
+    def zero_padding(self, field: str, row_src_rank: torch.Tensor, num_workers: int) -> None:
+        """Zero the padding rows of this rank's table-ordered `field` (rows the sources pushed
+        leave them as they were)."""
+        t = self.view[field]
+        row_bytes = t.stride(0) * t.element_size() if t.dim() > 1 else t.element_size()
+        self.core.zero_rows(
+            self.dev, t.data_ptr(), row_src_rank.data_ptr(), row_src_rank.shape[0], row_bytes, row_bytes,
+            num_workers, self._stream(),
+        )  # fmt: skip
 
 
 def raise_transport_error(error: list[int], timeout_ns: int) -> None:

@@ -91,6 +91,47 @@ def send_side(
     return order, edges[1:] - edges[:-1]
 
 
+def route_rows(
+    routes_RTK: torch.Tensor,
+    tokens_per_rank_R: torch.Tensor,
+    *,
+    rank: int,
+    num_tokens: int,
+    num_local_experts: int,
+    alignment: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rank, row) of each route of `rank`: its expert's rank and its row in that rank's table.
+
+    The row is what `table_from_routes` gives the route on the expert's rank: the expert's
+    segment start (aligned counts of the rank's earlier experts), plus the routes to the same
+    expert from lower source ranks, plus this rank's earlier routes to it. int32 [T*K] each,
+    T = num_tokens (this rank's, = tokens_per_rank_R[rank]).
+    """
+    R, Tmax, K = routes_RTK.shape
+    El = num_local_experts
+    E = R * El
+    dev = routes_RTK.device
+    tokens = tokens_per_rank_R.to(dev, torch.int64)
+    valid = torch.arange(Tmax, device=dev)[None, :] < tokens[:, None]  # [R, Tmax]
+    experts = routes_RTK.to(torch.int64)
+    ok = valid[:, :, None] & (experts >= 0) & (experts < E)
+    flat = torch.where(ok, experts, torch.full_like(experts, E)).reshape(R, Tmax * K)
+    counts = torch.zeros(R, E + 1, dtype=torch.int64, device=dev)
+    counts.scatter_add_(1, flat, torch.ones_like(flat))
+    counts = counts[:, :E]  # [source rank, expert]
+    aligned = (counts.sum(0) + alignment - 1) // alignment * alignment
+    starts = (torch.cumsum(aligned.view(R, El), 1) - aligned.view(R, El)).reshape(E)  # segment starts
+    before = torch.cumsum(counts, 0) - counts  # routes from lower source ranks
+    mine = experts[rank, :num_tokens].reshape(-1)  # this rank's routes (valid ids: checked by the API)
+    order = torch.sort(mine, stable=True).indices
+    sorted_ids = mine[order]
+    first = torch.searchsorted(sorted_ids, sorted_ids)  # first route of each id in sorted order
+    within = torch.empty_like(mine)
+    within[order] = torch.arange(mine.numel(), device=dev) - first
+    row = starts[mine] + before[rank, mine] + within
+    return (mine // El).to(torch.int32), row.to(torch.int32)
+
+
 def _all_gather_routes(ws: Workspace, top_experts_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     T, K = top_experts_TK.shape
     if ws.world_size == 1:
@@ -117,6 +158,10 @@ def build_schedule(ws: Workspace, top_experts_TK: torch.Tensor) -> Schedule:
         capacity=ws.capacity,
     )
     send_order, send_counts = send_side(top_experts_TK, ws.num_local_experts, ws.world_size)
+    route_rank, route_row = route_rows(
+        routes_RTK, tokens_R, rank=ws.rank, num_tokens=top_experts_TK.shape[0],
+        num_local_experts=ws.num_local_experts, alignment=ws.expert_alignment,
+    )  # fmt: skip
     return Schedule(
         workspace=ws,
         backend="reference",
@@ -129,4 +174,6 @@ def build_schedule(ws: Workspace, top_experts_TK: torch.Tensor) -> Schedule:
         recv_counts_R=table.recv_counts_R,
         send_order_TK=send_order,
         send_counts_R=send_counts,
+        route_rank_TK=route_rank,
+        route_row_TK=route_row,
     )
