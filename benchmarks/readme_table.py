@@ -52,6 +52,10 @@ def load_runs(results: Path, all_runs: bool) -> list[tuple[dict[str, Any], Path]
             continue
         if not all_runs and (report["device"]["type"] != "cuda" or report["config"].get("quick")):
             continue
+        # The table compares with torch-a2a measured in the same run: a run without it (a study of
+        # mok's own settings, such as the transfer directions) stays in its file, out of the table.
+        if not all_runs and "torch-a2a" not in report["config"].get("providers", ["torch-a2a"]):
+            continue
         runs.append((report, path))
     runs.sort(key=lambda rp: (rp[0]["created"], rp[1].name))
     return runs

@@ -230,6 +230,25 @@ def _synthetic_report(created: str, ms: float) -> dict:
     }
 
 
+def test_readme_table_leaves_out_runs_without_the_baseline(tmp_path):
+    """A run without torch-a2a (a study of mok's own settings) gives the table no rows: its rows
+    would have no speedup beside them; the runs with the baseline keep theirs."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import readme_table
+    finally:
+        sys.path.pop(0)
+    with_baseline = _synthetic_report("2026-12-01T10:00:00+00:00", 9.0)
+    with_baseline["config"]["providers"] = ["mok", "torch-a2a"]
+    study = _synthetic_report("2026-12-02T10:00:00+00:00", 5.0)
+    study["config"]["providers"] = ["mok", "mok-push-pull"]
+    for name, report in (("a.json", with_baseline), ("b.json", study)):
+        (tmp_path / name).write_text(json.dumps(report))
+    runs = readme_table.load_runs(tmp_path, all_runs=False)
+    assert [path.name for _, path in runs] == ["a.json"]
+    assert len(readme_table.load_runs(tmp_path, all_runs=True)) == 2
+
+
 def test_readme_table_drops_a_skip_once_a_newer_run_measured_the_provider():
     """A skip's reason is a fact about its run's code: a later measurement of the same provider
     and shape (any routing) retires it; a skip newer than every measurement stays."""
