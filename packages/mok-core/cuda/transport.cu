@@ -18,11 +18,12 @@ using transport::PullRows;
 using transport::PushRows;
 using transport::ZeroRows;
 
-// Row movers: 16 warps per CTA, one row per warp at a time, each lane with 8 16-byte loads in
-// flight: 64 KiB in flight per CTA (128 registers a thread, none spilled). The first version kept
-// 16 KiB (8 warps x 4) and moved ~9 GB/s per CTA over NVLink; this one ~20 GB/s, about what one
-// SM moves over NVLink by any means we tried (the copy engine's bulk copies included: NOTES.md).
-constexpr int kCopyThreads = 512;
+// Row movers: 24 warps per CTA, one row per warp at a time, each lane with 8 16-byte loads in
+// flight: 96 KiB in flight per CTA (80 registers a thread, none spilled). Measured over NVLink on
+// the H200 pair (NOTES.md, session 5): 16 KiB in flight (8 warps x 4) moved ~9 GB/s per CTA,
+// 64 KiB ~20, 96 KiB ~23: close to what one SM moves over NVLink by any means we tried (the copy
+// engine's bulk copies included).
+constexpr int kCopyThreads = 768;
 constexpr int kCopyWarps = kCopyThreads / 32;
 constexpr int kCopyUnroll = 8;
 // The barrier: one CTA, one thread per peer (a loop beyond 1024 peers).

@@ -256,7 +256,9 @@ __device__ __forceinline__ void warp_zero_vectors(unsigned char* dst, std::int64
 
 // One warp copies one row of `bytes`: at the widest width both addresses allow (16 bytes for rows
 // of any 16-byte-aligned tensor), then the tail (< width bytes) byte by byte. Warp-uniform
-// branches: every lane sees the same addresses.
+// branches: every lane sees the same addresses. kUnroll deepens the 16-byte path only (activation
+// rows); the narrower ones (router weights, odd offsets) keep 2, so their registers do not limit
+// how many warps a CTA can hold.
 template <int kUnroll = 4>
 __device__ __forceinline__ void warp_copy_row(unsigned char* dst, const unsigned char* src,
                                               std::int64_t bytes, int lane) {
@@ -271,16 +273,16 @@ __device__ __forceinline__ void warp_copy_row(unsigned char* dst, const unsigned
       warp_copy_vectors<uint4, kUnroll>(dst, src, body / 16, lane);
       break;
     case 8:
-      warp_copy_vectors<uint2, kUnroll>(dst, src, body / 8, lane);
+      warp_copy_vectors<uint2, 2>(dst, src, body / 8, lane);
       break;
     case 4:
-      warp_copy_vectors<std::uint32_t, kUnroll>(dst, src, body / 4, lane);
+      warp_copy_vectors<std::uint32_t, 2>(dst, src, body / 4, lane);
       break;
     case 2:
-      warp_copy_vectors<std::uint16_t, kUnroll>(dst, src, body / 2, lane);
+      warp_copy_vectors<std::uint16_t, 2>(dst, src, body / 2, lane);
       break;
     default:
-      warp_copy_vectors<std::uint8_t, kUnroll>(dst, src, body, lane);
+      warp_copy_vectors<std::uint8_t, 2>(dst, src, body, lane);
       break;
   }
   for (std::int64_t j = body + lane; j < bytes; j += 32) dst[j] = src[j];
