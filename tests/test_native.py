@@ -225,20 +225,25 @@ def graph_scenario(rank: int, world: int, group, device: str, dims: str = "small
     return {"replayed": replayed, "eager": eager}
 
 
+def assert_replays_match(results: list[dict]) -> None:
+    """Every rank's graph replay gave the eager call's bits."""
+    assert results
+    for res in results:
+        assert len(res["replayed"]) == len(res["eager"]) > 0
+        for a, b in zip(res["replayed"], res["eager"], strict=True):
+            assert torch.equal(a, b)
+
+
 @gpu
 def test_cuda_graph_capture_one_gpu():
-    res = run_ranks(1, "test_native.graph_scenario", "cuda", device="cuda")[0]
-    for a, b in zip(res["replayed"], res["eager"], strict=True):
-        assert torch.equal(a, b)
+    assert_replays_match(run_ranks(1, "test_native.graph_scenario", "cuda", device="cuda"))
 
 
 @gpu
 def test_cuda_graph_capture_with_gpu_gemms():
     if not native.gpu_forward_kernels(config(backend="cuda"), torch.device("cuda"), 128, 64, 1):
         pytest.skip("mok-bf16's grouped forward needs an sm_90 GPU and a CUDA build of mok-bf16")
-    res = run_ranks(1, "test_native.graph_scenario", "cuda", "kernels", device="cuda")[0]
-    for a, b in zip(res["replayed"], res["eager"], strict=True):
-        assert torch.equal(a, b)
+    assert_replays_match(run_ranks(1, "test_native.graph_scenario", "cuda", "kernels", device="cuda"))
 
 
 # (T, H, I, E, K, Is, routing): H, I and Is multiples of 64, so the forward's GEMMs run on the
@@ -314,18 +319,14 @@ def test_cuda_backend_with_gpu_gemms_across_gpus():
 @two_gpus
 @pytest.mark.parametrize("directions", ["", "push-pull"])
 def test_cuda_graph_capture_two_gpus(directions):
-    for res in run_ranks(2, "test_native.graph_scenario", "cuda", "small", directions, device="cuda"):
-        for a, b in zip(res["replayed"], res["eager"], strict=True):
-            assert torch.equal(a, b)
+    assert_replays_match(run_ranks(2, "test_native.graph_scenario", "cuda", "small", directions, device="cuda"))
 
 
 @two_gpus
 def test_cuda_graph_capture_two_gpus_gpu_gemms_push_pull():
     if not native.gpu_forward_kernels(config(backend="cuda"), torch.device("cuda"), 128, 64, 1):
         pytest.skip("mok-bf16's grouped forward needs an sm_90 GPU and a CUDA build of mok-bf16")
-    for res in run_ranks(2, "test_native.graph_scenario", "cuda", "kernels", "push-pull", device="cuda"):
-        for a, b in zip(res["replayed"], res["eager"], strict=True):
-            assert torch.equal(a, b)
+    assert_replays_match(run_ranks(2, "test_native.graph_scenario", "cuda", "kernels", "push-pull", device="cuda"))
 
 
 @two_gpus

@@ -31,18 +31,25 @@ def naive_table(routes, tokens, rank, El, align, capacity):
     return rows_src, rows_route, offsets, counts
 
 
+def random_routes(R, seed, El=3, K=2, Tmax=9):
+    """(routes [R, Tmax, K], tokens [R]) of R ranks; rank 0 full, seed 1 with a hot expert."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, Tmax + 1, (R,), generator=g)
+    tokens[0] = Tmax
+    routes = torch.stack(
+        [torch.stack([torch.randperm(El * R, generator=g)[:K] for _ in range(Tmax)]) for _ in range(R)]
+    )
+    if seed == 1:
+        routes[:, :, 0] = 0  # a hot expert
+    return routes, tokens
+
+
 @pytest.mark.parametrize("R", [1, 2, 3])
 @pytest.mark.parametrize("align", [1, 4, 16])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_table_matches_naive(R, align, seed):
-    g = torch.Generator().manual_seed(seed)
     El, K, Tmax = 3, 2, 9
-    E = El * R
-    tokens = torch.randint(0, Tmax + 1, (R,), generator=g)
-    tokens[0] = Tmax
-    routes = torch.stack([torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(Tmax)]) for _ in range(R)])
-    if seed == 1:
-        routes[:, :, 0] = 0  # a hot expert
+    routes, tokens = random_routes(R, seed, El, K, Tmax)
     capacity = mok.workspace.align_up(R * Tmax * K + El * (align - 1), align)
     for rank in range(R):
         got = table_from_routes(
@@ -63,14 +70,8 @@ def test_table_matches_naive(R, align, seed):
 def test_route_rows_point_at_their_table_rows(R, align, seed):
     """Every route's (rank, row) is the row that rank's table gives it: the address a push
     dispatch writes to and a pull combine reads from."""
-    g = torch.Generator().manual_seed(seed)
     El, K, Tmax = 3, 2, 9
-    E = El * R
-    tokens = torch.randint(0, Tmax + 1, (R,), generator=g)
-    tokens[0] = Tmax
-    routes = torch.stack([torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(Tmax)]) for _ in range(R)])
-    if seed == 1:
-        routes[:, :, 0] = 0  # a hot expert
+    routes, tokens = random_routes(R, seed, El, K, Tmax)
     capacity = mok.workspace.align_up(R * Tmax * K + El * (align - 1), align)
     tables = [
         table_from_routes(routes, tokens, rank=r, num_local_experts=El, alignment=align, capacity=capacity)

@@ -34,30 +34,33 @@ void check_pointer(const char* fn, const char* name, std::int64_t p, std::int64_
 
 // The checks pull_rows and push_rows share. Pointers only matter when a row is moved: an empty
 // tensor's data_ptr() is 0.
+// The checks of a table of rows: its size, one stride and the workers. Row offsets are computed
+// in int64: tables whose last row would overflow them are refused.
+void check_rows(const char* fn, std::int64_t capacity, std::int64_t row_bytes, const char* stride,
+                std::int64_t stride_bytes, std::int64_t num_workers) {
+  require(capacity >= 0, fn, "capacity must be >= 0" + got(capacity));
+  require(row_bytes >= 0, fn, "row_bytes must be >= 0" + got(row_bytes));
+  require(stride_bytes >= row_bytes, fn,
+          std::string(stride) + " must be >= row_bytes (" + std::to_string(row_bytes) + ")" +
+              got(stride_bytes));
+  require(num_workers >= 1 && num_workers <= transport::kMaxWorkers, fn,
+          "num_workers must be in [1, " + std::to_string(transport::kMaxWorkers) + "]" +
+              got(num_workers));
+  require(capacity == 0 || stride_bytes <= std::numeric_limits<std::int64_t>::max() / capacity, fn,
+          "capacity * " + std::string(stride) + " overflows int64");
+}
+
 void check_row_move(const char* fn, const char* rows, std::int64_t rows_ptr, const char* ptrs,
                     std::int64_t ptrs_ptr, std::int64_t row_src_rank, std::int64_t row_route,
                     std::int64_t capacity, std::int64_t row_bytes, std::int64_t src_stride,
                     std::int64_t dst_stride, std::int64_t num_workers) {
-  require(capacity >= 0, fn, "capacity must be >= 0" + got(capacity));
-  require(row_bytes >= 0, fn, "row_bytes must be >= 0" + got(row_bytes));
-  require(src_stride >= row_bytes, fn,
-          "src_stride must be >= row_bytes (" + std::to_string(row_bytes) + ")" + got(src_stride));
-  require(dst_stride >= row_bytes, fn,
-          "dst_stride must be >= row_bytes (" + std::to_string(row_bytes) + ")" + got(dst_stride));
-  require(num_workers >= 1 && num_workers <= transport::kMaxWorkers, fn,
-          "num_workers must be in [1, " + std::to_string(transport::kMaxWorkers) + "]" +
-              got(num_workers));
+  check_rows(fn, capacity, row_bytes, "src_stride", src_stride, num_workers);
+  check_rows(fn, capacity, row_bytes, "dst_stride", dst_stride, num_workers);
   const bool idle = capacity == 0;
   check_pointer(fn, rows, rows_ptr, 1, idle || row_bytes == 0);
   check_pointer(fn, ptrs, ptrs_ptr, 8, idle);
   check_pointer(fn, "row_src_rank", row_src_rank, 4, idle);
   check_pointer(fn, "row_route", row_route, 4, idle);
-  // Row offsets are computed in int64: refuse tables whose last row would overflow them.
-  const std::int64_t max = std::numeric_limits<std::int64_t>::max();
-  require(capacity == 0 || dst_stride <= max / capacity, fn,
-          "capacity * dst_stride overflows int64");
-  require(capacity == 0 || src_stride <= max / capacity, fn,
-          "capacity * src_stride overflows int64");
 }
 
 #if !MOK_WITH_CUDA
@@ -67,6 +70,24 @@ void check_row_move(const char* fn, const char* rows, std::int64_t rows_ptr, con
                            "or no nvcc at build time); reinstall it with nvcc on PATH");
 }
 #endif
+
+// Runs a row operation where `device` says, when there is work (rows of at least one byte):
+// the CUDA launcher, or the CPU loop. device="cuda" on a build without CUDA always raises.
+template <class Cuda, class Cpu>
+void on_device(TransportDevice device, const char* fn, bool work, const Cuda& cuda,
+               const Cpu& cpu) {
+  if (device == TransportDevice::kCuda) {
+#if MOK_WITH_CUDA
+    (void)fn;
+    if (work) cuda();
+    return;
+#else
+    (void)cuda;
+    no_cuda(fn);
+#endif
+  }
+  if (work) cpu();
+}
 
 // Runs body(begin, end) over [0, capacity) split into contiguous ranges, one per worker; worker 0
 // is the calling thread. Every started thread is joined, even when starting another one fails.
@@ -187,6 +208,13 @@ bool barrier_cpu(std::uint64_t* epoch, const std::int64_t* pad_ptrs, std::int32_
 
 }  // namespace
 
+#if !MOK_WITH_CUDA
+// The launchers of a build without CUDA: on_device raises before it could call them.
+void pull_rows_cuda(const PullRows&, int, std::int64_t) { no_cuda("pull_rows"); }
+void push_rows_cuda(const PushRows&, int, std::int64_t) { no_cuda("push_rows"); }
+void zero_rows_cuda(const ZeroRows&, int, std::int64_t) { no_cuda("zero_rows"); }
+#endif
+
 TransportDevice parse_transport_device(const std::string& device) {
   if (device == "cpu") return TransportDevice::kCpu;
   if (device == "cuda") return TransportDevice::kCuda;
@@ -211,15 +239,10 @@ void pull_rows(TransportDevice device, std::int64_t dst, std::int64_t src_ptrs,
                       row_bytes,
                       src_stride,
                       dst_stride};
-  if (device == TransportDevice::kCuda) {
-#if MOK_WITH_CUDA
-    if (capacity > 0 && row_bytes > 0) pull_rows_cuda(move, static_cast<int>(num_workers), stream);
-    return;
-#else
-    no_cuda(fn);
-#endif
-  }
-  if (row_bytes > 0) pull_rows_cpu(move, num_workers);
+  on_device(
+      device, fn, capacity > 0 && row_bytes > 0,
+      [&] { pull_rows_cuda(move, static_cast<int>(num_workers), stream); },
+      [&] { pull_rows_cpu(move, num_workers); });
 }
 
 void push_rows(TransportDevice device, std::int64_t src, std::int64_t dst_ptrs,
@@ -240,46 +263,28 @@ void push_rows(TransportDevice device, std::int64_t src, std::int64_t dst_ptrs,
                       src_stride,
                       dst_stride,
                       src_divisor};
-  if (device == TransportDevice::kCuda) {
-#if MOK_WITH_CUDA
-    if (capacity > 0 && row_bytes > 0) push_rows_cuda(move, static_cast<int>(num_workers), stream);
-    return;
-#else
-    no_cuda(fn);
-#endif
-  }
-  if (row_bytes > 0) push_rows_cpu(move, num_workers);
+  on_device(
+      device, fn, capacity > 0 && row_bytes > 0,
+      [&] { push_rows_cuda(move, static_cast<int>(num_workers), stream); },
+      [&] { push_rows_cpu(move, num_workers); });
 }
 
 void zero_rows(TransportDevice device, std::int64_t dst, std::int64_t row_src_rank,
                std::int64_t capacity, std::int64_t row_bytes, std::int64_t dst_stride,
                std::int64_t num_workers, std::int64_t stream) {
   constexpr const char* fn = "zero_rows";
-  require(capacity >= 0, fn, "capacity must be >= 0" + got(capacity));
-  require(row_bytes >= 0, fn, "row_bytes must be >= 0" + got(row_bytes));
-  require(dst_stride >= row_bytes, fn,
-          "dst_stride must be >= row_bytes (" + std::to_string(row_bytes) + ")" + got(dst_stride));
-  require(num_workers >= 1 && num_workers <= transport::kMaxWorkers, fn,
-          "num_workers must be in [1, " + std::to_string(transport::kMaxWorkers) + "]" +
-              got(num_workers));
+  check_rows(fn, capacity, row_bytes, "dst_stride", dst_stride, num_workers);
   const bool idle = capacity == 0;
   check_pointer(fn, "dst", dst, 1, idle || row_bytes == 0);
   check_pointer(fn, "row_src_rank", row_src_rank, 4, idle);
   check_pointer(fn, "stream", stream, 1, true);
-  require(capacity == 0 || dst_stride <= std::numeric_limits<std::int64_t>::max() / capacity, fn,
-          "capacity * dst_stride overflows int64");
   const ZeroRows rows{reinterpret_cast<unsigned char*>(dst),
                       reinterpret_cast<const std::int32_t*>(row_src_rank), capacity, row_bytes,
                       dst_stride};
-  if (device == TransportDevice::kCuda) {
-#if MOK_WITH_CUDA
-    if (capacity > 0 && row_bytes > 0) zero_rows_cuda(rows, static_cast<int>(num_workers), stream);
-    return;
-#else
-    no_cuda(fn);
-#endif
-  }
-  if (row_bytes > 0) zero_rows_cpu(rows, num_workers);
+  on_device(
+      device, fn, capacity > 0 && row_bytes > 0,
+      [&] { zero_rows_cuda(rows, static_cast<int>(num_workers), stream); },
+      [&] { zero_rows_cpu(rows, num_workers); });
 }
 
 bool barrier(TransportDevice device, std::int64_t epoch, std::int64_t signal_pad_ptrs,

@@ -43,15 +43,14 @@ bool barrier(TransportDevice device, std::int64_t epoch, std::int64_t signal_pad
              std::int64_t rank, std::int64_t world_size, std::int64_t error, std::int64_t stage,
              std::int64_t timeout_ns, std::int64_t stream);
 
-#if MOK_WITH_CUDA
 // Kernel launchers of cuda/transport.cu: arguments already validated; they never synchronize
-// and throw std::runtime_error when the launch fails.
+// and throw std::runtime_error when the launch fails (on a build without CUDA: always, and the
+// entry points above never call them).
 void pull_rows_cuda(const transport::PullRows& move, int num_workers, std::int64_t stream);
 void push_rows_cuda(const transport::PushRows& move, int num_workers, std::int64_t stream);
 void zero_rows_cuda(const transport::ZeroRows& rows, int num_workers, std::int64_t stream);
 void barrier_cuda(std::uint64_t* epoch, const std::int64_t* signal_pad_ptrs, int rank,
                   int world_size, std::int32_t* error, int stage, std::int64_t timeout_ns,
                   std::int64_t stream);
-#endif
 
 }  // namespace mok::core
