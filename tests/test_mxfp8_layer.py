@@ -168,6 +168,7 @@ CONFIGS = [
     dict(expert_alignment=32, minibatch_size=32, macrobatch_size=64),
     dict(expert_alignment=64, minibatch_size=64, macrobatch_size=128),
     dict(expert_alignment=128),
+    dict(expert_alignment=32, minibatch_size=32, macrobatch_size=64, dispatch="push", combine="pull"),
 ]
 
 
@@ -336,7 +337,12 @@ def test_cpu_backend_in_mxfp8_is_bitwise_the_reference(per_row, kernels, monkeyp
 
         monkeypatch.setattr(native.NativeBackend, "_rows_plan", gpu_plan)
     inp = make_inputs(37, 64, 32, 4, 2, 32, "skewed", seed=13)
-    for kw in (dict(expert_alignment=32), dict(expert_alignment=32, minibatch_size=32, macrobatch_size=64)):
+    for kw in (
+        dict(expert_alignment=32),
+        dict(expert_alignment=32, minibatch_size=32, macrobatch_size=64),
+        # MXFP8 rows pushed into bf16-sized table rows, outputs pulled back
+        dict(expert_alignment=32, minibatch_size=32, macrobatch_size=64, dispatch="push", combine="pull"),
+    ):
         ref = run_functional(inp, mok.MoKConfig(precision="mxfp8", backend="reference", **kw), device="cpu")
         got = run_functional(inp, mok.MoKConfig(precision="mxfp8", backend="cpu", **kw), device="cpu")
         keys = ("y", "dx", "d_router_weights", "dWg", "dWu", "dWd", "dWg_s", "dWu_s", "dWd_s")
