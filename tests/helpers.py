@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 import torch
 
 import mok_torch as mok
@@ -117,13 +118,17 @@ def assert_bitwise(
             )
 
 
-# (id, segment lengths, H, I) of the grouped expert kernels' GPU tests: mixed sizes, one row,
-# all experts empty, H not a multiple of 128, segments on and off tile edges, skewed.
+# (segment lengths, H, I) of the grouped expert kernels' GPU tests, as pytest params named by
+# case: mixed sizes, one row, all experts empty, H not a multiple of 128, segments on and off
+# tile edges, skewed.
 GROUPED_CASES = [
-    ("H128-I192-mixed", [300, 0, 129, 1], 128, 192),
-    ("one-row", [1], 64, 64),
-    ("all-empty", [0, 0, 0], 64, 128),
-    ("one-expert-H320", [517], 320, 256),
-    ("tile-edges", [64, 128, 127, 255, 257], 256, 128),
-    ("skewed", [1000, 3, 5, 0, 0, 2, 1, 24], 512, 384),
+    pytest.param(lengths, H, I, id=name)
+    for name, lengths, H, I in (
+        ("H128-I192-mixed", [300, 0, 129, 1], 128, 192),
+        ("one-row", [1], 64, 64),
+        ("all-empty", [0, 0, 0], 64, 128),
+        ("one-expert-H320", [517], 320, 256),
+        ("tile-edges", [64, 128, 127, 255, 257], 256, 128),
+        ("skewed", [1000, 3, 5, 0, 0, 2, 1, 24], 512, 384),
+    )
 ]

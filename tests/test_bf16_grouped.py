@@ -160,12 +160,9 @@ def cuda_forward(x, offs, wg, wu, wd, limit=None, num_sms=0, fill=7.0):
     return grouped_forward(x, offs, wg, wu, wd, limit=limit, num_sms=num_sms, out=out)
 
 
-CUDA_CASES = [pytest.param(lengths, H, I, id=name) for name, lengths, H, I in GROUPED_CASES]
-
-
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("lengths, H, I", CUDA_CASES)
+@pytest.mark.parametrize("lengths, H, I", GROUPED_CASES)
 @pytest.mark.parametrize("limit", [None, 0.75])
 def test_cuda_against_float64(lengths, H, I, limit):
     x, offs, wg, wu, wd = make(lengths, H, I, seed=H + I)

@@ -235,12 +235,9 @@ def element_math(g: torch.Tensor, a: torch.Tensor, b: torch.Tensor, w: torch.Ten
     return h, torch.cat([d_a, d_b], dim=-1).to(BF16)
 
 
-CUDA_CASES = [pytest.param(lengths, H, I, id=name) for name, lengths, H, I in GROUPED_CASES]
-
-
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("lengths, H, I", CUDA_CASES)
+@pytest.mark.parametrize("lengths, H, I", GROUPED_CASES)
 @pytest.mark.parametrize("limit", [None, 0.75])
 def test_cuda_against_float64(lengths, H, I, limit):
     d = make(lengths, H, I, seed=H + I)
