@@ -9,7 +9,8 @@ per (device, EP size, precision, shape, routing, provider) and writes the table 
 the markers `<!-- bench-table:start -->` and `<!-- bench-table:end -->`. Only GPU runs
 that are not `--quick` smoke runs count, unless `--all-runs`. The component benchmarks get
 a table each from their latest GPU run: `mok bench-experts` between
-`<!-- experts-table:start/end -->`, `mok bench-quantize` between `<!-- quantize-table:... -->`
+`<!-- experts-table:start/end -->`, `mok bench-mxfp8` between `<!-- mxfp8-table:... -->`,
+`mok bench-quantize` between `<!-- quantize-table:... -->`
 (a README without those markers is left without them). Numbers are never typed by hand: edit
 the results, then run this.
 """
@@ -200,8 +201,36 @@ def render_quantize(run: tuple[dict[str, Any], Path] | None, root: Path) -> str:
     )
 
 
+def render_mxfp8(run: tuple[dict[str, Any], Path] | None, root: Path) -> str:
+    """`mok bench-mxfp8`: TFLOP/s of mok's MXFP8 GEMMs against mok's BF16 ones and torch's FP8 rowwise."""
+    if run is None:
+        return "_No MXFP8 GEMM results are committed yet._"
+    report, path = run
+    ceil = report["ceilings"]
+    mm, mm8 = ((ceil.get(k) or {}).get("value") for k in ("bf16_matmul", "fp8_matmul"))
+    head = "| shape | routing | rows | MXFP8 fwd | MXFP8 gate+up | BF16 fwd | BF16 gate+up | torch FP8 fwd "
+    head += "| torch FP8 gate+up | torch FP8 gate+up, fast accum | gate+up vs torch FP8 | gate+up vs BF16 | bitwise |"
+    lines = [head, "| --- " * 13 + "|"]
+    names = ("mok-mxfp8", "mok-mxfp8-gate-up", "mok-bf16", "mok-bf16-gate-up", "torch-scaled", "torch-scaled-gate-up")
+    names += ("torch-scaled-fast-gate-up",)
+    for r in report["results"]:
+        if r.get("status") == "skipped":
+            continue
+        cell = [
+            "-" if n not in r else f"{r[n]['TFLOPs']:.0f}" if r[n]["status"] == "ok" else r[n]["status"] for n in names
+        ]
+        speeds = [
+            f"{r[k]:.2f}x" if k in r else "-" for k in ("gate_up_speedup_vs_torch_scaled", "gate_up_speedup_vs_bf16")
+        ]
+        same = "yes" if r["mok-mxfp8"].get("bitwise_repeatable") else "NO"
+        lines.append(f"| {r['shape_name']} | {r['routing']} | {r['rows']} | {' | '.join(cell + speeds)} | {same} |")
+    dense = f"; dense BF16 matmul {mm:.0f}, FP8 {mm8:.0f} TFLOP/s in the same run" if mm and mm8 else ""
+    return "\n".join(lines) + f"\n\nTFLOP/s, {report['device']['name']}{dense}. From {_source(path, root)}."
+
+
 COMPONENTS = (
     ("<!-- experts-table:start -->", "<!-- experts-table:end -->", "mok-bench-experts/1", render_experts),
+    ("<!-- mxfp8-table:start -->", "<!-- mxfp8-table:end -->", "mok-bench-mxfp8/1", render_mxfp8),
     ("<!-- quantize-table:start -->", "<!-- quantize-table:end -->", "mok-bench-quantize/1", render_quantize),
 )
 

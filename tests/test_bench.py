@@ -296,7 +296,7 @@ def test_readme_table_is_generated_and_idempotent(tmp_path):
 
 
 def test_readme_component_tables_come_from_the_latest_gpu_run(tmp_path):
-    """The expert-GEMM and quantizer tables: the newest GPU run of each, CPU runs ignored."""
+    """The expert-GEMM, MXFP8 GEMM and quantizer tables: the newest GPU run of each, CPU runs ignored."""
     results = tmp_path / "results"
     results.mkdir()
     readme = tmp_path / "README.md"
@@ -319,6 +319,19 @@ def test_readme_component_tables_come_from_the_latest_gpu_run(tmp_path):
     (results / "b.json").write_text(json.dumps(experts("2026-12-02T00:00:00+00:00", 612.0)))
     (results / "c.json").write_text(json.dumps(experts("2026-12-03T00:00:00+00:00", 3.0, "cpu")))
     (results / "q.json").write_text(json.dumps(quantize))
+    ok = lambda t: {"status": "ok", "TFLOPs": t, "bitwise_repeatable": True}  # noqa: E731
+    mx_row = {"shape_name": "glm-5.2", "routing": "skewed", "rows": 16400, "mok-mxfp8": ok(277.0),
+              "mok-mxfp8-gate-up": ok(312.0), "mok-bf16": ok(583.0), "mok-bf16-gate-up": ok(652.0),
+              "torch-scaled": {"status": "failed", "why": "x"}, "torch-scaled-gate-up": ok(940.0),
+              "gate_up_speedup_vs_torch_scaled": 312 / 940, "gate_up_speedup_vs_bf16": 312 / 652}  # fmt: skip
+    mxfp8 = {
+        "schema": "mok-bench-mxfp8/1",
+        "created": "2026-12-01T00:00:00+00:00",
+        "device": {"type": "cuda", "name": "H"},
+        "ceilings": {"bf16_matmul": {"value": 700.0}, "fp8_matmul": {"value": 1200.0}},
+        "results": [mx_row],
+    }
+    (results / "m.json").write_text(json.dumps(mxfp8))
     script = [sys.executable, str(ROOT / "benchmarks" / "readme_table.py"), "--readme", str(readme)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     subprocess.run([*script, "--results", str(results)], check=True, capture_output=True, env=env)
@@ -329,6 +342,9 @@ def test_readme_component_tables_come_from_the_latest_gpu_run(tmp_path):
     assert "dense BF16 matmul 700 TFLOP/s" in table
     qtable = text[text.index("<!-- quantize-table:start -->") : text.index("<!-- quantize-table:end -->")]
     assert "| glm-5.2 | weights | 812 | 902 | 58 | yes |" in qtable and "HBM copy 4000 GB/s" in qtable
+    mtable = text[text.index("<!-- mxfp8-table:start -->") : text.index("<!-- mxfp8-table:end -->")]
+    assert "| glm-5.2 | skewed | 16400 | 277 | 312 | 583 | 652 | failed | 940 | - | 0.33x | 0.48x | yes |" in mtable
+    assert "dense BF16 matmul 700, FP8 1200 TFLOP/s" in mtable
 
 
 def _between_markers(path: Path) -> str:
@@ -338,7 +354,7 @@ def _between_markers(path: Path) -> str:
 
 def _outside_markers(text: str) -> str:
     """The README without the generated tables (every start ... end marker pair emptied)."""
-    for name in ("bench", "experts", "quantize"):
+    for name in ("bench", "experts", "mxfp8", "quantize"):
         start, end = f"<!-- {name}-table:start -->", f"<!-- {name}-table:end -->"
         text = text[: text.index(start) + len(start)] + text[text.index(end) :]
     return text
@@ -411,6 +427,28 @@ def test_experts_bench_runs_on_the_cpu(tmp_path):
             assert r[name]["ms"] > 0
         assert r["mok"]["bitwise_repeatable"] is True
         assert r["mok-fwd-bwd"]["bitwise_repeatable"] is True
+
+
+def test_mxfp8_bench_runs_on_the_cpu(tmp_path):
+    """The MXFP8 GEMM benchmark's plumbing: mok's providers run (on the CPU, the reference
+    arithmetic), two runs give the same bits, torch's FP8 grouped GEMM is reported, not dropped."""
+    pytest.importorskip("mok_mxfp8", reason="mok-mxfp8 is not installed")
+    from mok_torch.cli import main as mok_main
+
+    argv = ["bench-mxfp8", "--shapes", "quick", "--iters", "1", "--warmup", "0", "--device", "cpu"]
+    assert mok_main([*argv, "--routing", "skewed", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("*_mxfp8.json")
+    doc = json.loads(path.read_text())
+    assert doc["schema"] == "mok-bench-mxfp8/1"
+    rows = [r for r in doc["results"] if r.get("status") != "skipped"]
+    assert rows
+    for r in rows:
+        for name in ("mok-mxfp8", "mok-mxfp8-gate-up", "mok-bf16", "mok-bf16-gate-up"):
+            assert r[name]["status"] == "ok", (name, r[name])
+            assert r[name]["ms"] > 0
+        assert r["mok-mxfp8"]["bitwise_repeatable"] is True
+        assert 0 < r["mok-mxfp8"]["rel_diff_vs_bf16"] < 0.1  # MXFP8 against BF16: a few percent
+        assert r["torch-scaled"]["status"] in ("ok", "failed")
 
 
 def test_mok_forward_on_the_gpu_gemms_is_timed_at_real_shapes(monkeypatch):

@@ -10,7 +10,7 @@
 #include <cstdint>
 
 #include "grouped_gemm.cuh"
-#include "hopper.cuh"
+#include "mok/core/hopper.cuh"
 #include "launch.cuh"
 #include "mok/bf16/experts.h"
 #include "mok/core/bf16.h"

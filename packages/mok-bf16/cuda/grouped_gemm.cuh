@@ -18,24 +18,23 @@
 
 #include <cstdint>
 
-#include "hopper.cuh"
+#include "mok/core/grouped_tiles.cuh"
+#include "mok/core/hopper.cuh"
 
 namespace mok::bf16::gemm {
 
-inline constexpr int kBlockM = 128;   // rows of an output tile (two consumer warpgroups)
+using tiles::for_each_pair;
+using tiles::frag_col;
+using tiles::frag_row;
+using tiles::kBlockM;
+using tiles::kMaxExperts;
+using tiles::locate;
+using tiles::Problem;
+using tiles::Tile;
+using tiles::TileList;
+
 inline constexpr int kBlockK = 64;    // K per stage: one 128-byte swizzle row of bf16
 inline constexpr int kThreads = 384;  // producer warpgroup + two consumer warpgroups
-inline constexpr int kMaxExperts = 1024;
-
-// What the tile walk needs, in device memory or by value.
-struct Problem {
-  const std::int64_t* offsets;  // [El + 1] segment starts (device)
-  std::int64_t num_rows;        // rows of A (offsets are clamped to [0, num_rows])
-  int num_experts;              // El in [1, kMaxExperts]
-  int n;                        // output columns per expert (a multiple of 64)
-  int k;                        // reduction size (a multiple of 64)
-  int k_split = 0;              // BLoad::kNMajor: K rows per expert in map_b0 (the rest in map_b1)
-};
 
 // Where B's tiles come from. B_e is [K, N] as the GEMM reads it.
 //  kPaired: K-major maps [El * N, K] (weights [El, N, K], nn.Linear's); B's two 128-row halves
@@ -46,76 +45,6 @@ struct Problem {
 //           rows e * (k - k_split).. (dx = [d_a, d_b] @ [Wg; Wu] reads two weights one after the
 //           other); output tiles of 256 columns.
 enum class BLoad { kPaired, kKMajor, kNMajor };
-
-// The tile list of a CTA: per-expert tile counts, prefix-summed in shared memory.
-struct TileList {
-  int* prefix;  // [El + 1] in shared memory: tiles before expert e
-  int n_tiles;  // column tiles per expert
-
-  // Fills `prefix` (one warp; the caller synchronises the CTA afterwards).
-  __device__ void build(const Problem& p, int block_n, int lane) {
-    n_tiles = (p.n + block_n - 1) / block_n;
-    const int per_lane = (p.num_experts + 31) / 32;
-    const int first = lane * per_lane;
-    int sum = 0;
-    for (int e = first; e < first + per_lane && e < p.num_experts; ++e) sum += tiles_of(p, e);
-    int before = sum;  // inclusive scan across the warp, then exclusive
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const int v = __shfl_up_sync(0xFFFFFFFFu, before, d);
-      if (lane >= d) before += v;
-    }
-    before -= sum;
-    for (int e = first; e < first + per_lane && e < p.num_experts; ++e) {
-      prefix[e] = before;
-      before += tiles_of(p, e);
-    }
-    if (lane == 31) prefix[p.num_experts] = before;
-  }
-
-  __device__ int total(const Problem& p) const { return prefix[p.num_experts]; }
-
-  __device__ int tiles_of(const Problem& p, int e) const {
-    const std::int64_t lo = segment_start(p, e), hi = segment_end(p, e);
-    return static_cast<int>((hi - lo + kBlockM - 1) / kBlockM) * n_tiles;
-  }
-
-  __device__ static std::int64_t clamp_row(const Problem& p, std::int64_t r) {
-    return r < 0 ? 0 : (r > p.num_rows ? p.num_rows : r);
-  }
-  __device__ static std::int64_t segment_start(const Problem& p, int e) {
-    return clamp_row(p, p.offsets[e]);
-  }
-  __device__ static std::int64_t segment_end(const Problem& p, int e) {
-    const std::int64_t lo = segment_start(p, e), hi = clamp_row(p, p.offsets[e + 1]);
-    return hi < lo ? lo : hi;
-  }
-};
-
-// One output tile: expert, first row of A, end of the expert's rows, first column.
-struct Tile {
-  int expert;
-  std::int64_t row0;
-  std::int64_t row_end;
-  int col0;
-};
-
-__device__ inline Tile locate(const Problem& p, const TileList& list, int t, int block_n) {
-  int lo = 0, hi = p.num_experts - 1;  // the last expert whose prefix is <= t
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (list.prefix[mid] <= t)
-      lo = mid;
-    else
-      hi = mid - 1;
-  }
-  const int local = t - list.prefix[lo];
-  const std::int64_t start = TileList::segment_start(p, lo);
-  const std::int64_t end = TileList::segment_end(p, lo);
-  const int m_tiles = static_cast<int>((end - start + kBlockM - 1) / kBlockM);
-  return {lo, start + static_cast<std::int64_t>(local % m_tiles) * kBlockM, end,
-          (local / m_tiles) * block_n};
-}
 
 // The MMA width: every GEMM issues m64n256k16 (the widest wgmma, the fewest shared-memory
 // reads of A per flop). A paired GEMM (two weight matrices against the same rows, as gate and
@@ -142,28 +71,6 @@ struct Ring {
 struct Accumulators {
   float d[kMmaN / 2];
 };
-
-// Where the fragment element (j, q) of thread `t` of a consumer warpgroup sits in the tile.
-__device__ inline int frag_row(int t, int q) { return 16 * (t / 32) + (t % 32) / 4 + 8 * (q / 2); }
-__device__ inline int frag_col(int t, int j, int q) { return 8 * j + 2 * (t % 4) + (q % 2); }
-
-// Calls fn(row, col, q) for every pair of adjacent output columns (col, col + 1) that the calling
-// thread of a consumer warpgroup holds in its registers q, q + 1, among the first kCols columns
-// of the tile; rows past the expert's segment and columns from n on are skipped.
-template <int kCols, class Fn>
-__device__ inline void for_each_pair(const Tile& tile, int consumer, int n, const Fn& fn) {
-  const int t = threadIdx.x % 128;
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const std::int64_t row = tile.row0 + 64 * consumer + frag_row(t, 2 * half);
-    if (row >= tile.row_end) continue;
-#pragma unroll
-    for (int j = 0; j < kCols / 8; ++j) {
-      const int col = tile.col0 + frag_col(t, j, 0);
-      if (col < n) fn(row, col, 4 * j + 2 * half);
-    }
-  }
-}
 
 // The persistent kernel, B loaded as kB says. Epilogue: `void operator()(const Tile&, int consumer,
 // const Accumulators&) const` on the consumer warpgroup's 128 threads.

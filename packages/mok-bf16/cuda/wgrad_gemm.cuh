@@ -22,7 +22,7 @@
 #include <cstdint>
 
 #include "grouped_gemm.cuh"
-#include "hopper.cuh"
+#include "mok/core/hopper.cuh"
 #include "mok/core/bf16.h"
 
 namespace mok::bf16::gemm {

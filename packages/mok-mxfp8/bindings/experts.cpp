@@ -94,6 +94,51 @@ void register_experts(pybind11::module_& m) {
       "quantized along rows in 32-row blocks from the call's first row, which must be a table row "
       "at a multiple of 32 (a block holding two experts is an error). Bits as the reference "
       "backend's MXFP8; device and errors as in swiglu_forward.");
+  m.def(
+      "grouped_forward",
+      [](const std::string& device, std::uintptr_t x, std::int64_t x_row_bytes,
+         std::uintptr_t offsets, const Quad& gate, const Quad& up, const Quad& down,
+         std::uintptr_t out_a, std::uintptr_t out_b, std::uintptr_t out_h, std::uintptr_t out_hq,
+         std::uintptr_t out_y, std::int64_t num_rows,
+         std::int64_t hidden, std::int64_t inner, std::int64_t num_experts,
+         std::optional<double> limit, std::int64_t num_sms, std::int64_t num_threads,
+         std::uintptr_t stream) {
+        MxGroupedForwardArgs a;
+        a.x = x;
+        a.x_row_bytes = x_row_bytes;
+        a.offsets = offsets;
+        a.gate = weight(gate);
+        a.up = weight(up);
+        a.down = weight(down);
+        a.out_a = out_a;
+        a.out_b = out_b;
+        a.out_h = out_h;
+        a.out_hq = out_hq;
+        a.out_y = out_y;
+        a.shape = {num_rows, hidden, inner, num_experts};
+        a.limit = core::swiglu_limit("grouped_forward", limit);
+        a.num_sms = num_sms;
+        a.num_threads = num_threads;
+        grouped_forward(device, a, stream);
+      },
+      py::arg("device"), py::arg("x"), py::arg("x_row_bytes"), py::arg("offsets"), py::arg("gate"),
+      py::arg("up"), py::arg("down"), py::arg("out_a"), py::arg("out_b"), py::arg("out_h"),
+      py::arg("out_hq"), py::arg("out_y"), py::arg("num_rows"),
+      py::arg("hidden"), py::arg("inner"), py::arg("num_experts"), py::arg("limit") = py::none(),
+      py::arg("num_sms") = 0, py::arg("num_threads") = 1, py::arg("stream") = 0,
+      py::call_guard<py::gil_scoped_release>(),
+      "MXFP8 SwiGLU expert forward over segments of consecutive rows (rows [offsets[e], "
+      "offsets[e+1]) are local expert e's; offsets int64 [El + 1], non-decreasing). x: uint8 "
+      "MXFP8 rows, H E4M3 bytes then H/32 scales, x_row_bytes apart (0: H + H/32); gate, up, "
+      "down as in swiglu_forward (the forward reads their normal copies). Writes out_a, out_b "
+      "(bf16 [M, I]) and, unless out_y is 0, out_h (bf16 [M, I]), h's MXFP8 copy along I "
+      "(out_hq: MXFP8 rows, uint8 [M, hq_row_bytes(I) = I + I/32 rounded up to 16]) and out_y "
+      "(bf16 [M, H]); rows "
+      "outside every segment are not written. device 'cpu': the reference's bits (the host reads "
+      "the offsets); 'cuda': sm_90a FP8 tensor-core GEMMs with per-32 scaling (H and I multiples "
+      "of 64, x's rows and arrays 16-byte aligned, the offsets read on the device only), "
+      "deterministic and batch invariant, within a tight tolerance of the CPU. num_sms: most CTAs "
+      "per GEMM (0: every SM). Raises ValueError naming a bad argument.");
 }
 
 }  // namespace mok::mxfp8::bindings

@@ -29,7 +29,7 @@ void check_weight(const std::string& fn, const std::string& name, const MxWeight
 }
 
 void check_common(const std::string& fn, const MxExpertShape& s, SwigluLimit limit,
-                  std::int64_t num_threads, std::uintptr_t experts) {
+                  std::int64_t num_threads, std::uintptr_t experts, bool per_row = true) {
   if (s.num_rows < 0) invalid(fn, "num_rows must be >= 0" + got(s.num_rows));
   if (s.hidden <= 0 || s.hidden % kBlock)
     invalid(fn, "hidden must be a positive multiple of 32" + got(s.hidden));
@@ -47,7 +47,7 @@ void check_common(const std::string& fn, const MxExpertShape& s, SwigluLimit lim
     invalid(fn, "num_threads must be in [1, " + std::to_string(kMaxExpertThreads) + "]" +
                     got(num_threads));
   }
-  if (s.num_rows == 0) return;
+  if (s.num_rows == 0 || !per_row) return;
   check_pointer(fn, "experts", experts, 8);
   // Every expert id in [-1, El), and every 32-row block holding at most one expert.
   const auto* e = reinterpret_cast<const std::int64_t*>(experts);
@@ -122,6 +122,71 @@ void swiglu_backward(const std::string& device, const MxBackwardArgs& args,
   check_pointer(fn, "acc_down", args.acc_down, 4);
   if (device == "cuda") no_cuda(fn);
   swiglu_backward_cpu(args);
+}
+
+void grouped_forward(const std::string& device, const MxGroupedForwardArgs& a,
+                     std::uintptr_t stream) {
+  const std::string fn = "grouped_forward";
+  check_device(fn, device);
+  const MxExpertShape& s = a.shape;
+  check_common(fn, s, a.limit, a.num_threads, 0, /*per_row=*/false);
+  const bool cuda = device == "cuda";
+  if (cuda && (s.hidden % 64 != 0 || s.inner % 64 != 0)) {
+    invalid(fn, "on \"cuda\", hidden and inner must be multiples of 64, got hidden " +
+                    std::to_string(s.hidden) + ", inner " + std::to_string(s.inner));
+  }
+  if (cuda && s.num_experts > 1024) {
+    invalid(fn, "on \"cuda\", num_experts must be <= 1024" + got(s.num_experts));
+  }
+  if (a.num_sms < 0) invalid(fn, "num_sms must be >= 0 (0: every SM)" + got(a.num_sms));
+  const std::int64_t packed = s.hidden + s.hidden / kBlock;
+  if (a.x_row_bytes != 0 && a.x_row_bytes < packed) {
+    invalid(fn, "x_row_bytes must be 0 or >= hidden + hidden/32 = " + std::to_string(packed) +
+                    got(a.x_row_bytes));
+  }
+  // The copy engine reads 16-byte aligned rows; the CPU loops any layout.
+  const std::uintptr_t al = cuda ? 16 : 1;
+  const std::int64_t row_bytes = a.x_row_bytes != 0 ? a.x_row_bytes : packed;
+  if (cuda && row_bytes % 16 != 0) {
+    invalid(fn, "on \"cuda\", x's rows must be 16-byte aligned: x_row_bytes must be a multiple of "
+                "16" + got(row_bytes));
+  }
+  check_pointer(fn, "offsets", a.offsets, 8);
+  if (s.num_rows == 0) return;
+  check_pointer(fn, "x", a.x, al);
+  check_pointer(fn, "gate.data", a.gate.data, al);
+  check_pointer(fn, "gate.scales", a.gate.scales, al);
+  check_pointer(fn, "up.data", a.up.data, al);
+  check_pointer(fn, "up.scales", a.up.scales, al);
+  check_pointer(fn, "out_a", a.out_a, cuda ? 4 : 2);
+  check_pointer(fn, "out_b", a.out_b, cuda ? 4 : 2);
+  if (a.out_y != 0) {
+    check_pointer(fn, "out_y", a.out_y, cuda ? 4 : 2);
+    check_pointer(fn, "out_h", a.out_h, cuda ? 16 : 2);
+    check_pointer(fn, "out_hq", a.out_hq, al);
+    check_pointer(fn, "down.data", a.down.data, al);
+    check_pointer(fn, "down.scales", a.down.scales, al);
+  }
+  if (cuda) {
+#if MOK_WITH_CUDA
+    grouped_forward_cuda(a, stream);
+    return;
+#else
+    (void)stream;
+    throw std::runtime_error(fn + ": device=\"cuda\" but mok-mxfp8 was built without CUDA "
+                                  "(MOK_CUDA=OFF, or no nvcc at build time)");
+#endif
+  }
+  // The host reads the offsets: non-decreasing, within [0, M].
+  const auto* off = reinterpret_cast<const std::int64_t*>(a.offsets);
+  for (std::int64_t e = 0; e <= s.num_experts; ++e) {
+    if (off[e] < 0 || off[e] > s.num_rows || (e > 0 && off[e] < off[e - 1])) {
+      invalid(fn, "offsets must be non-decreasing within [0, num_rows = " +
+                      std::to_string(s.num_rows) + "]: offsets[" + std::to_string(e) + "]" +
+                      got(off[e]));
+    }
+  }
+  grouped_forward_cpu(a);
 }
 
 }  // namespace mok::mxfp8

@@ -141,7 +141,16 @@ std::vector<float> quantize_along_rows(const std::vector<float>& u, std::int64_t
 
 // ------------------------------------------------------------------ forward
 
-void swiglu_forward_cpu(const MxForwardArgs& args) {
+namespace {
+
+// What grouped_forward adds to swiglu_forward's outputs: h and its MXFP8 copy (each may be null).
+struct HOutputs {
+  u16* h = nullptr;          // bf16 [M, I]
+  u8* hq = nullptr;          // MXFP8 rows [M, hq_row_bytes(I)]
+};
+
+// The forward of rows [0, M) of args (x's rows row_bytes apart).
+void forward_rows(const MxForwardArgs& args, std::int64_t row_bytes, const HOutputs& extra) {
   const std::int64_t M = args.shape.num_rows, H = args.shape.hidden, I = args.shape.inner;
   const auto* x = reinterpret_cast<const u8*>(args.x);
   const auto* experts = reinterpret_cast<const std::int64_t*>(args.experts);
@@ -149,7 +158,6 @@ void swiglu_forward_cpu(const MxForwardArgs& args) {
   auto* out_b = reinterpret_cast<u16*>(args.out_b);
   auto* out_y = reinterpret_cast<u16*>(args.out_y);
   const WeightView gate(args.gate, I, H), up(args.up, I, H), down(args.down, H, I);
-  const std::int64_t row_bytes = H + H / kBlock;
 
   parallel_ranges(M, args.num_threads, [&](std::int64_t begin, std::int64_t end) {
     std::vector<float> xv(static_cast<std::size_t>(H)), h(static_cast<std::size_t>(I));
@@ -169,9 +177,20 @@ void swiglu_forward_cpu(const MxForwardArgs& args) {
             blocked_dot(xv.data(), H, [&](std::int64_t k) { return up.along_c(e, i, k); }));
         out_a[m * I + i] = a;
         out_b[m * I + i] = b;
-        h[i] = bf16_to_float(core::swiglu_h(a, b, args.limit));
+        const u16 hb = core::swiglu_h(a, b, args.limit);
+        if (extra.h != nullptr) extra.h[m * I + i] = hb;
+        h[i] = bf16_to_float(hb);
       }
       if (out_y == nullptr) continue;
+      if (extra.hq != nullptr) {
+        u8* row = extra.hq + m * hq_row_bytes(I);
+        for (std::int64_t j = 0; j < I / kBlock; ++j) {
+          const float* block = h.data() + j * kBlock;
+          row[I + j] = quantize_block(
+              kBlock, ScaleRule::kRceil, [&](int i) { return float_bits(block[i]); },
+              [&](int i, u8 v) { row[j * kBlock + i] = v; });
+        }
+      }
       fake_quantize(h.data(), I);  // h is quantized along I before the down GEMM
       for (std::int64_t j = 0; j < H; ++j) {
         out_y[m * H + j] = float_to_bf16(
@@ -179,6 +198,48 @@ void swiglu_forward_cpu(const MxForwardArgs& args) {
       }
     }
   });
+}
+
+}  // namespace
+
+void swiglu_forward_cpu(const MxForwardArgs& args) {
+  forward_rows(args, args.shape.hidden + args.shape.hidden / kBlock, HOutputs{});
+}
+
+void grouped_forward_cpu(const MxGroupedForwardArgs& g) {
+  const std::int64_t M = g.shape.num_rows, H = g.shape.hidden, I = g.shape.inner;
+  const std::int64_t El = g.shape.num_experts;
+  const auto* offsets = reinterpret_cast<const std::int64_t*>(g.offsets);
+  const std::int64_t lo = std::clamp<std::int64_t>(offsets[0], 0, M);
+  const std::int64_t hi = std::clamp<std::int64_t>(offsets[El], lo, M);
+  if (hi == lo) return;
+  std::vector<std::int64_t> experts(static_cast<std::size_t>(hi - lo));
+  for (std::int64_t e = 0; e < El; ++e) {
+    const std::int64_t b = std::clamp<std::int64_t>(offsets[e], lo, hi);
+    const std::int64_t end = std::clamp<std::int64_t>(offsets[e + 1], b, hi);
+    std::fill(experts.begin() + (b - lo), experts.begin() + (end - lo), e);
+  }
+  const std::int64_t row_bytes = g.x_row_bytes != 0 ? g.x_row_bytes : H + H / kBlock;
+  MxForwardArgs args;
+  args.x = g.x + static_cast<std::uintptr_t>(lo * row_bytes);
+  args.experts = reinterpret_cast<std::uintptr_t>(experts.data());
+  args.gate = g.gate;
+  args.up = g.up;
+  args.down = g.down;
+  args.out_a = g.out_a + static_cast<std::uintptr_t>(lo * I * 2);
+  args.out_b = g.out_b + static_cast<std::uintptr_t>(lo * I * 2);
+  args.out_y = g.out_y == 0 ? 0 : g.out_y + static_cast<std::uintptr_t>(lo * H * 2);
+  args.shape = {hi - lo, H, I, El};
+  args.limit = g.limit;
+  args.num_threads = g.num_threads;
+  HOutputs extra;
+  if (g.out_y != 0) {
+    extra.h = reinterpret_cast<u16*>(g.out_h) + lo * I;
+    extra.hq = reinterpret_cast<u8*>(g.out_hq) + lo * hq_row_bytes(I);
+  } else if (g.out_h != 0) {
+    extra.h = reinterpret_cast<u16*>(g.out_h) + lo * I;
+  }
+  forward_rows(args, row_bytes, extra);
 }
 
 // ------------------------------------------------------------------ backward

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._C import build_info, quantize, swiglu_backward, swiglu_forward, version
+from ._C import build_info, grouped_forward, quantize, swiglu_backward, swiglu_forward, version
 
 __version__: str = version()
 
@@ -17,6 +17,7 @@ __all__ = [
     "__version__",
     "backend_info",
     "build_info",
+    "grouped_forward",
     "quantize",
     "swiglu_backward",
     "swiglu_forward",

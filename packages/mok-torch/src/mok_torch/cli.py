@@ -43,6 +43,7 @@ COMMANDS = {
     "bench-transport": ("dispatch/combine GB/s, barrier latency, schedule time", "mok_torch.bench.transport:main"),
     "bench-quantize": ("MXFP8 quantizer GB/s (activations, weights) against the HBM copy rate", None),
     "bench-experts": ("BF16 expert GEMMs (GPU) against torch._grouped_mm and the dense matmul rate", None),
+    "bench-mxfp8": ("MXFP8 expert GEMMs (GPU) against torch._scaled_grouped_mm, mok's BF16 and the dense rates", None),
 }
 
 
@@ -70,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         from mok_torch.bench.experts import main as experts_main
 
         return experts_main(rest)
+    if command == "bench-mxfp8":
+        from mok_torch.bench.mxfp8 import main as mxfp8_main
+
+        return mxfp8_main(rest)
     if command == "bench":
         from mok_torch.bench import main as bench_main
 

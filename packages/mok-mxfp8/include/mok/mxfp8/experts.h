@@ -67,6 +67,41 @@ struct MxBackwardArgs {
   std::int64_t num_threads = 1;
 };
 
+// grouped_forward: the forward over experts' segments of consecutive rows (rows [offsets[e],
+// offsets[e+1]) are expert e's), the arithmetic of swiglu_forward:
+//
+//   [a, b] = x_q @ [Wg_e; Wu_e]^T,  h = bf16(silu(a) * b),  h_q = Q_I(h),  y = h_q @ Wd_e^T
+//
+// On "cuda" the FP8 tensor-core GEMMs of cuda/fp8_gemm.cuh (sm_90a; H and I multiples of 64):
+// each 32-block's partial from one FP8 wgmma, scaled and added in ascending K, so the same bits
+// for a row wherever it sits and whatever the other rows, but not the CPU's bits (the wgmma's
+// partial is not a sequential fp32 sum). On "cpu" the reference arithmetic, bitwise
+// swiglu_forward's. The offsets stay in device memory on "cuda" (never read by the host): they
+// must be non-decreasing; out-of-range ones are clamped to [0, M]. Rows outside every segment are
+// not written.
+// The bytes of a row of grouped_forward's h_q: I + I/32 rounded up to 16 (the copy engine reads
+// rows at 16-byte strides).
+inline std::int64_t hq_row_bytes(std::int64_t inner) {
+  return (inner + inner / kBlock + 15) / 16 * 16;
+}
+
+struct MxGroupedForwardArgs {
+  std::uintptr_t x = 0;          // uint8 MXFP8 rows: H E4M3 bytes then H/32 E8M0 scales per row
+  std::int64_t x_row_bytes = 0;  // bytes between x's rows (0: H + H/32); on "cuda" a multiple of 16
+  std::uintptr_t offsets = 0;    // int64 [El + 1]
+  MxWeight gate, up, down;       // the forward reads data and scales (the normal copies)
+  std::uintptr_t out_a = 0;      // bf16 [M, I]
+  std::uintptr_t out_b = 0;      // bf16 [M, I]
+  std::uintptr_t out_h = 0;      // bf16 [M, I]: required with out_y
+  std::uintptr_t out_hq = 0;     // uint8 [M, hq_row_bytes(I)]: Q_I(h) as MXFP8 rows (I E4M3
+                                 // bytes, then I/32 scales), required with out_y
+  std::uintptr_t out_y = 0;      // bf16 [M, H], or 0: a and b only
+  MxExpertShape shape;
+  SwigluLimit limit;
+  std::int64_t num_sms = 0;      // CUDA: most CTAs per GEMM (0: every SM)
+  std::int64_t num_threads = 1;  // CPU threads
+};
+
 inline constexpr std::int64_t kMaxExpertThreads = 1024;
 
 // device "cpu" (or "cuda": not implemented yet, raises std::runtime_error). Bad arguments raise
@@ -74,7 +109,14 @@ inline constexpr std::int64_t kMaxExpertThreads = 1024;
 void swiglu_forward(const std::string& device, const MxForwardArgs& args, std::uintptr_t stream);
 void swiglu_backward(const std::string& device, const MxBackwardArgs& args, std::uintptr_t stream);
 
+void grouped_forward(const std::string& device, const MxGroupedForwardArgs& args,
+                     std::uintptr_t stream);
+
 void swiglu_forward_cpu(const MxForwardArgs& args);
+void grouped_forward_cpu(const MxGroupedForwardArgs& args);
+#if MOK_WITH_CUDA
+void grouped_forward_cuda(const MxGroupedForwardArgs& args, std::uintptr_t stream);
+#endif
 void swiglu_backward_cpu(const MxBackwardArgs& args);
 
 }  // namespace mok::mxfp8

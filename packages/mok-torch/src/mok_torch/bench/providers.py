@@ -144,15 +144,16 @@ class MokProvider(Provider):
         except ValueError as exc:
             return str(exc)
         work = shape.tokens * shape.topk * shape.hidden * shape.inner
-        # MXFP8 experts run the reference arithmetic on every backend (no FP8 kernels yet); the
-        # cuda backend's BF16 forward runs mok-bf16's GEMMs where the shape allows, and so does
-        # its backward when the expert alignment is a multiple of 64 (else the reference
-        # arithmetic).
+        # The cuda backend's forward runs mok-bf16's GEMMs (BF16) or mok-mxfp8's FP8 GEMMs (MXFP8)
+        # where the shape allows; its BF16 backward too when the expert alignment is a multiple
+        # of 64 (else the reference arithmetic), its MXFP8 backward never (no FP8 backward
+        # kernels yet).
         from ..backends.native import gpu_backward_kernels
 
         slow = getattr(backend, "reference_experts", False) or self.precision == "mxfp8"
         gpu_forward = self._gpu_forward(backend, shape, ranks)
-        if gpu_forward and (settings.passes == ("forward",) or gpu_backward_kernels(self.config)):
+        gpu_backward = self.precision == "bf16" and gpu_backward_kernels(self.config)
+        if gpu_forward and (settings.passes == ("forward",) or gpu_backward):
             slow = False
         if slow and work > REFERENCE_MAX_WORK and not settings.allow_slow:
             what = "backward" if gpu_forward else f"{'MXFP8 ' if self.precision == 'mxfp8' else ''}experts"
@@ -164,13 +165,17 @@ class MokProvider(Provider):
         return None
 
     def _gpu_forward(self, backend: Any, shape: Shape, ranks: Ranks) -> bool:
-        """Whether this shape's forward runs mok-bf16's GPU GEMMs (routed and shared experts)."""
-        from ..backends.native import gpu_forward_kernels
+        """Whether this shape's forward runs mok-bf16's GPU GEMMs (routed and shared experts), or
+        in MXFP8 mok-mxfp8's (routed experts)."""
+        from ..backends.native import gpu_forward_kernels, gpu_mxfp8_forward_kernels
 
         if getattr(backend, "device_type", None) != "cuda" or shape.experts % shape.world:
             return False
         local = shape.experts // shape.world
-        ok = gpu_forward_kernels(self.config, ranks.device, shape.hidden, shape.inner, local)
+        dims = (ranks.device, shape.hidden, shape.inner, local)
+        if self.precision == "mxfp8":  # the shared expert: the reference's bf16 arithmetic in PyTorch
+            return gpu_mxfp8_forward_kernels(self.config, *dims)
+        ok = gpu_forward_kernels(self.config, *dims)
         return ok and (shape.shared_inner == 0 or shape.shared_inner % 64 == 0)
 
     def prepare(self, call: LayerCall, ranks: Ranks, settings: Settings) -> Forward:

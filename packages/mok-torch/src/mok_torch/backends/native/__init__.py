@@ -23,9 +23,14 @@ flat rows, each with its local expert (-1 for padding rows, which it skips), and
 fallback works on expert blocks, as the reference does.
 
 MXFP8 (`precision="mxfp8"`): x and dy are quantized on their source rank and travel as MXFP8
-rows (H E4M3 bytes then H/32 scale bytes, in the first bytes of the bf16-sized source rows);
-the routed experts run the reference's MXFP8 arithmetic in PyTorch (no FP8 kernels yet), the
-shared expert stays bf16.
+rows (H E4M3 bytes then H/32 scales, in the first bytes of the bf16-sized source rows); the
+shared expert stays bf16, in the reference's arithmetic (mok-bf16's kernels take it in BF16
+only). On an sm_90 GPU, when H and I are multiples of 64, the routed experts' forward GEMMs
+are mok-mxfp8's FP8 tensor-core kernels (`mxfp8_grouped.py`, a whole macrobatch per call, the
+backward's recomputed pre-activations too): deterministic and invariant as the contract says,
+within a tight tolerance of the reference's MXFP8 bits (the FP8 wgmma's partial of 32
+products is not a sequential fp32 sum). The MXFP8 backward runs the reference's arithmetic in
+PyTorch (its FP8 kernels are not written yet).
 
 Shape letters: T tokens, K top-k, H hidden, I inner size, El local experts, C capacity.
 """
@@ -60,6 +65,7 @@ from ..reference.experts import (
 )
 from ..reference.ring import Block, replays_in_backward
 from .grouped import GroupedBackward, GroupedForward, grouped_backward, grouped_forward
+from .mxfp8_grouped import MxGroupedForward, mxfp8_grouped_forward
 from .transport import Transport, raise_transport_error
 
 Weights3 = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -110,6 +116,41 @@ def gpu_forward_kernels(cfg: MoKConfig, device: torch.device, hidden: int, inner
         and 1 <= experts <= 1024
         and _gpu_grouped(device.index if device.index is not None else torch.cuda.current_device())
     )
+
+
+@functools.cache
+def _gpu_mxfp8_grouped(device_index: int) -> bool:
+    """Whether mok-mxfp8's sm_90a FP8 grouped forward runs on this CUDA device."""
+    try:
+        import mok_mxfp8
+    except ImportError:
+        return False
+    if not hasattr(mok_mxfp8, "grouped_forward") or "cuda" not in mok_mxfp8.build_info()["backends"]:
+        return False
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+def gpu_mxfp8_forward_kernels(cfg: MoKConfig, device: torch.device, hidden: int, inner: int, experts: int) -> bool:
+    """Whether the native backend's MXFP8 forward GEMMs run mok-mxfp8's FP8 tensor-core kernels here."""
+    return (
+        device.type == "cuda"
+        and cfg.precision == "mxfp8"
+        and hidden % 64 == 0
+        and inner % 64 == 0
+        and 1 <= experts <= 1024
+        and _gpu_mxfp8_grouped(device.index if device.index is not None else torch.cuda.current_device())
+    )
+
+
+def _mx_row_bytes(H: int) -> int:
+    """Bytes of a pulled MXFP8 row for the FP8 kernels: H + H/32 rounded up to 16 (the copy engine
+    reads 16-byte aligned rows)."""
+    return (H + H // 32 + 15) // 16 * 16
+
+
+def _mx_weights(routed: Any) -> list[MXFP8Tensor]:
+    """The routed weights as MXFP8Tensors (bf16 ones quantized here, per call)."""
+    return [w if isinstance(w, MXFP8Tensor) else mxfp8_quantize(w) for w in routed]
 
 
 def gpu_backward_kernels(cfg: MoKConfig) -> bool:
@@ -534,8 +575,12 @@ class NativeBackend:
         experts = self._routed_experts(cfg, routed)
         El = routed[0].shape[0]
         tensor_cores = experts is None and gpu_forward_kernels(cfg, ws.device, H, inner, El)
+        fp8_cores = experts is None and gpu_mxfp8_forward_kernels(cfg, ws.device, H, inner, El)
         if experts is not None:
             experts_R = _row_experts(sched, rows)
+        elif fp8_cores:
+            mx_weights = _mx_weights(routed)
+            segments = sched.expert_offsets_El1.to(torch.int64)
         elif tensor_cores:
             kernel_weights: Weights3 = (routed[0].contiguous(), routed[1].contiguous(), routed[2].contiguous())
             segments = sched.expert_offsets_El1.to(torch.int64)
@@ -544,12 +589,28 @@ class NativeBackend:
         ring_rows = min(macro, rows)
         dev = ws.device
         ring_x = self._pulled_rows(cfg, ring_rows, H, dev)
+        if fp8_cores:  # 16-byte aligned rows for the copy engine; the context keeps H + H/32 bytes
+            ring_x = torch.zeros(ring_rows, _mx_row_bytes(H), dtype=torch.uint8, device=dev)
         ring_a = torch.zeros(ring_rows, inner, dtype=BF16, device=dev)
         ring_b = torch.zeros(ring_rows, inner, dtype=BF16, device=dev)
         ring_h = torch.empty(ring_rows, inner, dtype=BF16, device=dev) if tensor_cores and outputs else None
         macrobatches = [(lo, min(lo + macro, rows)) for lo in range(0, rows, macro)]
         # Last to first: the ring ends holding macrobatch 0 (without outputs only it is needed).
         for lo, hi in reversed(macrobatches) if outputs else macrobatches[:1]:
+            if fp8_cores:  # as the BF16 GEMMs below: the whole macrobatch in one call
+                n, nw = hi - lo, self._movers(cfg, ws)
+                xs = self._mx_rows(cfg, tr, sched, ring_x[:n], lo, K, nw, keep=lo == 0)
+                y_rows = None
+                if outputs:
+                    y_rows = self._output_rows(cfg, tr, "y_send", lo, hi)
+                    y_rows = torch.empty(n, H, dtype=BF16, device=dev) if y_rows is None else y_rows
+                seg = (segments - lo).clamp_(0, n)
+                wd_mx = mx_weights[2] if outputs else None
+                out_mx = MxGroupedForward(ring_a[:n], ring_b[:n], None, None, y_rows)
+                mxfp8_grouped_forward(xs, H, seg, mx_weights[0], mx_weights[1], wd_mx, cfg.swiglu_limit, out=out_mx)
+                if y_rows is not None:
+                    self._give(cfg, tr, sched, y_rows, "rows", "y_send", lo, nw)
+                continue
             if tensor_cores:
                 # The GPU GEMMs take the whole macrobatch at once (nothing overlaps the transport
                 # yet, so smaller calls would only cost launches; a row's bits do not depend on
@@ -592,7 +653,23 @@ class NativeBackend:
                         y = r.flat(y_rows, torch.empty(mhi - mlo, H, dtype=BF16, device=dev)).contiguous()
                 if y is not None:
                     self._give(cfg, tr, sched, y, "rows", "y_send", mlo, cfg.fwd_num_comm_sms)
+        if fp8_cores:
+            ring_x = ring_x[:, : H + H // 32]
         return ring_x, ring_a, ring_b
+
+    def _mx_rows(
+        self, cfg: MoKConfig, tr: Transport, sched: Schedule, out: torch.Tensor, lo: int, K: int, nw: int,
+        keep: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
+        """MXFP8 x rows [lo, lo + len(out)) for the FP8 kernels (16-byte aligned rows): pulled into
+        `out` ([n, _mx_row_bytes(H)] uint8), or the pushed table rows themselves (2H bytes each;
+        copied into `out` as well when `keep`: the context holds macrobatch 0's rows)."""
+        if cfg.dispatch == "push":
+            pushed = tr.view["x_recv"][lo : lo + out.shape[0]].view(torch.uint8)
+            if keep:
+                out.copy_(pushed[:, : out.shape[1]])
+            return pushed
+        return self._receive(cfg, tr, sched, "x", out, lo, K, nw)
 
     def _shared_forward(
         self, cfg: MoKConfig, x_TH: torch.Tensor, shared: Weights3 | None, *, outputs: bool
@@ -701,6 +778,10 @@ class NativeBackend:
         experts = self._routed_experts(cfg, routed)
         # A replay recomputes a and b with the GEMMs the forward used (so their bits match).
         tensor_cores = experts is None and gpu_forward_kernels(cfg, dev, H, inner, El)
+        fp8_cores = experts is None and gpu_mxfp8_forward_kernels(cfg, dev, H, inner, El)
+        if fp8_cores:
+            mx_weights = _mx_weights(routed)
+            segments = sched.expert_offsets_El1.to(torch.int64)
         # The GPU backward's weight gradients take 64-row blocks from each segment start: every
         # macrobatch boundary and segment start must be a multiple of 64 for a split to carry
         # exactly (docs/determinism.md "The GPU GEMMs"); otherwise the reference arithmetic.
@@ -760,8 +841,13 @@ class NativeBackend:
             for mlo in range(lo, hi, mini):
                 mhi = min(mlo + mini, hi)
                 ring = slice(mlo - lo, mhi - lo)
+                x_kernel = None  # MXFP8 rows the FP8 kernels read, for a replay's pre-activations
                 if m == 0:
                     xs = ctx.x_routed_MH[ring]
+                elif fp8_cores:
+                    x_kernel = torch.zeros(mhi - mlo, _mx_row_bytes(H), dtype=torch.uint8, device=dev)
+                    x_kernel = self._mx_rows(cfg, tr, sched, x_kernel, mlo, K, nw)
+                    xs = x_kernel[:, : H + H // 32]
                 else:  # replay: re-dispatch x (and recompute the pre-activations below)
                     xs = self._receive(cfg, tr, sched, "x", self._pulled_rows(cfg, mhi - mlo, H, dev), mlo, K, nw)
                 dys = self._receive(cfg, tr, sched, "dy", self._pulled_rows(cfg, mhi - mlo, H, dev), mlo, K, nw)
@@ -783,6 +869,12 @@ class NativeBackend:
                     xg, dyg, wg = self._values(cfg, r.grid(xs), H), self._values(cfg, r.grid(dys), H), r.grid(wr)
                     if m == 0:
                         a, b = r.grid(ctx.a_MI[ring]), r.grid(ctx.b_MI[ring])
+                    elif x_kernel is not None:
+                        seg = (segments - mlo).clamp_(0, mhi - mlo)
+                        mx = mxfp8_grouped_forward(
+                            x_kernel, H, seg, mx_weights[0], mx_weights[1], None, cfg.swiglu_limit
+                        )
+                        a, b = r.grid(mx.a), r.grid(mx.b)
                     elif tensor_cores:
                         seg = (segments - mlo).clamp_(0, mhi - mlo)
                         ab = grouped_forward(xs, seg, wg_k, wu_k, None, cfg.swiglu_limit, with_h=False)

@@ -1,7 +1,9 @@
-// Hopper (sm_90a) building blocks of the expert GEMMs: mbarriers, bulk tensor copies (TMA),
-// wgmma on bf16 operands in 128-byte-swizzled shared memory, and tensor maps made on the host.
+// Hopper (sm_90a) building blocks of the expert GEMMs of mok-bf16 and mok-mxfp8: mbarriers, bulk
+// tensor copies (TMA), wgmma on bf16 and e4m3 operands in 128-byte-swizzled shared memory, and
+// tensor maps made on the host. CUDA code: include it from .cu files only.
 //
-// Every tile the GEMMs stage is made of boxes of 64 rows of 64 bf16 (128 bytes), written by the
+// Every tile the GEMMs stage is made of boxes of 64 rows of 128 bytes (64 bf16 or 128 e4m3),
+// written by the
 // copy engine with the 128-byte swizzle. A K-major tile (K along the 128-byte rows) needs only
 // the tile's address (1024 byte aligned), the stride between 8-row groups (1024 bytes) and the
 // swizzle mode; its k-th 16-wide slice starts 32 bytes further (the swizzle is applied to the
@@ -18,7 +20,7 @@
 #include <stdexcept>
 #include <string>
 
-namespace mok::bf16::hopper {
+namespace mok::hopper {
 
 // ------------------------------------------------------------------ shared memory and barriers
 
@@ -66,6 +68,24 @@ __device__ inline void tma_load_2d(void* dst, const CUtensorMap* map, std::uint6
       " [%0], [%1, {%3, %4}], [%2];" ::"r"(smem_addr(dst)),
       "l"(reinterpret_cast<std::uint64_t>(map)), "r"(smem_addr(bar)), "r"(col), "r"(row)
       : "memory");
+}
+
+// Plain asynchronous copies (not the copy engine) of 4 or 16 bytes, global to shared, and an
+// arrival on `bar` once this thread's earlier ones have landed. The barrier's expected count
+// includes that arrival (.noinc).
+__device__ inline void cp_async_4(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_addr(dst)), "l"(src)
+               : "memory");
+}
+
+__device__ inline void cp_async_16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src)
+               : "memory");
+}
+
+__device__ inline void cp_async_arrive(std::uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar))
+               : "memory");
 }
 
 __device__ inline void prefetch_tensor_map(const CUtensorMap* map) {
@@ -199,14 +219,41 @@ struct Wgmma<256> {
   }
 };
 
+// D[64 x 128] (+)= A[64 x 32] * B[128 x 32]^T on e4m3 operands, both K-major (FP8 wgmma has no
+// transpose), fp32 accumulators, the fragment of Wgmma<128>. In the 128-byte-swizzled tiles a
+// 32-deep k slice of e4m3 is 32 bytes, as a 16-deep one of bf16: the same descriptors serve.
+__device__ inline void wgmma_e4m3_n128(float (&d)[64], std::uint64_t a, std::uint64_t b,
+                                       int accumulate) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1;\n"
+      "}\n"
+      : MOK_WGMMA_ARGS8(0), MOK_WGMMA_ARGS8(8), MOK_WGMMA_ARGS8(16), MOK_WGMMA_ARGS8(24),
+        MOK_WGMMA_ARGS8(32), MOK_WGMMA_ARGS8(40), MOK_WGMMA_ARGS8(48), MOK_WGMMA_ARGS8(56)
+      : "l"(a), "l"(b), "r"(accumulate));
+}
+
 #undef MOK_WGMMA_ARGS8
 
 // ------------------------------------------------------------------ tensor maps (host)
 
-// A row-major bf16 matrix [rows, cols] (cols contiguous, a multiple of 64) as a tensor map whose
-// boxes are [box_rows, 64] with the 128-byte swizzle; rows past the end read as zeros.
+// The element types of the tensor maps.
+enum class MapType { kBf16, kU8 };
+
+// A row-major matrix [rows, cols] of `type` (cols contiguous; 128-byte rows of the box: 64 bf16
+// or 128 bytes) as a tensor map whose boxes are [box_rows, 128 bytes] with the 128-byte swizzle;
+// rows and columns past the end read as zeros. row_bytes: the stride between rows (0: dense);
+// the copy engine needs it and the base 16-byte aligned.
 inline CUtensorMap make_tensor_map(const void* base, std::uint64_t rows, std::uint64_t cols,
-                                   std::uint32_t box_rows) {
+                                   std::uint32_t box_rows, MapType type = MapType::kBf16,
+                                   std::uint64_t row_bytes = 0) {
   using Encode =
       CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
                    const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
@@ -217,25 +264,28 @@ inline CUtensorMap make_tensor_map(const void* base, std::uint64_t rows, std::ui
     const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000,
                                                              cudaEnableDefault, &found);
     if (err != cudaSuccess || found != cudaDriverEntryPointSuccess || fn == nullptr) {
-      throw std::runtime_error("mok-bf16: the CUDA driver has no cuTensorMapEncodeTiled");
+      throw std::runtime_error("mok: the CUDA driver has no cuTensorMapEncodeTiled");
     }
     return reinterpret_cast<Encode>(fn);
   }();
+  const std::uint64_t element_bytes = type == MapType::kBf16 ? 2 : 1;
   CUtensorMap map;
   const cuuint64_t dims[2] = {cols, rows};
-  const cuuint64_t strides[1] = {cols * 2};
-  const cuuint32_t box[2] = {64, box_rows};
+  const cuuint64_t strides[1] = {row_bytes != 0 ? row_bytes : cols * element_bytes};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(128 / element_bytes), box_rows};
   const cuuint32_t element_strides[2] = {1, 1};
-  const CUresult r =
-      encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box,
-             element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r = encode(
+      &map,
+      type == MapType::kBf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_UINT8, 2,
+      const_cast<void*>(base), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) {
-    throw std::runtime_error("mok-bf16: cuTensorMapEncodeTiled failed (error " +
+    throw std::runtime_error("mok: cuTensorMapEncodeTiled failed (error " +
                              std::to_string(static_cast<int>(r)) + ") for a [" +
                              std::to_string(rows) + ", " + std::to_string(cols) + "] matrix");
   }
   return map;
 }
 
-}  // namespace mok::bf16::hopper
+}  // namespace mok::hopper

@@ -1,0 +1,206 @@
+// The MXFP8 grouped SwiGLU forward on the GPU (docs/mxfp8.md "Where the layer quantizes"):
+//
+//   gate/up:  [a, b] = x_q @ [Wg_e; Wu_e]^T  one FP8 GEMM over x's rows, 64 columns of each
+//             weight per tile, rounded to bf16 in the epilogue
+//   SwiGLU:   h = bf16(silu(a) * b) (mok-core's element math) and h_q = Q_I(h) (format.h's
+//             quantizer, RCEIL), one elementwise kernel over the segments' rows
+//   down:     y = h_q @ Wd_e^T                 (128 columns per tile)
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "fp8_gemm.cuh"
+#include "mok/core/bf16.h"
+#include "mok/core/expert_math.h"
+#include "mok/core/hopper.cuh"
+#include "mok/mxfp8/experts.h"
+#include "mok/mxfp8/format.h"
+
+namespace mok::mxfp8 {
+namespace {
+
+using gemm::Accumulators;
+using gemm::BLoad;
+using gemm::Tile;
+
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    throw std::runtime_error(std::string("mok-mxfp8: ") + what + ": " + cudaGetErrorString(err));
+  }
+}
+
+int device_sms() {
+  int device = 0;
+  check(cudaGetDevice(&device), "cudaGetDevice");
+  int sms = 0;
+  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
+        "reading the SM count");
+  return sms;
+}
+
+// Two bf16 bit patterns as one 32-bit store (low half first in memory).
+__device__ inline void store_pair(std::uint16_t* p, std::uint16_t lo, std::uint16_t hi) {
+  *reinterpret_cast<std::uint32_t*>(p) =
+      static_cast<std::uint32_t>(lo) | (static_cast<std::uint32_t>(hi) << 16);
+}
+
+constexpr int kGateUpN = gemm::kBlockN / 2;  // columns of each weight per tile
+
+struct GateUpEpilogue {
+  std::uint16_t* a;
+  std::uint16_t* b;
+  int inner;
+
+  __device__ void operator()(const Tile& tile, int consumer, const Accumulators& acc) const {
+    constexpr int kUp = kGateUpN / 2;  // the up columns' fragment registers follow the gate's
+    gemm::for_each_pair<kGateUpN>(tile, consumer, inner, [&](std::int64_t row, int col, int q) {
+      const std::int64_t at = row * inner + col;
+      store_pair(a + at, core::float_to_bf16(acc.d[q]), core::float_to_bf16(acc.d[q + 1]));
+      store_pair(b + at, core::float_to_bf16(acc.d[kUp + q]),
+                 core::float_to_bf16(acc.d[kUp + q + 1]));
+    });
+  }
+};
+
+// Each output element rounded once to bf16, into a row-major [rows, n] array.
+struct StoreBf16 {
+  std::uint16_t* out;
+  int n;
+
+  __device__ void operator()(const Tile& tile, int consumer, const Accumulators& acc) const {
+    gemm::for_each_pair<gemm::kBlockN>(tile, consumer, n, [&](std::int64_t row, int col, int q) {
+      store_pair(out + row * n + col, core::float_to_bf16(acc.d[q]),
+                 core::float_to_bf16(acc.d[q + 1]));
+    });
+  }
+};
+
+// h = swiglu_h(a, b) and its MXFP8 rows along I (hq_bytes apart), for the rows [offsets[0],
+// offsets[El]) (clamped to [0, M]): a thread per 32-element block, 16-byte loads and stores.
+__global__ void swiglu_hq_kernel(const std::uint16_t* a, const std::uint16_t* b, std::uint16_t* h,
+                                 std::uint8_t* hq, std::int64_t hq_bytes,
+                                 const std::int64_t* offsets, int num_experts,
+                                 std::int64_t num_rows, int inner, core::SwigluLimit limit) {
+  const auto clamp = [&](std::int64_t r) { return r < 0 ? 0 : (r > num_rows ? num_rows : r); };
+  const std::int64_t lo = clamp(offsets[0]);
+  const std::int64_t hi = clamp(offsets[num_experts]);
+  if (hi <= lo) return;
+  const std::int64_t per_row = inner / kBlock;
+  const std::int64_t blocks = (hi - lo) * per_row;
+  for (std::int64_t v = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+       v < blocks; v += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t row = lo + v / per_row, j = v % per_row;
+    const std::int64_t at = row * inner + j * kBlock;
+    std::uint32_t hw[kBlock / 2];  // the block's h, two bf16 per word
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const uint4 av = reinterpret_cast<const uint4*>(a + at)[w];
+      const uint4 bv = reinterpret_cast<const uint4*>(b + at)[w];
+      const std::uint32_t aw[4] = {av.x, av.y, av.z, av.w};
+      const std::uint32_t bw[4] = {bv.x, bv.y, bv.z, bv.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const auto lo16 = [](std::uint32_t x) { return static_cast<std::uint16_t>(x & 0xFFFFu); };
+        const auto hi16 = [](std::uint32_t x) { return static_cast<std::uint16_t>(x >> 16); };
+        hw[4 * w + i] =
+            static_cast<std::uint32_t>(core::swiglu_h(lo16(aw[i]), lo16(bw[i]), limit)) |
+            (static_cast<std::uint32_t>(core::swiglu_h(hi16(aw[i]), hi16(bw[i]), limit)) << 16);
+      }
+      reinterpret_cast<uint4*>(h + at)[w] =
+          make_uint4(hw[4 * w], hw[4 * w + 1], hw[4 * w + 2], hw[4 * w + 3]);
+    }
+    std::uint32_t q[kBlock / 4] = {};  // the block's E4M3 bytes, four per word
+    const std::uint8_t scale = quantize_block(
+        kBlock, ScaleRule::kRceil,
+        [&](int i) { return (i % 2 == 0 ? hw[i / 2] << 16 : hw[i / 2] & 0xFFFF0000u); },
+        [&](int i, std::uint8_t byte) {
+          q[i / 4] |= static_cast<std::uint32_t>(byte) << (8 * (i % 4));
+        });
+    std::uint8_t* out = hq + row * hq_bytes;
+    reinterpret_cast<uint4*>(out + j * kBlock)[0] = make_uint4(q[0], q[1], q[2], q[3]);
+    reinterpret_cast<uint4*>(out + j * kBlock)[1] = make_uint4(q[4], q[5], q[6], q[7]);
+    out[inner + j] = scale;
+  }
+}
+
+// Launches one FP8 grouped GEMM on `stream` with at most `num_sms` CTAs.
+template <BLoad kB, class Epilogue>
+void launch(const CUtensorMap& map_a, const CUtensorMap& map_b0, const CUtensorMap& map_b1,
+            const tiles::Problem& p, const gemm::Scales& scales, const Epilogue& epilogue,
+            int num_sms, cudaStream_t stream) {
+  using R = gemm::Ring<gemm::kStages>;
+  constexpr int kTileN = kB == BLoad::kPaired ? gemm::kBlockN / 2 : gemm::kBlockN;
+  auto* kernel = gemm::fp8_grouped_gemm_kernel<kB, gemm::kStages, Epilogue>;
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, R::kSharedBytes),
+        "setting the shared memory size");
+  // No more CTAs than tiles can exist: every expert adds at most one partial row tile.
+  const std::int64_t n_tiles = (p.n + kTileN - 1) / kTileN;
+  const std::int64_t most =
+      ((p.num_rows + tiles::kBlockM - 1) / tiles::kBlockM + p.num_experts) * n_tiles;
+  const int grid =
+      static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>(num_sms, most)));
+  kernel<<<grid, gemm::kThreads, R::kSharedBytes, stream>>>(map_a, map_b0, map_b1, p, scales,
+                                                            epilogue);
+  check(cudaGetLastError(), "launching an FP8 grouped GEMM");
+}
+
+}  // namespace
+
+void grouped_forward_cuda(const MxGroupedForwardArgs& args, std::uintptr_t stream_handle) {
+  const MxExpertShape& s = args.shape;
+  auto* stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  const int sms = args.num_sms > 0 ? static_cast<int>(args.num_sms) : device_sms();
+  const std::uint64_t M = static_cast<std::uint64_t>(s.num_rows);
+  const std::uint64_t H = static_cast<std::uint64_t>(s.hidden);
+  const std::uint64_t I = static_cast<std::uint64_t>(s.inner);
+  const std::uint64_t El = static_cast<std::uint64_t>(s.num_experts);
+  const std::uint64_t row_bytes =
+      args.x_row_bytes != 0 ? static_cast<std::uint64_t>(args.x_row_bytes) : H + H / kBlock;
+  const auto ptr = [](std::uintptr_t p) { return reinterpret_cast<const void*>(p); };
+  using hopper::MapType;
+
+  const CUtensorMap map_x =
+      hopper::make_tensor_map(ptr(args.x), M, H, tiles::kBlockM, MapType::kU8, row_bytes);
+  const CUtensorMap map_wg =
+      hopper::make_tensor_map(ptr(args.gate.data), El * I, H, kGateUpN, MapType::kU8);
+  const CUtensorMap map_wu =
+      hopper::make_tensor_map(ptr(args.up.data), El * I, H, kGateUpN, MapType::kU8);
+  const tiles::Problem gate_up{reinterpret_cast<const std::int64_t*>(args.offsets), s.num_rows,
+                               static_cast<int>(s.num_experts), static_cast<int>(I),
+                               static_cast<int>(H)};
+  const gemm::Scales gate_up_scales{reinterpret_cast<const std::uint8_t*>(args.x) + H,
+                                    static_cast<std::int64_t>(row_bytes),
+                                    reinterpret_cast<const std::uint8_t*>(args.gate.scales),
+                                    reinterpret_cast<const std::uint8_t*>(args.up.scales)};
+  const GateUpEpilogue e1{reinterpret_cast<std::uint16_t*>(args.out_a),
+                          reinterpret_cast<std::uint16_t*>(args.out_b), static_cast<int>(I)};
+  launch<BLoad::kPaired>(map_x, map_wg, map_wu, gate_up, gate_up_scales, e1, sms, stream);
+  if (args.out_y == 0) return;
+
+  // A thread per 32-block: 8 blocks of 128 threads per SM keep the element math's latency hidden.
+  swiglu_hq_kernel<<<8 * sms, 128, 0, stream>>>(
+      reinterpret_cast<const std::uint16_t*>(args.out_a),
+      reinterpret_cast<const std::uint16_t*>(args.out_b),
+      reinterpret_cast<std::uint16_t*>(args.out_h), reinterpret_cast<std::uint8_t*>(args.out_hq),
+      hq_row_bytes(s.inner), gate_up.offsets, gate_up.num_experts, s.num_rows, static_cast<int>(I),
+      args.limit);
+  check(cudaGetLastError(), "launching the SwiGLU kernel");
+
+  const std::uint64_t hq_bytes = static_cast<std::uint64_t>(hq_row_bytes(s.inner));
+  const CUtensorMap map_hq =
+      hopper::make_tensor_map(ptr(args.out_hq), M, I, tiles::kBlockM, MapType::kU8, hq_bytes);
+  const CUtensorMap map_wd =
+      hopper::make_tensor_map(ptr(args.down.data), El * H, I, gemm::kBlockN, MapType::kU8);
+  const tiles::Problem down{gate_up.offsets, s.num_rows, gate_up.num_experts, static_cast<int>(H),
+                            static_cast<int>(I)};
+  const gemm::Scales down_scales{reinterpret_cast<const std::uint8_t*>(args.out_hq) + I,
+                                 static_cast<std::int64_t>(hq_bytes),
+                                 reinterpret_cast<const std::uint8_t*>(args.down.scales), nullptr};
+  const StoreBf16 e2{reinterpret_cast<std::uint16_t*>(args.out_y), static_cast<int>(H)};
+  launch<BLoad::kSingle>(map_hq, map_wd, map_wd, down, down_scales, e2, sms, stream);
+}
+
+}  // namespace mok::mxfp8

@@ -1,0 +1,123 @@
+"""mok-mxfp8's grouped expert forward on tensors: the MXFP8 experts over segments of
+consecutive rows (docs/mxfp8.md).
+
+`mxfp8_grouped_forward` checks its tensors, allocates the outputs and calls
+`mok_mxfp8.grouped_forward` on the current stream. On CUDA (sm_90a) it runs the FP8
+tensor-core GEMMs with per-32 scaling (`packages/mok-mxfp8/cuda/fp8_gemm.cuh`): deterministic
+and batch invariant, within a tight tolerance of the reference's bits (the FP8 wgmma's partial
+of 32 products is not a sequential fp32 sum). On the CPU it runs the reference arithmetic.
+
+Shape letters: M rows, H hidden, I inner size, El local experts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import NamedTuple
+
+import torch
+
+from ...mxfp8 import MXFP8Tensor
+from ...validation import check_tensor
+
+BF16 = torch.bfloat16
+U8 = torch.uint8
+
+
+class MxGroupedForward(NamedTuple):
+    a: torch.Tensor  # [M, I] bf16: x_q @ Q(Wg)^T
+    b: torch.Tensor  # [M, I] bf16: x_q @ Q(Wu)^T
+    h: torch.Tensor | None  # [M, I] bf16: silu(a) * b (None without the down projection)
+    h_q: torch.Tensor | None  # uint8 [M, hq_row_bytes(I)]: Q_I(h) as MXFP8 rows (I bytes, I/32 scales)
+    y: torch.Tensor | None  # [M, H] bf16: Q_I(h) @ Q(Wd)^T
+
+
+def hq_row_bytes(inner: int) -> int:
+    """Bytes per row of h_q: I + I/32 rounded up to 16 (the GPU's copy engine reads 16-byte rows)."""
+    return (inner + inner // 32 + 15) // 16 * 16
+
+
+def _weight(name: str, w: MXFP8Tensor, shape: tuple[int, int, int], dev: torch.device) -> tuple[int, int, int, int]:
+    """The (data, scales, data_t, scales_t) addresses of an MXFP8 weight's normal copy (0 for the
+    transposed copy's when it has none: the forward does not read them)."""
+    if not isinstance(w, MXFP8Tensor):
+        raise TypeError(f"{name} must be an MXFP8Tensor (mok.mxfp8_quantize), got {type(w).__name__}")
+    if w.data is None or w.scales is None:
+        raise ValueError(f"{name} needs its normal copy (mxfp8_quantize(..., normal=True))")
+    El, R, C = shape
+    data_shape, scales_shape = [("El", El), ("R", R), ("C", C)], [("El", El), ("C/32", C // 32), ("R", R)]
+    check_tensor(f"{name}.data", w.data, dtypes=(U8, torch.float8_e4m3fn), shape=data_shape, device=dev)
+    check_tensor(f"{name}.scales", w.scales, dtypes=(U8, torch.float8_e8m0fnu), shape=scales_shape, device=dev)
+    if not (w.data.is_contiguous() and w.scales.is_contiguous()):
+        raise ValueError(f"{name}'s data and scales must be contiguous")
+    return (w.data.data_ptr(), w.scales.data_ptr(), 0, 0)
+
+
+def mxfp8_grouped_forward(
+    x_rows: torch.Tensor,
+    hidden: int,
+    offsets_El1: torch.Tensor,
+    w_gate: MXFP8Tensor,
+    w_up: MXFP8Tensor,
+    w_down: MXFP8Tensor | None,
+    limit: float | None = None,
+    num_sms: int = 0,
+    out: MxGroupedForward | None = None,
+) -> MxGroupedForward:
+    """The MXFP8 SwiGLU experts on rows [offsets[e], offsets[e+1]) of x for each local expert e.
+
+    x_rows: uint8 [M, row_bytes], each row H E4M3 bytes then H/32 E8M0 scales (`pack_rows`), in
+    the first H + H/32 bytes of its row; offsets int64 [El + 1], non-decreasing within [0, M] (on
+    CUDA they stay on the device and are clamped there). Weights: mok.mxfp8_quantize's copies of
+    Wg, Wu [El, I, H] and Wd [El, H, I] (w_down None: a and b only). Rows outside every segment
+    are left as `out` has them (zeros in fresh outputs); `out`'s h and h_q may be None (scratch).
+    """
+    import mok_mxfp8
+
+    x_rows = check_tensor("x_rows", x_rows, dtypes=(U8,), shape=[("M", None), ("row_bytes", None)])
+    dev = x_rows.device
+    M, row_bytes = x_rows.shape
+    H = hidden
+    if not isinstance(H, int) or H <= 0 or H % 32:
+        raise ValueError(f"hidden must be a positive multiple of 32, got {H!r}")
+    if row_bytes < H + H // 32:
+        raise ValueError(f"x_rows has {row_bytes} bytes per row, fewer than hidden + hidden/32 = {H + H // 32}")
+    if x_rows.stride(1) != 1:
+        raise ValueError("x_rows' bytes must be contiguous within a row")
+    if not isinstance(w_gate, MXFP8Tensor):
+        raise TypeError(f"w_gate must be an MXFP8Tensor (mok.mxfp8_quantize), got {type(w_gate).__name__}")
+    El, I = int(w_gate.shape[0]), int(w_gate.shape[1])
+    check_tensor("offsets", offsets_El1, dtypes=(torch.int64,), shape=[("El+1", El + 1)], device=dev)
+    gate = _weight("w_gate", w_gate, (El, I, H), dev)
+    up = _weight("w_up", w_up, (El, I, H), dev)
+    down = (0, 0, 0, 0) if w_down is None else _weight("w_down", w_down, (El, H, I), dev)
+    if not isinstance(num_sms, int) or num_sms < 0:
+        raise ValueError(f"num_sms must be an int >= 0 (0: every SM), got {num_sms!r}")
+    zeros = lambda *shape, dtype=BF16: torch.zeros(*shape, dtype=dtype, device=dev)  # noqa: E731
+    with_down = w_down is not None
+    if out is None:
+        out = MxGroupedForward(zeros(M, I), zeros(M, I), None, None, zeros(M, H) if with_down else None)
+    if with_down:
+        out = out._replace(
+            h=zeros(M, I) if out.h is None else out.h,
+            h_q=zeros(M, hq_row_bytes(I), dtype=U8) if out.h_q is None else out.h_q,
+        )
+    rows_I = [("M", M), ("I", I)]
+    check_tensor("out.a", out.a, dtypes=(BF16,), shape=rows_I, device=dev)
+    check_tensor("out.b", out.b, dtypes=(BF16,), shape=rows_I, device=dev)
+    if with_down:
+        if out.y is None:
+            raise ValueError("out.y must be a tensor when w_down is given")
+        check_tensor("out.h", out.h, dtypes=(BF16,), shape=rows_I, device=dev)
+        check_tensor("out.h_q", out.h_q, dtypes=(U8,), shape=[("M", M), ("hq_row_bytes", hq_row_bytes(I))], device=dev)
+        check_tensor("out.y", out.y, dtypes=(BF16,), shape=[("M", M), ("H", H)], device=dev)
+    ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+    on_device = torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
+    with on_device:
+        stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
+        mok_mxfp8.grouped_forward(
+            dev.type, x_rows.data_ptr(), x_rows.stride(0), offsets_El1.data_ptr(), gate, up, down,
+            out.a.data_ptr(), out.b.data_ptr(), ptr(out.h), ptr(out.h_q), ptr(out.y),
+            M, H, I, El, limit, num_sms, torch.get_num_threads() if dev.type == "cpu" else 1, stream,
+        )  # fmt: skip
+    return out

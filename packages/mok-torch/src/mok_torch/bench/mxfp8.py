@@ -1,0 +1,237 @@
+"""`mok bench-mxfp8`: the MXFP8 expert GEMMs' component benchmark (issue 6, BENCHMARKS.md).
+
+For every shape, on one GPU, the routed SwiGLU experts' forward over the rows one rank receives
+(T * K rows, `--routing` balanced or skewed over its El local experts, rounded up to 16 per
+expert, as `mok bench-experts` makes them), the same inputs for every provider:
+
+- `mok-mxfp8`: mok-mxfp8's grouped forward (FP8 wgmma with per-32 scaling: gate+up, then h and
+  its MXFP8 copy, then down), x already MXFP8 rows (as dispatch delivers them);
+  `mok-mxfp8-gate-up`: its gate+up GEMM alone (a and b);
+- `mok-bf16`, `mok-bf16-gate-up`: mok-bf16's grouped forward and its gate+up GEMM writing a and b
+  only, on the bf16 values;
+- `torch-scaled`: `torch._scaled_grouped_mm` (FP8 rowwise scales, what BENCHMARKS.md measured at
+  308 TFLOP/s) for gate+up in one call and down, with `silu(gate) * up` and the rowwise
+  quantization of h between; `torch-scaled-gate-up`: its gate+up call alone; both with
+  `use_fast_accum=False` (the default: partial sums promoted to fp32 as they go);
+  `torch-scaled-fast-gate-up`: the gate+up call with `use_fast_accum=True` (the whole K summed
+  inside the FP8 tensor-core accumulator: fastest, least precise);
+
+and reports ms and TFLOP/s (6 * rows * H * I for a forward, 4 for gate+up) against the dense
+BF16 and FP8 matmul rates measured in the same run, the MXFP8 speedups over torch's FP8 and
+over mok's BF16, whether two MXFP8 runs gave the same bits, and the MXFP8 output's relative
+difference from the BF16 kernels'.
+
+    mok bench-mxfp8 --out DIR [--shapes seed|public|all|...] [--ep 8] [--routing balanced,skewed]
+
+Writes `<out>/<date>_<device>_mxfp8.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import sys
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..backends.native.grouped import grouped_forward
+from ..backends.native.mxfp8_grouped import mxfp8_grouped_forward
+from ..mxfp8 import mxfp8_quantize, pack_rows
+from . import ceilings as ceilings_mod
+from . import report
+from .experts import segment_sizes
+from .launch import component_parser, one_device_main
+from .shapes import Shape, resolve_shapes
+from .timing import Ranks, median, time_ms
+
+BF16 = torch.bfloat16
+E4M3 = torch.float8_e4m3fn
+PROVIDERS = (
+    "mok-mxfp8",
+    "mok-mxfp8-gate-up",
+    "mok-bf16",
+    "mok-bf16-gate-up",
+    "torch-scaled",
+    "torch-scaled-gate-up",
+    "torch-scaled-fast-gate-up",
+)
+
+
+def rowwise_fp8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """t [..., R, C] as E4M3 with one fp32 scale per row (amax / 448), and the scales [..., R]."""
+    amax = t.float().abs().amax(dim=-1).clamp(min=1e-12)
+    scale = amax / 448.0
+    return (t.float() / scale[..., None]).to(E4M3), scale
+
+
+def _case(ranks: Ranks, shape: Shape, El: int, routing: str, ns: argparse.Namespace, g: torch.Generator) -> dict:
+    H, I = shape.hidden, shape.inner
+    sizes = segment_sizes(shape, El, routing, torch.Generator().manual_seed(len(shape.name) + El))
+    M = sum(sizes)
+    dev = ranks.device
+    x = torch.randn(M, H, device=dev, generator=g).to(BF16)
+    wg = (torch.randn(El, I, H, device=dev, generator=g) / H**0.5).to(BF16)
+    wu = (torch.randn(El, I, H, device=dev, generator=g) / H**0.5).to(BF16)
+    wd = (torch.randn(El, H, I, device=dev, generator=g) / I**0.5).to(BF16)
+    ends = torch.tensor(sizes, device=dev).cumsum(0)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64, device=dev), ends])
+    # MXFP8 operands: x as the layer's tables hold it (MXFP8 rows in 2H-byte rows), the weights
+    # as mok.mxfp8_quantize makes them.
+    x_rows = torch.zeros(M, 2 * H, dtype=torch.uint8, device=dev)
+    x_rows[:, : H + H // 32] = pack_rows(x)
+    q = [mxfp8_quantize(w) for w in (wg, wu, wd)]
+    # torch's FP8 rowwise operands: [Wg; Wu] as one [El, 2I, H] weight, B column-major.
+    x8, sx = rowwise_fp8(x)
+    gu8, sgu = rowwise_fp8(torch.cat([wg, wu], dim=1))
+    d8, sd = rowwise_fp8(wd)
+    offs32 = ends.to(torch.int32)
+    flops = 6 * M * H * I
+    row: dict[str, Any] = {
+        "shape_name": shape.name,
+        "routing": routing,
+        "local_experts": El,
+        "hidden": H,
+        "inner": I,
+        "rows": M,
+        "rows_per_expert": {"min": min(sizes), "max": max(sizes)},
+        "flops_forward": flops,
+    }
+
+    def mx() -> Any:
+        return mxfp8_grouped_forward(x_rows, H, offsets, q[0], q[1], q[2])
+
+    def mx_gate_up() -> Any:
+        return mxfp8_grouped_forward(x_rows, H, offsets, q[0], q[1], None)
+
+    def bf() -> Any:
+        return grouped_forward(x, offsets, wg, wu, wd)
+
+    def bf_gate_up() -> Any:
+        return grouped_forward(x, offsets, wg, wu, None, with_h=False)
+
+    def scaled_gate_up(fast: bool = False) -> torch.Tensor:
+        return torch._scaled_grouped_mm(
+            x8, gu8.transpose(-2, -1), sx, sgu, offs=offs32, out_dtype=BF16, use_fast_accum=fast
+        )
+
+    def scaled() -> torch.Tensor:
+        gu = scaled_gate_up()
+        h = F.silu(gu[:, :I]) * gu[:, I:]
+        h8, sh = rowwise_fp8(h)
+        return torch._scaled_grouped_mm(h8, d8.transpose(-2, -1), sh, sd, offs=offs32, out_dtype=BF16)
+
+    providers = (
+        ("mok-mxfp8", mx, flops),
+        ("mok-mxfp8-gate-up", mx_gate_up, 4 * M * H * I),
+        ("mok-bf16", bf, flops),
+        ("mok-bf16-gate-up", bf_gate_up, 4 * M * H * I),
+        ("torch-scaled", scaled, flops),
+        ("torch-scaled-gate-up", scaled_gate_up, 4 * M * H * I),
+        ("torch-scaled-fast-gate-up", lambda: scaled_gate_up(fast=True), 4 * M * H * I),
+    )
+    for name, fn, f in providers:
+        try:
+            ms = median(time_ms(ranks, fn, iters=ns.iters, warmup=ns.warmup))
+            row[name] = {"status": "ok", "ms": ms, "TFLOPs": f / (ms * 1e-3) / 1e12}
+        except Exception as exc:  # a provider that fails is reported, not dropped
+            row[name] = {"status": "failed", "why": ceilings_mod.describe_error(exc)}
+    ok = lambda n: row[n]["status"] == "ok"  # noqa: E731
+    if ok("mok-mxfp8"):
+        first, second = mx(), mx()
+        row["mok-mxfp8"]["bitwise_repeatable"] = all(
+            torch.equal(u, v) for u, v in zip(first, second, strict=True) if u is not None
+        )
+        if ok("mok-bf16"):
+            ref = bf().y.float()
+            row["mok-mxfp8"]["rel_diff_vs_bf16"] = ((first.y.float() - ref).norm() / ref.norm()).item()
+    for ours, theirs, key in (
+        ("mok-mxfp8-gate-up", "torch-scaled-gate-up", "gate_up_speedup_vs_torch_scaled"),
+        ("mok-mxfp8-gate-up", "mok-bf16-gate-up", "gate_up_speedup_vs_bf16"),
+        ("mok-mxfp8", "torch-scaled", "forward_speedup_vs_torch_scaled"),
+        ("mok-mxfp8", "mok-bf16", "forward_speedup_vs_bf16"),
+    ):
+        if ok(ours) and ok(theirs):
+            row[key] = row[theirs]["ms"] / row[ours]["ms"]
+    return row
+
+
+def bench(ns: argparse.Namespace, ranks: Ranks) -> dict[str, Any]:
+    # The CPU run checks the plumbing only (torch's FP8 grouped GEMM is reported as failed there).
+    mm = ceilings_mod.bf16_matmul(ranks) if ranks.cuda else None
+    mm8 = ceilings_mod.fp8_matmul(ranks) if ranks.cuda else None
+    results = []
+    g = torch.Generator(device=ranks.device).manual_seed(0)
+    for shape in resolve_shapes(ns.shapes, ns.ep):
+        if shape.skip:
+            results.append({"shape_name": shape.name, "status": "skipped", "why": shape.skip})
+            continue
+        El = shape.experts // shape.world
+        for routing in ns.routing.split(","):
+            row = _case(ranks, shape, El, routing, ns, g)
+            for name in PROVIDERS:
+                if row[name]["status"] == "ok":
+                    if mm is not None and mm.value:
+                        row[name]["fraction_of_dense_bf16"] = row[name]["TFLOPs"] / mm.value
+                    if mm8 is not None and mm8.value:
+                        row[name]["fraction_of_dense_fp8"] = row[name]["TFLOPs"] / mm8.value
+            results.append(row)
+            torch.cuda.empty_cache()
+    doc = {
+        "schema": "mok-bench-mxfp8/1",
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "device": report.device_info(ranks.device),
+        "versions": report.versions(),
+        "git": report.git_state(),
+        "command": " ".join(["mok", "bench-mxfp8", *ns.argv]),
+        "config": {"shapes": ns.shapes, "ep": ns.ep, "routing": ns.routing, "iters": ns.iters, "warmup": ns.warmup},
+        "ceilings": {
+            "bf16_matmul": None if mm is None else mm.asdict(),
+            "fp8_matmul": None if mm8 is None else mm8.asdict(),
+        },
+        "results": results,
+    }
+    _print(doc)
+    report.write_component(doc, ns.out, "mxfp8")
+    return doc
+
+
+def _print(doc: dict[str, Any]) -> None:
+    mm = (doc["ceilings"]["bf16_matmul"] or {}).get("value") or 0
+    mm8 = (doc["ceilings"]["fp8_matmul"] or {}).get("value") or 0
+    print(f"\nmok bench-mxfp8: {doc['device']['name']}, dense bf16 {mm:.0f}, fp8 {mm8:.0f} TFLOP/s (TFLOP/s)")
+    print(
+        f"{'shape':<20}{'routing':<9}{'rows':>7}{'mx fwd':>7}{'mx g-u':>7}{'bf fwd':>7}{'bf g-u':>7}"
+        f"{'t8 fwd':>7}{'t8 g-u':>7}{'t8fast':>7}{'xT8':>6}{'xBF':>6}  same bits"
+    )
+    for r in doc["results"]:
+        if r.get("status") == "skipped":
+            print(f"{r['shape_name']:<20}skipped: {r['why']}")
+            continue
+        cells = "".join(f"{r[n]['TFLOPs']:>7.0f}" if r[n]["status"] == "ok" else f"{'fail':>7}" for n in PROVIDERS)
+        x8 = r.get("gate_up_speedup_vs_torch_scaled")
+        xb = r.get("gate_up_speedup_vs_bf16")
+        speeds = f"{x8:>6.2f}" if x8 else f"{'-':>6}"
+        speeds += f"{xb:>6.2f}" if xb else f"{'-':>6}"
+        same = r["mok-mxfp8"].get("bitwise_repeatable", "-")
+        print(f"{r['shape_name']:<20}{r['routing']:<9}{r['rows']:>7}{cells}{speeds}  {same}")
+    failed = {n: r[n]["why"] for r in doc["results"] if "rows" in r for n in PROVIDERS if r[n]["status"] != "ok"}
+    for name, why in failed.items():
+        print(f"  {name} failed: {why}")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = component_parser("mok bench-mxfp8", __doc__.split("\n\n")[0], iters=20, warmup=3)
+    p.set_defaults(shapes="all")
+    p.add_argument("--ep", type=int, default=8, help="EP degree that sizes the public models' local experts")
+    p.add_argument("--routing", default="balanced,skewed")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    return one_device_main(parser(), bench, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
