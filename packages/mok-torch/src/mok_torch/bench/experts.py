@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -161,22 +162,31 @@ def _case(ranks: Ranks, shape: Shape, El: int, routing: str, ns: argparse.Namesp
     return row
 
 
-def bench(ns: argparse.Namespace, ranks: Ranks) -> dict[str, Any]:
-    mm = ceilings_mod.bf16_matmul(ranks) if ranks.cuda else None  # the CPU run checks the plumbing only
-    results = []
+Case = Callable[[Ranks, Shape, int, str, argparse.Namespace, torch.Generator], dict]
+
+
+def each_case(ns: argparse.Namespace, ranks: Ranks, case: Case) -> list[dict[str, Any]]:
+    """case(ranks, shape, local experts, routing, ns, generator) for every shape and routing asked
+    for (a row each; shapes that cannot run: a skipped row with the reason)."""
+    results: list[dict[str, Any]] = []
     g = torch.Generator(device=ranks.device).manual_seed(0)
     for shape in resolve_shapes(ns.shapes, ns.ep):
         if shape.skip:
             results.append({"shape_name": shape.name, "status": "skipped", "why": shape.skip})
             continue
-        El = shape.experts // shape.world
         for routing in ns.routing.split(","):
-            row = _case(ranks, shape, El, routing, ns, g)
-            for name in PROVIDERS:
-                if row[name]["status"] == "ok" and mm is not None and mm.value:
-                    row[name]["fraction_of_dense"] = row[name]["TFLOPs"] / mm.value
-            results.append(row)
+            results.append(case(ranks, shape, shape.experts // shape.world, routing, ns, g))
             torch.cuda.empty_cache()
+    return results
+
+
+def bench(ns: argparse.Namespace, ranks: Ranks) -> dict[str, Any]:
+    mm = ceilings_mod.bf16_matmul(ranks) if ranks.cuda else None  # the CPU run checks the plumbing only
+    results = each_case(ns, ranks, _case)
+    for row in results:
+        for name in PROVIDERS:
+            if name in row and row[name]["status"] == "ok" and mm is not None and mm.value:
+                row[name]["fraction_of_dense"] = row[name]["TFLOPs"] / mm.value
     created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     device = report.device_info(ranks.device)
     doc = {
@@ -215,12 +225,17 @@ def _print(doc: dict[str, Any]) -> None:
         print(f"{head}{fwd}{cells[4]:>8}{cells[5]:>6}{cells[6]:>7}{speed_fb:>6}  {same}")
 
 
-def parser() -> argparse.ArgumentParser:
-    p = component_parser("mok bench-experts", __doc__.split("\n\n")[0], iters=20, warmup=3)
+def expert_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """The options of the expert-GEMM benchmarks (`mok bench-experts`, `mok bench-mxfp8`)."""
+    p = component_parser(prog, description, iters=20, warmup=3)
     p.set_defaults(shapes="all")
     p.add_argument("--ep", type=int, default=8, help="EP degree that sizes the public models' local experts")
     p.add_argument("--routing", default="balanced,skewed")
     return p
+
+
+def parser() -> argparse.ArgumentParser:
+    return expert_parser("mok bench-experts", __doc__.split("\n\n")[0])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,9 +41,9 @@ from ..backends.native.mxfp8_grouped import mxfp8_grouped_forward
 from ..mxfp8 import mxfp8_quantize, pack_rows
 from . import ceilings as ceilings_mod
 from . import report
-from .experts import segment_sizes
-from .launch import component_parser, one_device_main
-from .shapes import Shape, resolve_shapes
+from .experts import each_case, expert_parser, segment_sizes
+from .launch import one_device_main
+from .shapes import Shape
 from .timing import Ranks, median, time_ms
 
 BF16 = torch.bfloat16
@@ -161,23 +161,14 @@ def bench(ns: argparse.Namespace, ranks: Ranks) -> dict[str, Any]:
     # The CPU run checks the plumbing only (torch's FP8 grouped GEMM is reported as failed there).
     mm = ceilings_mod.bf16_matmul(ranks) if ranks.cuda else None
     mm8 = ceilings_mod.fp8_matmul(ranks) if ranks.cuda else None
-    results = []
-    g = torch.Generator(device=ranks.device).manual_seed(0)
-    for shape in resolve_shapes(ns.shapes, ns.ep):
-        if shape.skip:
-            results.append({"shape_name": shape.name, "status": "skipped", "why": shape.skip})
-            continue
-        El = shape.experts // shape.world
-        for routing in ns.routing.split(","):
-            row = _case(ranks, shape, El, routing, ns, g)
-            for name in PROVIDERS:
-                if row[name]["status"] == "ok":
-                    if mm is not None and mm.value:
-                        row[name]["fraction_of_dense_bf16"] = row[name]["TFLOPs"] / mm.value
-                    if mm8 is not None and mm8.value:
-                        row[name]["fraction_of_dense_fp8"] = row[name]["TFLOPs"] / mm8.value
-            results.append(row)
-            torch.cuda.empty_cache()
+    results = each_case(ns, ranks, _case)
+    for row in results:
+        for name in PROVIDERS:
+            if name in row and row[name]["status"] == "ok":
+                if mm is not None and mm.value:
+                    row[name]["fraction_of_dense_bf16"] = row[name]["TFLOPs"] / mm.value
+                if mm8 is not None and mm8.value:
+                    row[name]["fraction_of_dense_fp8"] = row[name]["TFLOPs"] / mm8.value
     doc = {
         "schema": "mok-bench-mxfp8/1",
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -222,11 +213,7 @@ def _print(doc: dict[str, Any]) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = component_parser("mok bench-mxfp8", __doc__.split("\n\n")[0], iters=20, warmup=3)
-    p.set_defaults(shapes="all")
-    p.add_argument("--ep", type=int, default=8, help="EP degree that sizes the public models' local experts")
-    p.add_argument("--routing", default="balanced,skewed")
-    return p
+    return expert_parser("mok bench-mxfp8", __doc__.split("\n\n")[0])
 
 
 def main(argv: list[str] | None = None) -> int:
