@@ -10,11 +10,11 @@
 #include <cstdint>
 
 #include "grouped_gemm.cuh"
-#include "mok/core/hopper.cuh"
 #include "launch.cuh"
 #include "mok/bf16/experts.h"
 #include "mok/core/bf16.h"
 #include "mok/core/expert_math.h"
+#include "mok/core/hopper.cuh"
 
 namespace mok::bf16 {
 namespace {

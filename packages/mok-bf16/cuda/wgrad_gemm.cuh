@@ -22,8 +22,8 @@
 #include <cstdint>
 
 #include "grouped_gemm.cuh"
-#include "mok/core/hopper.cuh"
 #include "mok/core/bf16.h"
+#include "mok/core/hopper.cuh"
 
 namespace mok::bf16::gemm {
 

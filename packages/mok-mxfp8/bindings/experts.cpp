@@ -99,10 +99,9 @@ void register_experts(pybind11::module_& m) {
       [](const std::string& device, std::uintptr_t x, std::int64_t x_row_bytes,
          std::uintptr_t offsets, const Quad& gate, const Quad& up, const Quad& down,
          std::uintptr_t out_a, std::uintptr_t out_b, std::uintptr_t out_h, std::uintptr_t out_hq,
-         std::uintptr_t out_y, std::int64_t num_rows,
-         std::int64_t hidden, std::int64_t inner, std::int64_t num_experts,
-         std::optional<double> limit, std::int64_t num_sms, std::int64_t num_threads,
-         std::uintptr_t stream) {
+         std::uintptr_t out_y, std::int64_t num_rows, std::int64_t hidden, std::int64_t inner,
+         std::int64_t num_experts, std::optional<double> limit, std::int64_t num_sms,
+         std::int64_t num_threads, std::uintptr_t stream) {
         MxGroupedForwardArgs a;
         a.x = x;
         a.x_row_bytes = x_row_bytes;
@@ -123,10 +122,9 @@ void register_experts(pybind11::module_& m) {
       },
       py::arg("device"), py::arg("x"), py::arg("x_row_bytes"), py::arg("offsets"), py::arg("gate"),
       py::arg("up"), py::arg("down"), py::arg("out_a"), py::arg("out_b"), py::arg("out_h"),
-      py::arg("out_hq"), py::arg("out_y"), py::arg("num_rows"),
-      py::arg("hidden"), py::arg("inner"), py::arg("num_experts"), py::arg("limit") = py::none(),
-      py::arg("num_sms") = 0, py::arg("num_threads") = 1, py::arg("stream") = 0,
-      py::call_guard<py::gil_scoped_release>(),
+      py::arg("out_hq"), py::arg("out_y"), py::arg("num_rows"), py::arg("hidden"), py::arg("inner"),
+      py::arg("num_experts"), py::arg("limit") = py::none(), py::arg("num_sms") = 0,
+      py::arg("num_threads") = 1, py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
       "MXFP8 SwiGLU expert forward over segments of consecutive rows (rows [offsets[e], "
       "offsets[e+1]) are local expert e's; offsets int64 [El + 1], non-decreasing). x: uint8 "
       "MXFP8 rows, H E4M3 bytes then H/32 scales, x_row_bytes apart (0: H + H/32); gate, up, "

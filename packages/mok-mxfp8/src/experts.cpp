@@ -148,8 +148,10 @@ void grouped_forward(const std::string& device, const MxGroupedForwardArgs& a,
   const std::uintptr_t al = cuda ? 16 : 1;
   const std::int64_t row_bytes = a.x_row_bytes != 0 ? a.x_row_bytes : packed;
   if (cuda && row_bytes % 16 != 0) {
-    invalid(fn, "on \"cuda\", x's rows must be 16-byte aligned: x_row_bytes must be a multiple of "
-                "16" + got(row_bytes));
+    invalid(fn,
+            "on \"cuda\", x's rows must be 16-byte aligned: x_row_bytes must be a multiple of "
+            "16" +
+                got(row_bytes));
   }
   check_pointer(fn, "offsets", a.offsets, 8);
   if (s.num_rows == 0) return;
@@ -173,17 +175,18 @@ void grouped_forward(const std::string& device, const MxGroupedForwardArgs& a,
     return;
 #else
     (void)stream;
-    throw std::runtime_error(fn + ": device=\"cuda\" but mok-mxfp8 was built without CUDA "
-                                  "(MOK_CUDA=OFF, or no nvcc at build time)");
+    throw std::runtime_error(fn +
+                             ": device=\"cuda\" but mok-mxfp8 was built without CUDA "
+                             "(MOK_CUDA=OFF, or no nvcc at build time)");
 #endif
   }
   // The host reads the offsets: non-decreasing, within [0, M].
   const auto* off = reinterpret_cast<const std::int64_t*>(a.offsets);
   for (std::int64_t e = 0; e <= s.num_experts; ++e) {
     if (off[e] < 0 || off[e] > s.num_rows || (e > 0 && off[e] < off[e - 1])) {
-      invalid(fn, "offsets must be non-decreasing within [0, num_rows = " +
-                      std::to_string(s.num_rows) + "]: offsets[" + std::to_string(e) + "]" +
-                      got(off[e]));
+      invalid(fn,
+              "offsets must be non-decreasing within [0, num_rows = " + std::to_string(s.num_rows) +
+                  "]: offsets[" + std::to_string(e) + "]" + got(off[e]));
     }
   }
   grouped_forward_cpu(a);

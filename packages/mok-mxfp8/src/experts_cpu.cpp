@@ -145,8 +145,8 @@ namespace {
 
 // What grouped_forward adds to swiglu_forward's outputs: h and its MXFP8 copy (each may be null).
 struct HOutputs {
-  u16* h = nullptr;          // bf16 [M, I]
-  u8* hq = nullptr;          // MXFP8 rows [M, hq_row_bytes(I)]
+  u16* h = nullptr;  // bf16 [M, I]
+  u8* hq = nullptr;  // MXFP8 rows [M, hq_row_bytes(I)]
 };
 
 // The forward of rows [0, M) of args (x's rows row_bytes apart).
