@@ -448,7 +448,8 @@ def test_mxfp8_bench_runs_on_the_cpu(tmp_path):
             assert r[name]["ms"] > 0
         assert r["mok-mxfp8"]["bitwise_repeatable"] is True
         assert 0 < r["mok-mxfp8"]["rel_diff_vs_bf16"] < 0.1  # MXFP8 against BF16: a few percent
-        assert r["torch-scaled"]["status"] in ("ok", "failed")
+        scaled = r["torch-scaled"]  # reported either way: measured, or failed with the reason
+        assert scaled["status"] == "ok" or scaled["why"], scaled
 
 
 def test_mok_forward_on_the_gpu_gemms_is_timed_at_real_shapes(monkeypatch):

@@ -349,6 +349,36 @@ def test_cpu_backend_in_mxfp8_is_bitwise_the_reference(per_row, kernels, monkeyp
         assert_bitwise(ref, got, keys + (() if per_row else ("saved_rows",)), what=f"cpu backend MXFP8 {kw}: ")
 
 
+def test_fp8_forward_plan_on_the_cpu_is_bitwise_the_reference(monkeypatch):
+    """The cuda backend's MXFP8 path with the FP8 grouped forward (padded MXFP8 rows pulled or read
+    where pushed, a macrobatch per call, the backward's replays on the same entry point), run by
+    the cpu backend, whose mok_mxfp8.grouped_forward is the reference arithmetic: the
+    reference's bits, so the plumbing around the GPU kernels is checked on any machine."""
+    if "cpu" not in mok.backends.registered_backends():
+        pytest.skip("the native cpu backend is not installed (mok-core missing)")
+    import mok_torch.backends.native as native
+
+    if not hasattr(pytest.importorskip("mok_mxfp8"), "grouped_forward"):
+        pytest.skip("the installed mok-mxfp8 has no grouped_forward")
+    calls = {"n": 0}
+    real = native.mxfp8_grouped_forward
+
+    def counted(*a, **k):
+        calls["n"] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(native, "gpu_mxfp8_forward_kernels", lambda *a: True)
+    monkeypatch.setattr(native, "mxfp8_grouped_forward", counted)
+    monkeypatch.setattr(native, "_mxfp8_kernels", lambda device_type: None)  # the GPU's path, not per row
+    inp = make_inputs(37, 64, 64, 4, 2, 32, "skewed", seed=17)
+    for kw in CONFIGS:
+        ref = run_functional(inp, mok.MoKConfig(precision="mxfp8", backend="reference", **kw), device="cpu")
+        got = run_functional(inp, mok.MoKConfig(precision="mxfp8", backend="cpu", **kw), device="cpu")
+        keys = ("y", "dx", "d_router_weights", "dWg", "dWu", "dWd", "dWg_s", "dWu_s", "dWd_s")
+        assert_bitwise(ref, got, keys, what=f"FP8 plan on the cpu backend {kw}: ")
+    assert calls["n"] >= len(CONFIGS), "the FP8 grouped forward did not run"
+
+
 def test_auto_picks_the_native_backend_for_mxfp8_too():
     if "cpu" not in mok.backends.registered_backends():
         pytest.skip("the native cpu backend is not installed (mok-core missing)")

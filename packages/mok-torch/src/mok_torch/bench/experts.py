@@ -35,7 +35,7 @@ import argparse
 import datetime as _dt
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -70,7 +70,20 @@ def torch_grouped_mm(x, offs32, wg, wu, wd):
     return torch._grouped_mm(F.silu(gate) * up, wd.transpose(-2, -1), offs=offs32)
 
 
-def _case(ranks: Ranks, shape: Shape, El: int, routing: str, ns: argparse.Namespace, g: torch.Generator) -> dict:
+class CaseInputs(NamedTuple):
+    """One case's rows and weights (bf16), segment ends and offsets, and its result row's header."""
+
+    x: torch.Tensor  # [M, H]
+    wg: torch.Tensor  # [El, I, H]
+    wu: torch.Tensor  # [El, I, H]
+    wd: torch.Tensor  # [El, H, I]
+    ends: torch.Tensor  # [El] int64, cumulative
+    offsets: torch.Tensor  # [El + 1] int64
+    row: dict[str, Any]
+
+
+def case_inputs(ranks: Ranks, shape: Shape, El: int, routing: str, g: torch.Generator) -> CaseInputs:
+    """The inputs every provider of an expert-GEMM benchmark gets for one shape and routing."""
     H, I = shape.hidden, shape.inner
     sizes = segment_sizes(shape, El, routing, torch.Generator().manual_seed(len(shape.name) + El))
     M = sum(sizes)
@@ -81,10 +94,6 @@ def _case(ranks: Ranks, shape: Shape, El: int, routing: str, ns: argparse.Namesp
     wd = (torch.randn(El, H, I, device=dev, generator=g) / I**0.5).to(BF16)
     ends = torch.tensor(sizes, device=dev).cumsum(0)
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64, device=dev), ends])
-    dy = torch.randn(M, H, device=dev, generator=g).to(BF16)
-    # The weight gradients as a one-macrobatch layer call hands them out: bf16, from +0.
-    wgrads = (torch.empty_like(wg), torch.empty_like(wu), torch.empty_like(wd))
-    flops = 6 * M * H * I
     row: dict[str, Any] = {
         "shape_name": shape.name,
         "routing": routing,
@@ -93,8 +102,18 @@ def _case(ranks: Ranks, shape: Shape, El: int, routing: str, ns: argparse.Namesp
         "inner": I,
         "rows": M,
         "rows_per_expert": {"min": min(sizes), "max": max(sizes)},
-        "flops_forward": flops,
+        "flops_forward": 6 * M * H * I,
     }
+    return CaseInputs(x, wg, wu, wd, ends, offsets, row)
+
+
+def _case(ranks: Ranks, shape: Shape, El: int, routing: str, ns: argparse.Namespace, g: torch.Generator) -> dict:
+    x, wg, wu, wd, ends, offsets, row = case_inputs(ranks, shape, El, routing, g)
+    H, I, M, dev = shape.hidden, shape.inner, x.shape[0], ranks.device
+    dy = torch.randn(M, H, device=dev, generator=g).to(BF16)
+    # The weight gradients as a one-macrobatch layer call hands them out: bf16, from +0.
+    wgrads = (torch.empty_like(wg), torch.empty_like(wu), torch.empty_like(wd))
+    flops = row["flops_forward"]
 
     def ours() -> Any:
         return grouped_forward(x, offsets, wg, wu, wd)

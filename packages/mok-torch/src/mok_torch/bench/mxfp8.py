@@ -41,7 +41,7 @@ from ..backends.native.mxfp8_grouped import mxfp8_grouped_forward
 from ..mxfp8 import mxfp8_quantize, pack_rows
 from . import ceilings as ceilings_mod
 from . import report
-from .experts import each_case, expert_parser, segment_sizes
+from .experts import case_inputs, each_case, expert_parser
 from .launch import one_device_main
 from .shapes import Shape
 from .timing import Ranks, median, time_ms
@@ -67,16 +67,8 @@ def rowwise_fp8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _case(ranks: Ranks, shape: Shape, El: int, routing: str, ns: argparse.Namespace, g: torch.Generator) -> dict:
-    H, I = shape.hidden, shape.inner
-    sizes = segment_sizes(shape, El, routing, torch.Generator().manual_seed(len(shape.name) + El))
-    M = sum(sizes)
-    dev = ranks.device
-    x = torch.randn(M, H, device=dev, generator=g).to(BF16)
-    wg = (torch.randn(El, I, H, device=dev, generator=g) / H**0.5).to(BF16)
-    wu = (torch.randn(El, I, H, device=dev, generator=g) / H**0.5).to(BF16)
-    wd = (torch.randn(El, H, I, device=dev, generator=g) / I**0.5).to(BF16)
-    ends = torch.tensor(sizes, device=dev).cumsum(0)
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64, device=dev), ends])
+    x, wg, wu, wd, ends, offsets, row = case_inputs(ranks, shape, El, routing, g)
+    H, I, M, dev = shape.hidden, shape.inner, x.shape[0], ranks.device
     # MXFP8 operands: x as the layer's tables hold it (MXFP8 rows in 2H-byte rows), the weights
     # as mok.mxfp8_quantize makes them.
     x_rows = torch.zeros(M, 2 * H, dtype=torch.uint8, device=dev)
@@ -87,17 +79,7 @@ def _case(ranks: Ranks, shape: Shape, El: int, routing: str, ns: argparse.Namesp
     gu8, sgu = rowwise_fp8(torch.cat([wg, wu], dim=1))
     d8, sd = rowwise_fp8(wd)
     offs32 = ends.to(torch.int32)
-    flops = 6 * M * H * I
-    row: dict[str, Any] = {
-        "shape_name": shape.name,
-        "routing": routing,
-        "local_experts": El,
-        "hidden": H,
-        "inner": I,
-        "rows": M,
-        "rows_per_expert": {"min": min(sizes), "max": max(sizes)},
-        "flops_forward": flops,
-    }
+    flops = row["flops_forward"]
 
     def mx() -> Any:
         return mxfp8_grouped_forward(x_rows, H, offsets, q[0], q[1], q[2])

@@ -149,8 +149,9 @@ def _mx_row_bytes(H: int) -> int:
 
 
 def _mx_weights(routed: Any) -> list[MXFP8Tensor]:
-    """The routed weights as MXFP8Tensors (bf16 ones quantized here, per call)."""
-    return [w if isinstance(w, MXFP8Tensor) else mxfp8_quantize(w) for w in routed]
+    """The routed weights as the FP8 forward reads them: the user's MXFP8Tensors, or bf16 ones
+    quantized here per call (the normal copy only: the forward reads no other)."""
+    return [w if isinstance(w, MXFP8Tensor) else mxfp8_quantize(w, transposed=False) for w in routed]
 
 
 def gpu_backward_kernels(cfg: MoKConfig) -> bool:
@@ -779,8 +780,8 @@ class NativeBackend:
         # A replay recomputes a and b with the GEMMs the forward used (so their bits match).
         tensor_cores = experts is None and gpu_forward_kernels(cfg, dev, H, inner, El)
         fp8_cores = experts is None and gpu_mxfp8_forward_kernels(cfg, dev, H, inner, El)
+        mx_gate_up: list[MXFP8Tensor] = []  # quantized at the first replay that needs them
         if fp8_cores:
-            mx_weights = _mx_weights(routed)
             segments = sched.expert_offsets_El1.to(torch.int64)
         # The GPU backward's weight gradients take 64-row blocks from each segment start: every
         # macrobatch boundary and segment start must be a multiple of 64 for a split to carry
@@ -871,8 +872,9 @@ class NativeBackend:
                         a, b = r.grid(ctx.a_MI[ring]), r.grid(ctx.b_MI[ring])
                     elif x_kernel is not None:
                         seg = (segments - mlo).clamp_(0, mhi - mlo)
+                        mx_gate_up = mx_gate_up or _mx_weights(routed[:2])
                         mx = mxfp8_grouped_forward(
-                            x_kernel, H, seg, mx_weights[0], mx_weights[1], None, cfg.swiglu_limit
+                            x_kernel, H, seg, mx_gate_up[0], mx_gate_up[1], None, cfg.swiglu_limit
                         )
                         a, b = r.grid(mx.a), r.grid(mx.b)
                     elif tensor_cores:
