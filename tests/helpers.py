@@ -130,5 +130,7 @@ GROUPED_CASES = [
         ("one-expert-H320", [517], 320, 256),
         ("tile-edges", [64, 128, 127, 255, 257], 256, 128),
         ("skewed", [1000, 3, 5, 0, 0, 2, 1, 24], 512, 384),
+        # K of more k-blocks than the deferred epilogue's pieces (16 and 10 blocks of 64)
+        ("long-K", [300, 77, 0, 200], 1024, 640),
     )
 ]

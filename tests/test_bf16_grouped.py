@@ -239,6 +239,29 @@ def test_cuda_batch_invariant_and_split_invariant():
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("num_sms", [0, 1])
+def test_cuda_nan_rows_stay_in_their_rows(num_sms):
+    """A NaN in x makes its row's a, b, h and y NaN (the GEMMs' canonical 0x7FFF, h's 0x7FC0) and
+    leaves every other row bitwise as without it; one CTA walks every tile (the epilogues' stores
+    carried from tile to tile)."""
+    x, offs, wg, wu, wd = (t.cuda() for t in make([300, 77, 0, 200], 1024, 640, seed=13))
+    clean = cuda_forward(x, offs, wg, wu, wd, num_sms=num_sms)
+    bad_rows = [0, 129, 310, 576]
+    x_nan = x.clone()
+    x_nan[bad_rows, 5] = float("nan")
+    got = cuda_forward(x_nan, offs, wg, wu, wd, num_sms=num_sms)
+    torch.cuda.synchronize()
+    keep = torch.ones(x.shape[0], dtype=torch.bool, device="cuda")
+    keep[bad_rows] = False
+    for name, t, u in zip(("a", "b", "h", "y"), got, clean, strict=True):
+        assert torch.equal(t[keep], u[keep]), f"{name}: a NaN row changed other rows"
+        bits = t[bad_rows].view(torch.int16)
+        want = 0x7FC0 if name == "h" else 0x7FFF
+        assert bool((bits == want).all()), f"{name}: NaN rows must hold {want:#x}"
+
+
+@pytest.mark.gpu
+@needs_gpu
 def test_cuda_close_to_the_reference_arithmetic():
     """Against the CPU entry point (sequential fp32 sums): within bf16 rounding."""
     x, offs, wg, wu, wd = make([200, 90], 256, 128, seed=11)

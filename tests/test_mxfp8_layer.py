@@ -419,3 +419,34 @@ def test_cuda_backend_runs_the_fp8_gemms(routing, monkeypatch):
         want, have = ref[key].double(), first[key].double()
         rel = ((have - want).norm() / want.norm().clamp_min(1e-30)).item()
         assert rel <= 1e-2, f"{key}: relative L2 error {rel:.2e} against the reference backend"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")
+def test_cuda_backend_runs_the_shared_expert_on_the_bf16_kernels(monkeypatch):
+    """In MXFP8 mode the shared expert stays bf16 and runs mok-bf16's tensor-core kernels, as in the
+    BF16 mode: its weight gradients are bitwise those of the BF16 cuda layer on the same inputs (they
+    depend only on x, dy and the shared weights), and the layer stays within 1 % of the reference."""
+    from mok_torch.backends import native
+
+    H, I, Is = 128, 64, 64
+    if not native.gpu_shared_kernels(torch.device("cuda"), H, Is):
+        pytest.skip("mok-bf16's grouped GEMMs need an sm_90 GPU and a CUDA build of mok-bf16")
+    calls = {"n": 0}
+    real = native.grouped_forward
+
+    def counted(*a, **k):
+        calls["n"] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(native, "grouped_forward", counted)
+    inp = make_inputs(96, H, I, 8, 2, Is, "skewed", seed=14)
+    mx = run_functional(inp, mok.MoKConfig(precision="mxfp8", backend="cuda", expert_alignment=64), device="cuda")
+    assert calls["n"], "the shared expert did not run on mok-bf16's kernels"
+    bf = run_functional(inp, mok.MoKConfig(backend="cuda", expert_alignment=64), device="cuda")
+    for key in ("dWg_s", "dWu_s", "dWd_s"):
+        assert torch.equal(mx[key], bf[key]), f"{key}: the shared expert differs from the BF16 layer's"
+    ref = run_functional(inp, mok.MoKConfig(precision="mxfp8", backend="reference", expert_alignment=64), device="cpu")
+    for key in CONTRACT_KEYS + ("dWg_s", "dWu_s", "dWd_s"):
+        want, have = ref[key].double(), mx[key].double().cpu()
+        rel = ((have - want).norm() / want.norm().clamp_min(1e-30)).item()
+        assert rel <= 1e-2, f"{key}: relative L2 error {rel:.2e} against the reference backend"

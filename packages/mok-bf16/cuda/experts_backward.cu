@@ -17,6 +17,7 @@
 #include "mok/core/bf16.h"
 #include "mok/core/expert_math.h"
 #include "mok/core/hopper.cuh"
+#include "mok/core/sigmoid_table.cuh"
 #include "wgrad_gemm.cuh"
 
 namespace mok::bf16 {
@@ -61,6 +62,7 @@ __global__ void swiglu_backward_kernel(SwigluBackwardRows r) {
   const int lane = threadIdx.x % 32;
   const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (blockDim.x / 32);
   const int I = r.inner, H = r.hidden;
+  const core::TableSigmoid sig;  // sigmoid_table.cuh: the reference's bits, looked up
   for (std::int64_t row =
            lo + (blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x) / 32;
        row < hi; row += warps) {
@@ -79,9 +81,9 @@ __global__ void swiglu_backward_kernel(SwigluBackwardRows r) {
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         const core::SwigluGrad e0 =
-            core::swiglu_backward(gs[2 * q], w, lo16(aw[q]), lo16(bw[q]), r.limit);
+            core::swiglu_backward(gs[2 * q], w, lo16(aw[q]), lo16(bw[q]), r.limit, sig);
         const core::SwigluGrad e1 =
-            core::swiglu_backward(gs[2 * q + 1], w, hi16(aw[q]), hi16(bw[q]), r.limit);
+            core::swiglu_backward(gs[2 * q + 1], w, hi16(aw[q]), hi16(bw[q]), r.limit, sig);
         part = core::mac_rn(part, gs[2 * q], e0.h);
         part = core::mac_rn(part, gs[2 * q + 1], e1.h);
         hw[q] = pack(core::float_to_bf16(e0.h), core::float_to_bf16(e1.h));
@@ -166,7 +168,8 @@ void grouped_backward_cuda(const GroupedBackwardArgs& args, std::uintptr_t strea
                                 Ii,
                                 Hi,
                                 args.limit};
-  // The element math is a long float64 chain: every warp slot of the SMs hides its latency.
+  // Every warp slot of the SMs, to hide the loads' latency.
+  core::ensure_sigmoid_table(stream);
   swiglu_backward_kernel<<<8 * sms, 256, 0, stream>>>(rows);
   check(cudaGetLastError(), "launching the SwiGLU backward kernel");
 

@@ -15,6 +15,7 @@
 #include "mok/core/bf16.h"
 #include "mok/core/expert_math.h"
 #include "mok/core/hopper.cuh"
+#include "mok/core/sigmoid_table.cuh"
 
 namespace mok::bf16 {
 namespace {
@@ -24,7 +25,6 @@ using gemm::BLoad;
 using gemm::Tile;
 using kernels::check;
 using kernels::launch;
-using kernels::store_pair;
 
 constexpr int kGateUpN = gemm::kMmaN / 2;  // columns of each weight per tile
 constexpr int kDownN = gemm::kMmaN;
@@ -34,21 +34,24 @@ struct GateUpEpilogue {
   std::uint16_t* b;
   int inner;
 
-  __device__ void operator()(const Tile& tile, int consumer, const Accumulators& acc) const {
-    constexpr int kUp = kGateUpN / 2;  // the up columns' fragment registers follow the gate's
-    gemm::for_each_pair<kGateUpN>(tile, consumer, inner, [&](std::int64_t row, int col, int q) {
-      const std::int64_t at = row * inner + col;
-      store_pair(a + at, core::float_to_bf16(acc.d[q]), core::float_to_bf16(acc.d[q + 1]));
-      store_pair(b + at, core::float_to_bf16(acc.d[kUp + q]),
-                 core::float_to_bf16(acc.d[kUp + q + 1]));
-    });
+  // Deferred (grouped_gemm.cuh): pieces of the packed pairs, a's then b's columns.
+  static constexpr bool kDeferred = true;
+  template <int kChunk>
+  __device__ void store(const Tile& tile, int consumer, const gemm::PackedBf16& p) const {
+    constexpr int kUp = kGateUpN / 4;  // the up columns' packed words follow the gate's
+    gemm::for_each_pair_in_chunk<kChunk, kGateUpN>(
+        tile, consumer, inner, [&](std::int64_t row, int col, int q) {
+          const std::int64_t at = row * inner + col;
+          *reinterpret_cast<std::uint32_t*>(a + at) = p.w[q / 2];
+          *reinterpret_cast<std::uint32_t*>(b + at) = p.w[q / 2 + kUp];
+        });
   }
 };
 
 // h = swiglu_h(a, b) for the rows [offsets[0], offsets[El]) (clamped to [0, M]), 8 elements of
-// a row per thread. A kernel of its own, not the GEMM's epilogue: the element math (float64
-// exp and division) is a long dependent chain, which the epilogue's two warpgroups per SM
-// could not hide (it cost the gate+up GEMM a third of its time); a full grid does.
+// a row per thread, the sigmoid looked up (sigmoid_table.cuh: the same bits without float64
+// math). A kernel of its own, not the GEMM's epilogue: with the float64 sigmoid the element
+// math cost the gate+up GEMM a third of its time.
 __global__ void swiglu_h_kernel(const std::uint16_t* a, const std::uint16_t* b, std::uint16_t* h,
                                 const std::int64_t* offsets, int num_experts, std::int64_t num_rows,
                                 int inner, core::SwigluLimit limit) {
@@ -57,6 +60,7 @@ __global__ void swiglu_h_kernel(const std::uint16_t* a, const std::uint16_t* b, 
   const std::int64_t hi = clamp(offsets[num_experts]);
   if (hi <= lo) return;
   const std::int64_t vectors = (hi - lo) * inner / 8;
+  const core::TableSigmoid sig;
   for (std::int64_t v = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
        v < vectors; v += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
     const std::int64_t at = lo * inner + 8 * v;
@@ -69,8 +73,9 @@ __global__ void swiglu_h_kernel(const std::uint16_t* a, const std::uint16_t* b, 
     for (int i = 0; i < 4; ++i) {
       const auto lo16 = [](std::uint32_t w) { return static_cast<std::uint16_t>(w & 0xFFFFu); };
       const auto hi16 = [](std::uint32_t w) { return static_cast<std::uint16_t>(w >> 16); };
-      hw[i] = static_cast<std::uint32_t>(core::swiglu_h(lo16(aw[i]), lo16(bw[i]), limit)) |
-              (static_cast<std::uint32_t>(core::swiglu_h(hi16(aw[i]), hi16(bw[i]), limit)) << 16);
+      hw[i] =
+          static_cast<std::uint32_t>(core::swiglu_h(lo16(aw[i]), lo16(bw[i]), limit, sig)) |
+          (static_cast<std::uint32_t>(core::swiglu_h(hi16(aw[i]), hi16(bw[i]), limit, sig)) << 16);
     }
     *reinterpret_cast<uint4*>(h + at) = make_uint4(hw[0], hw[1], hw[2], hw[3]);
   }
@@ -100,6 +105,7 @@ void grouped_forward_cuda(const GroupedForwardArgs& args, std::uintptr_t stream_
                           reinterpret_cast<std::uint16_t*>(args.out_b), static_cast<int>(I)};
   launch<BLoad::kPaired>(map_x, map_wg, map_wu, gate_up, e1, sms, stream);
   if (args.out_h == 0) return;
+  core::ensure_sigmoid_table(stream);
   // Eight 256-thread blocks per SM (it needs 30 registers): every warp slot, to hide the element
   // math's latency.
   swiglu_h_kernel<<<8 * sms, 256, 0, stream>>>(reinterpret_cast<const std::uint16_t*>(args.out_a),

@@ -4,10 +4,11 @@
 //
 // Segments are rows [offsets[e], offsets[e+1]) of A, read from device memory (the schedule
 // table's), never by the host. A CTA is persistent: it walks output tiles t = blockIdx.x,
-// blockIdx.x + gridDim.x, ... of the list "expert by expert, then column tile, then row tile"
-// (row tiles fastest, so the CTAs of a wave share the expert's B tiles). Warpgroup 0 is the
-// producer (one thread issues the copy engine's loads into a ring of kStages stages), warpgroups
-// 1 and 2 the consumers: each owns 64 of the tile's 128 rows and issues wgmma for them.
+// blockIdx.x + gridDim.x, ... of mok/core/grouped_tiles.cuh's list (expert by expert, bands of
+// 16 row tiles, column tiles, row tiles fastest). Warpgroup 0 is the producer (one thread issues
+// the copy engine's loads into a ring of kStages stages), warpgroups 1 and 2 the consumers: each
+// owns 64 of the tile's 128 rows and issues wgmma for them, the second kLagBlocks k-blocks behind
+// the first; bf16 epilogues are deferred into the next tile's first k-blocks.
 //
 // Determinism (DESIGN.md §2): an output element is one CTA's fp32 sum over K in blocks of 64,
 // each block four wgmma k16 steps in ascending order, with no split of K. Nothing depends on
@@ -17,7 +18,10 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
+#include <utility>
 
+#include "mok/core/bf16.h"
 #include "mok/core/grouped_tiles.cuh"
 #include "mok/core/hopper.cuh"
 
@@ -35,6 +39,12 @@ using tiles::TileList;
 
 inline constexpr int kBlockK = 64;    // K per stage: one 128-byte swizzle row of bf16
 inline constexpr int kThreads = 384;  // producer warpgroup + two consumer warpgroups
+
+// The second consumer warpgroup starts kLagBlocks k-blocks after the first and stays about that
+// far behind: the two then reach a tile's end (the wait for the last wgmmas, the rounding, the
+// next tile's first loads) at different times, and the tensor cores run the other's wgmmas
+// meanwhile. The ring (kStages stages, each given back by both) bounds the lag.
+inline constexpr int kLagBlocks = 2;
 
 // Where B's tiles come from. B_e is [K, N] as the GEMM reads it.
 //  kPaired: K-major maps [El * N, K] (weights [El, N, K], nn.Linear's); B's two 128-row halves
@@ -72,6 +82,71 @@ struct Accumulators {
   float d[kMmaN / 2];
 };
 
+// ------------------------------------------------------------------ deferred epilogues
+//
+// An epilogue that stores bf16 may be deferred: after a tile's last wgmma its consumer only
+// rounds the accumulators into packed bf16 pairs (PackedBf16, 64 registers), and stores them
+// in kDrainChunks pieces while the tensor cores run the next tile's first k-blocks (one piece
+// after each k-block's wgmmas are issued), so the stores no longer leave the tensor cores idle
+// between tiles. The bits stored are the same; only when they are stored changes.
+//
+// Such an epilogue declares `static constexpr bool kDeferred = true` and has
+// `template <int kChunk> void store(const Tile&, int consumer, const PackedBf16&) const`,
+// which stores the pairs of piece kChunk (for_each_pair_in_chunk).
+inline constexpr int kDrainChunks = 8;
+
+struct PackedBf16 {
+  std::uint32_t w[kMmaN / 4];  // w[i]: bf16(d[2 i]) | bf16(d[2 i + 1]) << 16
+};
+
+// Rounds to nearest even by the hardware conversion, one instruction per pair: the bits of
+// core::float_to_bf16 for every number; a NaN becomes the canonical 0x7FFF (float_to_bf16
+// gives 0x7FC0; either is a NaN, and each is the same on every run).
+__device__ inline void pack_bf16(const Accumulators& acc, PackedBf16& out) {
+#pragma unroll
+  for (int i = 0; i < kMmaN / 4; ++i) {
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;"
+        : "=r"(out.w[i])
+        : "f"(acc.d[2 * i + 1]), "f"(acc.d[2 * i]));
+  }
+}
+
+template <class E, class = void>
+struct IsDeferred : std::false_type {};
+template <class E>
+struct IsDeferred<E, std::void_t<decltype(E::kDeferred)>> : std::bool_constant<E::kDeferred> {};
+
+// for_each_pair restricted to piece kChunk: the n8 blocks [kChunk * J, (kChunk + 1) * J) of
+// the first kCols columns, J = kCols / 8 / kDrainChunks.
+template <int kChunk, int kCols, class Fn>
+__device__ inline void for_each_pair_in_chunk(const Tile& tile, int consumer, int n, const Fn& fn) {
+  constexpr int kJ = kCols / 8 / kDrainChunks;
+  static_assert(kJ >= 1 && kCols % (8 * kDrainChunks) == 0);
+  const int t = threadIdx.x % 128;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const std::int64_t row = tile.row0 + 64 * consumer + tiles::frag_row(t, 2 * half);
+    if (row >= tile.row_end) continue;
+#pragma unroll
+    for (int jj = 0; jj < kJ; ++jj) {
+      const int j = kChunk * kJ + jj;
+      const int col = tile.col0 + tiles::frag_col(t, j, 0);
+      if (col < n) fn(row, col, 4 * j + 2 * half);
+    }
+  }
+}
+
+// fn(std::integral_constant<int, i>{}) for i = 0 .. kN - 1: a loop whose index is a constant
+// in each copy (register arrays indexed by it stay in registers).
+template <int kN, class Fn, int... kI>
+__device__ inline void unroll_impl(const Fn& fn, std::integer_sequence<int, kI...>) {
+  (fn(std::integral_constant<int, kI>{}), ...);
+}
+template <int kN, class Fn>
+__device__ inline void unroll(const Fn& fn) {
+  unroll_impl<kN>(fn, std::make_integer_sequence<int, kN>{});
+}
+
 // The persistent kernel, B loaded as kB says. Epilogue: `void operator()(const Tile&, int consumer,
 // const Accumulators&) const` on the consumer warpgroup's 128 threads.
 template <BLoad kB, int kStages, class Epilogue>
@@ -85,6 +160,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ unsigned char smem_raw[];
   __shared__ alignas(8) std::uint64_t full[kStages];
   __shared__ alignas(8) std::uint64_t empty[kStages];
+  __shared__ alignas(8) std::uint64_t lag;  // consumer 0 has issued kLagBlocks k-blocks
   __shared__ int prefix[kMaxExperts + 1];
 
   const R ring{reinterpret_cast<unsigned char*>(
@@ -98,6 +174,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       hopper::mbar_init(&full[s], 1);
       hopper::mbar_init(&empty[s], 2);
     }
+    hopper::mbar_init(&lag, 1);
     hopper::fence_barrier_init();
   }
   __syncthreads();
@@ -105,7 +182,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int k_blocks = p.k / kBlockK;
 
   if (threadIdx.x < 128) {  // ---------------------------------------------- producer
-    hopper::regs_dealloc<40>();
+    hopper::regs_dealloc<24>();
     if (threadIdx.x != 0) return;
     hopper::prefetch_tensor_map(&map_a);
     hopper::prefetch_tensor_map(&map_b0);
@@ -152,45 +229,90 @@ __global__ void __launch_bounds__(kThreads, 1)
   // stage given back) only after this one is issued, so the tensor cores always have one
   // queued. The accumulation order does not change: wgmmas on the same accumulators run in
   // issue order.
-  hopper::regs_alloc<232>();
+  hopper::regs_alloc<240>();
+  constexpr bool kDeferred = IsDeferred<Epilogue>::value;
   const int consumer = threadIdx.x / 128 - 1;  // 0 or 1: rows [64 c, 64 c + 64) of the tile
   const bool releases = threadIdx.x % 128 == 0;
   int stage = 0;
   std::uint32_t phase = 0;
+  int previous = -1;
+  bool lag_due = consumer == 0;  // consumer 0 lets consumer 1 start after kLagBlocks k-blocks
+  int lag_blocks = 0;
   Accumulators acc;
+  const auto k_block = [&](int kb) {
+    hopper::mbar_wait(&full[stage], phase);
+    const std::uint32_t a = hopper::smem_addr(ring.a(stage)) + consumer * 64 * 128;
+    const std::uint32_t b = hopper::smem_addr(ring.b(stage));
+    hopper::wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < kBlockK / 16; ++k) {
+      if constexpr (kB == BLoad::kNMajor) {
+        hopper::Wgmma<kMmaN>::mma<0, 1>(acc.d, hopper::smem_desc(a + 32 * k),
+                                        hopper::smem_desc_mn(b + 2048 * k), (kb | k) != 0);
+      } else {
+        hopper::Wgmma<kMmaN>::mma(acc.d, hopper::smem_desc(a + 32 * k),
+                                  hopper::smem_desc(b + 32 * k), (kb | k) != 0);
+      }
+    }
+    hopper::wgmma_commit();
+    hopper::wgmma_wait<1>();
+    if (previous >= 0 && releases) hopper::mbar_arrive(&empty[previous]);
+    if (lag_due && ++lag_blocks == kLagBlocks) {
+      if (releases) hopper::mbar_arrive(&lag);
+      lag_due = false;
+    }
+    previous = stage;
+    if (++stage == kStages) {
+      stage = 0;
+      phase ^= 1;
+    }
+  };
+  // The previous tile's rounded accumulators while they are being stored (deferred epilogues).
+  PackedBf16 pending;
+  Tile pending_tile{};
+  bool has_pending = false;
+  const auto drain = [&](auto chunk) {
+    if constexpr (kDeferred) {
+      if (has_pending) epilogue.template store<chunk.value>(pending_tile, consumer, pending);
+    }
+  };
+  if (consumer == 1 && blockIdx.x < total) hopper::mbar_wait(&lag, 0);
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
     const Tile tile = locate(p, list, t, kBlockN);
     hopper::fence_regs(acc.d);
-    int previous = -1;
-    for (int kb = 0; kb < k_blocks; ++kb) {
-      hopper::mbar_wait(&full[stage], phase);
-      const std::uint32_t a = hopper::smem_addr(ring.a(stage)) + consumer * 64 * 128;
-      const std::uint32_t b = hopper::smem_addr(ring.b(stage));
-      hopper::wgmma_fence();
-#pragma unroll
-      for (int k = 0; k < kBlockK / 16; ++k) {
-        if constexpr (kB == BLoad::kNMajor) {
-          hopper::Wgmma<kMmaN>::mma<0, 1>(acc.d, hopper::smem_desc(a + 32 * k),
-                                          hopper::smem_desc_mn(b + 2048 * k), (kb | k) != 0);
-        } else {
-          hopper::Wgmma<kMmaN>::mma(acc.d, hopper::smem_desc(a + 32 * k),
-                                    hopper::smem_desc(b + 32 * k), (kb | k) != 0);
+    previous = -1;
+    if constexpr (kDeferred) {
+      // The first k-blocks each store one piece of the previous tile after issuing their
+      // wgmmas; pieces left over (K shorter than kDrainChunks blocks) are stored after the loop.
+      unroll<kDrainChunks>([&](auto c) {
+        if (c.value < k_blocks) {
+          k_block(c.value);
+          drain(c);
         }
-      }
-      hopper::wgmma_commit();
-      hopper::wgmma_wait<1>();
-      if (previous >= 0 && releases) hopper::mbar_arrive(&empty[previous]);
-      previous = stage;
-      if (++stage == kStages) {
-        stage = 0;
-        phase ^= 1;
-      }
+      });
+      for (int kb = kDrainChunks; kb < k_blocks; ++kb) k_block(kb);
+      unroll<kDrainChunks>([&](auto c) {
+        if (c.value >= k_blocks) drain(c);
+      });
+    } else {
+      for (int kb = 0; kb < k_blocks; ++kb) k_block(kb);
     }
     hopper::wgmma_wait<0>();
     hopper::fence_regs(acc.d);
     if (previous >= 0 && releases) hopper::mbar_arrive(&empty[previous]);
-    epilogue(tile, consumer, acc);
+    if (lag_due) {  // a first tile of fewer than kLagBlocks k-blocks
+      if (releases) hopper::mbar_arrive(&lag);
+      lag_due = false;
+    }
+    if constexpr (kDeferred) {
+      pack_bf16(acc, pending);
+      pending_tile = tile;
+      has_pending = true;
+    } else {
+      epilogue(tile, consumer, acc);
+    }
   }
+  if constexpr (kDeferred) unroll<kDrainChunks>([&](auto c) { drain(c); });
 }
 
 }  // namespace mok::bf16::gemm

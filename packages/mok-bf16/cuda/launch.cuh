@@ -31,23 +31,19 @@ inline int device_sms() {
   return sms;
 }
 
-// Two bf16 bit patterns as one 32-bit store (low half first in memory).
-__device__ inline void store_pair(std::uint16_t* p, std::uint16_t lo, std::uint16_t hi) {
-  *reinterpret_cast<std::uint32_t*>(p) =
-      static_cast<std::uint32_t>(lo) | (static_cast<std::uint32_t>(hi) << 16);
-}
-
-// Each output element rounded once to bf16, into a row-major [rows, n] array.
+// Each output element rounded once to bf16, into a row-major [rows, n] array; deferred
+// (grouped_gemm.cuh: stored while the next tile's first k-blocks run).
 struct StoreBf16 {
   std::uint16_t* out;
   int n;
 
-  __device__ void operator()(const gemm::Tile& tile, int consumer,
-                             const gemm::Accumulators& acc) const {
-    gemm::for_each_pair<gemm::kMmaN>(tile, consumer, n, [&](std::int64_t row, int col, int q) {
-      store_pair(out + row * n + col, core::float_to_bf16(acc.d[q]),
-                 core::float_to_bf16(acc.d[q + 1]));
-    });
+  static constexpr bool kDeferred = true;
+  template <int kChunk>
+  __device__ void store(const gemm::Tile& tile, int consumer, const gemm::PackedBf16& p) const {
+    gemm::for_each_pair_in_chunk<kChunk, gemm::kMmaN>(
+        tile, consumer, n, [&](std::int64_t row, int col, int q) {
+          *reinterpret_cast<std::uint32_t*>(out + row * n + col) = p.w[q / 2];
+        });
   }
 };
 

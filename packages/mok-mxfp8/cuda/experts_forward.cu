@@ -16,6 +16,7 @@
 #include "mok/core/bf16.h"
 #include "mok/core/expert_math.h"
 #include "mok/core/hopper.cuh"
+#include "mok/core/sigmoid_table.cuh"
 #include "mok/mxfp8/experts.h"
 #include "mok/mxfp8/format.h"
 
@@ -90,6 +91,7 @@ __global__ void swiglu_hq_kernel(const std::uint16_t* a, const std::uint16_t* b,
   if (hi <= lo) return;
   const std::int64_t per_row = inner / kBlock;
   const std::int64_t blocks = (hi - lo) * per_row;
+  const core::TableSigmoid sig;  // sigmoid_table.cuh: the reference's bits, looked up
   for (std::int64_t v = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
        v < blocks; v += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
     const std::int64_t row = lo + v / per_row, j = v % per_row;
@@ -106,8 +108,9 @@ __global__ void swiglu_hq_kernel(const std::uint16_t* a, const std::uint16_t* b,
         const auto lo16 = [](std::uint32_t x) { return static_cast<std::uint16_t>(x & 0xFFFFu); };
         const auto hi16 = [](std::uint32_t x) { return static_cast<std::uint16_t>(x >> 16); };
         hw[4 * w + i] =
-            static_cast<std::uint32_t>(core::swiglu_h(lo16(aw[i]), lo16(bw[i]), limit)) |
-            (static_cast<std::uint32_t>(core::swiglu_h(hi16(aw[i]), hi16(bw[i]), limit)) << 16);
+            static_cast<std::uint32_t>(core::swiglu_h(lo16(aw[i]), lo16(bw[i]), limit, sig)) |
+            (static_cast<std::uint32_t>(core::swiglu_h(hi16(aw[i]), hi16(bw[i]), limit, sig))
+             << 16);
       }
       reinterpret_cast<uint4*>(h + at)[w] =
           make_uint4(hw[4 * w], hw[4 * w + 1], hw[4 * w + 2], hw[4 * w + 3]);
@@ -181,6 +184,7 @@ void grouped_forward_cuda(const MxGroupedForwardArgs& args, std::uintptr_t strea
   if (args.out_y == 0) return;
 
   // A thread per 32-block: 8 blocks of 128 threads per SM keep the element math's latency hidden.
+  core::ensure_sigmoid_table(stream);
   swiglu_hq_kernel<<<8 * sms, 128, 0, stream>>>(
       reinterpret_cast<const std::uint16_t*>(args.out_a),
       reinterpret_cast<const std::uint16_t*>(args.out_b),

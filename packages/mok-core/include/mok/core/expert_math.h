@@ -82,6 +82,11 @@ MOK_HD inline float sigmoid(float a) {
 #endif
 }
 
+// core::sigmoid as a function object: the default of the element functions below.
+struct Sigmoid {
+  MOK_HD float operator()(float a) const { return sigmoid(a); }
+};
+
 // ------------------------------------------------------------------ SwiGLU
 
 // The optional gpt-oss clamp `a <= limit`, `-limit <= b <= limit`. The limit is used as an
@@ -103,11 +108,15 @@ MOK_HD inline float clamp_up(float b, SwigluLimit lim) {
   return b > lim.limit ? lim.limit : b;
 }
 
-// h = bf16((a_c * sigmoid(a_c)) * b_c): the forward activation of one element.
-MOK_HD inline std::uint16_t swiglu_h(std::uint16_t a, std::uint16_t b, SwigluLimit lim) {
+// h = bf16((a_c * sigmoid(a_c)) * b_c): the forward activation of one element. `sig` returns
+// sigmoid(a_c): core::sigmoid by default, or a kernel's lookup of the same bits
+// (sigmoid_table.cuh); whichever it is, the bits of h do not change.
+template <class Sig = Sigmoid>
+MOK_HD inline std::uint16_t swiglu_h(std::uint16_t a, std::uint16_t b, SwigluLimit lim,
+                                     const Sig& sig = Sig{}) {
   const float af = clamp_gate(bf16_to_float(a), lim);
   const float bf = clamp_up(bf16_to_float(b), lim);
-  return float_to_bf16(mul_rn(mul_rn(af, sigmoid(af)), bf));
+  return float_to_bf16(mul_rn(mul_rn(af, sig(af)), bf));
 }
 
 // The SwiGLU backward of one element i of a row.
@@ -123,13 +132,14 @@ struct SwigluGrad {
 //
 //   d_h = w * g;  d_silu = s * (1 + a_c * (1 - s));  d_a = (d_h * b_c) * d_silu;
 //   d_b = d_h * silu;  zero where the clamp bit (a > limit, |b| > limit, or NaN)
+template <class Sig = Sigmoid>
 MOK_HD inline SwigluGrad swiglu_backward(float g, float w, std::uint16_t a, std::uint16_t b,
-                                         SwigluLimit lim) {
+                                         SwigluLimit lim, const Sig& sig = Sig{}) {
   const float a_raw = bf16_to_float(a);
   const float b_raw = bf16_to_float(b);
   const float af = clamp_gate(a_raw, lim);
   const float bf = clamp_up(b_raw, lim);
-  const float s = sigmoid(af);
+  const float s = sig(af);
   const float silu = mul_rn(af, s);
   const float h = bf16_to_float(float_to_bf16(mul_rn(silu, bf)));
   const float d_h = mul_rn(w, g);

@@ -3,9 +3,10 @@
 // consumer warpgroup's wgmma accumulators sit in a tile. CUDA code: include it from .cu files.
 //
 // A CTA is persistent: it walks output tiles t = blockIdx.x, blockIdx.x + gridDim.x, ... of the
-// list "expert by expert, then column tile, then row tile" (row tiles fastest, so the CTAs of a
-// wave share the expert's weight tiles). Segments are rows [offsets[e], offsets[e+1]) of A,
-// clamped to [0, num_rows]; decreasing offsets give empty segments.
+// list "expert by expert, then band of 16 row tiles, then column tile, then row tile" (row
+// tiles fastest, so the CTAs of a wave share the expert's weight tiles; the bands keep a wave's
+// rows of A few). Segments are rows [offsets[e], offsets[e+1]) of A, clamped to [0, num_rows];
+// decreasing offsets give empty segments.
 #pragma once
 
 #include <cstdint>
@@ -13,6 +14,12 @@
 namespace mok::tiles {
 
 inline constexpr int kBlockM = 128;  // rows of an output tile (two consumer warpgroups of 64)
+
+// The walk takes an expert's row tiles in bands of this many (2,048 rows): a wave of 132 CTAs
+// then covers ~16 row tiles x ~8 column tiles, not all of a long expert's row tiles x one
+// column tile, so it reads ~4x fewer distinct A rows from memory where an expert has many rows
+// (mixtral's 16,384: 128 row tiles).
+inline constexpr int kBandTiles = 16;
 inline constexpr int kMaxExperts = 1024;
 
 // What the tile walk needs, in device memory or by value.
@@ -91,8 +98,14 @@ __device__ inline Tile locate(const Problem& p, const TileList& list, int t, int
   const std::int64_t start = TileList::segment_start(p, lo);
   const std::int64_t end = TileList::segment_end(p, lo);
   const int m_tiles = static_cast<int>((end - start + kBlockM - 1) / kBlockM);
-  return {lo, start + static_cast<std::int64_t>(local % m_tiles) * kBlockM, end,
-          (local / m_tiles) * block_n};
+  // Bands of kBandTiles row tiles: every column tile of a band, row tiles fastest, then the
+  // next band (the last one shorter).
+  const int band = local / (kBandTiles * list.n_tiles);
+  const int first = band * kBandTiles;
+  const int rows = m_tiles - first < kBandTiles ? m_tiles - first : kBandTiles;
+  const int in_band = local - band * kBandTiles * list.n_tiles;
+  return {lo, start + static_cast<std::int64_t>(first + in_band % rows) * kBlockM, end,
+          (in_band / rows) * block_n};
 }
 
 // Where the fragment element (j, q) of thread `t` of a consumer warpgroup sits in the tile.

@@ -24,8 +24,8 @@ fallback works on expert blocks, as the reference does.
 
 MXFP8 (`precision="mxfp8"`): x and dy are quantized on their source rank and travel as MXFP8
 rows (H E4M3 bytes then H/32 scales, in the first bytes of the bf16-sized source rows); the
-shared expert stays bf16, in the reference's arithmetic (mok-bf16's kernels take it in BF16
-only). On an sm_90 GPU, when H and I are multiples of 64, the routed experts' forward GEMMs
+shared expert stays bf16, on mok-bf16's kernels where the BF16 mode would run it there (else
+in the reference's arithmetic). On an sm_90 GPU, when H and I are multiples of 64, the routed experts' forward GEMMs
 are mok-mxfp8's FP8 tensor-core kernels (`mxfp8_grouped.py`, a whole macrobatch per call, the
 backward's recomputed pre-activations too): deterministic and invariant as the contract says,
 within a tight tolerance of the reference's MXFP8 bits (the FP8 wgmma's partial of 32
@@ -108,9 +108,18 @@ def _gpu_grouped(device_index: int) -> bool:
 
 def gpu_forward_kernels(cfg: MoKConfig, device: torch.device, hidden: int, inner: int, experts: int) -> bool:
     """Whether the native backend's forward GEMMs run mok-bf16's tensor-core kernels here."""
+    return cfg.precision == "bf16" and _gpu_bf16_kernels(device, hidden, inner, experts)
+
+
+def gpu_shared_kernels(device: torch.device, hidden: int, inner: int) -> bool:
+    """Whether the shared expert runs on mok-bf16's tensor-core kernels here: it is bf16 in every
+    precision (in MXFP8 mode too), so only the device and the shape decide."""
+    return _gpu_bf16_kernels(device, hidden, inner, 1)
+
+
+def _gpu_bf16_kernels(device: torch.device, hidden: int, inner: int, experts: int) -> bool:
     return (
         device.type == "cuda"
-        and cfg.precision == "bf16"
         and hidden % 64 == 0
         and inner % 64 == 0
         and 1 <= experts <= 1024
@@ -677,7 +686,7 @@ class NativeBackend:
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """The shared expert on every local token: one expert whose rows are the tokens."""
         kernels, limit = self.expert_kernels, cfg.swiglu_limit
-        if shared is not None and gpu_forward_kernels(cfg, x_TH.device, x_TH.shape[1], shared[0].shape[0], 1):
+        if shared is not None and gpu_shared_kernels(x_TH.device, x_TH.shape[1], shared[0].shape[0]):
             T = x_TH.shape[0]
             one = torch.arange(2, dtype=torch.int64, device=x_TH.device) * T  # one segment: every token
             wd = shared[2].contiguous()[None] if outputs else None
@@ -738,7 +747,7 @@ class NativeBackend:
         """(dx_s, (dWg_s, dWu_s, dWd_s)) of the shared expert: tokens are the rows, in order, unweighted."""
         kernels, limit = self.expert_kernels, cfg.swiglu_limit
         # One call over every token: the weight gradients' row blocks never meet a split.
-        if shared is not None and gpu_forward_kernels(cfg, x_TH.device, x_TH.shape[1], shared[0].shape[0], 1):
+        if shared is not None and gpu_shared_kernels(x_TH.device, x_TH.shape[1], shared[0].shape[0]):
             assert a_TIs is not None and b_TIs is not None
             (T, H), Is, dev = x_TH.shape, shared[0].shape[0], x_TH.device
             one = torch.arange(2, dtype=torch.int64, device=dev) * T  # one segment: every token

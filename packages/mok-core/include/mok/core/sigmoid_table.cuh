@@ -1,0 +1,73 @@
+// sigmoid(a) for every bf16 a, as a table in device memory: the SwiGLU kernels' element math
+// without its float64 cost. CUDA code: include it from .cu files.
+//
+// The reference's sigmoid (expert_math.h) is a float64 exp and a float64 division, rounded once
+// to fp32: ~50 float64 instructions per element, which bound the SwiGLU kernels (h, the
+// backward's d_a and d_b) by the H200's float64 rate, not its memory. Its argument is the gate's
+// bf16 value (clamped: then the fp32 limit), so it takes at most 65,536 + 1 values: a kernel
+// computes them once per device with core::sigmoid itself, and the SwiGLU kernels look them up.
+// The bits cannot change: an entry is the same function of the same input on the same hardware.
+// An argument that is not a bf16 value (the clamp's limit) is computed directly.
+//
+// Every translation unit that includes this header has its own table (internal linkage), made
+// by its first call of ensure_sigmoid_table on each device.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "mok/core/bf16.h"
+#include "mok/core/expert_math.h"
+
+namespace mok::core {
+namespace {
+
+inline constexpr int kSigmoidTableDevices = 64;
+
+__device__ float g_sigmoid_table[1 << 16];
+
+__global__ void fill_sigmoid_table_kernel() {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < (1 << 16)) g_sigmoid_table[i] = sigmoid(bf16_to_float(static_cast<std::uint16_t>(i)));
+}
+
+// The lookup, as the `sig` argument of swiglu_h and swiglu_backward.
+struct TableSigmoid {
+  __device__ float operator()(float a) const {
+    const std::uint32_t bits = __float_as_uint(a);
+    if ((bits & 0xFFFFu) != 0) return sigmoid(a);  // not a bf16 value: the clamp's limit
+    return g_sigmoid_table[bits >> 16];
+  }
+};
+
+// Makes this translation unit's table on the current device before `stream`'s next kernel.
+// The first call on a device fills it and waits for that (once); a call while `stream` is being
+// captured into a CUDA graph puts the fill into the graph instead (every capture: it costs a few
+// microseconds) and leaves the device unmarked, so an eager call still fills it.
+inline void ensure_sigmoid_table(cudaStream_t stream) {
+  static std::atomic<bool> ready[kSigmoidTableDevices];
+  const auto check = [](cudaError_t err, const char* what) {
+    if (err != cudaSuccess) {
+      throw std::runtime_error(std::string("mok: sigmoid table: ") + what + ": " +
+                               cudaGetErrorString(err));
+    }
+  };
+  int device = 0;
+  check(cudaGetDevice(&device), "cudaGetDevice");
+  const bool tracked = device >= 0 && device < kSigmoidTableDevices;
+  if (tracked && ready[device].load(std::memory_order_acquire)) return;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  check(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
+  fill_sigmoid_table_kernel<<<(1 << 16) / 256, 256, 0, stream>>>();
+  check(cudaGetLastError(), "launching the fill");
+  if (capture != cudaStreamCaptureStatusNone || !tracked) return;
+  check(cudaStreamSynchronize(stream), "waiting for the fill");
+  ready[device].store(true, std::memory_order_release);
+}
+
+}  // namespace
+}  // namespace mok::core
