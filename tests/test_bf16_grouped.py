@@ -16,7 +16,7 @@ import torch
 from helpers import GROUPED_CASES
 
 import mok_bf16
-from mok_torch.backends.native.grouped import GroupedForward, grouped_forward
+from mok_torch.backends.native.grouped import GroupedForward, grouped_backward, grouped_forward
 from mok_torch.backends.reference.experts import swiglu
 
 BF16 = torch.bfloat16
@@ -270,3 +270,46 @@ def test_cuda_close_to_the_reference_arithmetic():
     for name, u, v in (("a", got[0], a), ("b", got[1], b), ("y", got[3], y)):
         rel = (u.float() - v.float()).norm() / v.float().norm()
         assert rel < 4e-3, f"{name}: relative error {rel:.2e}"
+
+
+def _dirty_cache(device: str) -> None:
+    """Leave the caching allocator blocks full of 7s, so an output that is not zeroed shows it."""
+    junk = torch.full((1 << 22,), 7.0, dtype=torch.float32, device=device)
+    del junk
+
+
+FRESH_OFFSETS = [
+    pytest.param([10, 30, 95], id="sorted-gaps"),  # rows [0, 10) and [95, 100) outside
+    pytest.param([50, 60, 10, 20], id="unsorted"),  # covered: [50, 60) and [10, 20) (cuda only)
+]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, needs_gpu])])
+@pytest.mark.parametrize("offsets", FRESH_OFFSETS)
+def test_fresh_outputs_are_zero_outside_the_segments(device, offsets):
+    """Without `out`, the rows no segment covers come back zero (zeroed by the call, on the
+    device: no fill pass over the rows it writes), and the covered rows are those of a call into
+    given outputs; forward and backward."""
+    if device == "cpu" and offsets != sorted(offsets):
+        pytest.skip("the CPU entry points reject decreasing offsets (ValueError, tested elsewhere)")
+    M, H, I = 100, 128, 64
+    x, _, wg, wu, wd = (t.to(device) for t in make([M], H, I, seed=21))
+    El = len(offsets) - 1
+    wg, wu, wd = (w.expand(El, *w.shape[1:]).contiguous() for w in (wg, wu, wd))
+    offs = torch.tensor(offsets, dtype=torch.int64, device=device)
+    covered = torch.zeros(M, dtype=torch.bool)
+    for e in range(El):
+        covered[offsets[e] : max(offsets[e], offsets[e + 1])] = True
+    covered = covered.to(device)
+    _dirty_cache(device)
+    fresh = grouped_forward(x, offs, wg, wu, wd)
+    given = cuda_forward(x, offs, wg, wu, wd) if device == "cuda" else None
+    for name, t in zip(("a", "b", "h", "y"), fresh, strict=True):
+        assert bool((t[~covered] == 0).all()), f"{name}: rows outside the segments must be zero"
+        if given is not None:
+            assert torch.equal(t[covered], given[("a", "b", "h", "y").index(name)][covered]), name
+    dy = torch.randn(M, H, device=device).to(BF16)
+    _dirty_cache(device)
+    back = grouped_backward(x, offs, fresh.a, fresh.b, dy, None, wg, wu, wd, None, carry_in=False,
+                            wgrad_out=tuple(torch.empty_like(w) for w in (wg, wu, wd)))  # fmt: skip
+    assert bool((back.dx[~covered] == 0).all()) and bool((back.d_w[~covered] == 0).all())

@@ -103,7 +103,7 @@ void register_experts(pybind11::module_& m) {
          std::uintptr_t w_up, std::uintptr_t w_down, std::uintptr_t out_a, std::uintptr_t out_b,
          std::uintptr_t out_h, std::uintptr_t out_y, std::int64_t num_rows, std::int64_t hidden,
          std::int64_t inner, std::int64_t num_experts, std::optional<double> limit,
-         std::int64_t num_sms, std::int64_t num_threads, std::uintptr_t stream) {
+         std::int64_t num_sms, std::int64_t num_threads, std::uintptr_t stream, bool zero_outside) {
         GroupedForwardArgs a;
         a.x = x;
         a.offsets = offsets;
@@ -118,18 +118,21 @@ void register_experts(pybind11::module_& m) {
         a.limit = core::swiglu_limit("grouped_forward", limit);
         a.num_sms = num_sms;
         a.num_threads = num_threads;
+        a.zero_outside = zero_outside;
         grouped_forward(device, a, stream);
       },
       py::arg("device"), py::arg("x"), py::arg("offsets"), py::arg("w_gate"), py::arg("w_up"),
       py::arg("w_down"), py::arg("out_a"), py::arg("out_b"), py::arg("out_h"), py::arg("out_y"),
       py::arg("num_rows"), py::arg("hidden"), py::arg("inner"), py::arg("num_experts"),
       py::arg("limit") = py::none(), py::arg("num_sms") = 0, py::arg("num_threads") = 1,
-      py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+      py::arg("stream") = 0, py::arg("zero_outside") = false,
+      py::call_guard<py::gil_scoped_release>(),
       "SwiGLU expert forward over segments of consecutive rows (the schedule table's layout): "
       "rows [offsets[e], offsets[e+1]) of x (bf16 [M, H]) belong to local expert e; offsets: "
       "int64 [El + 1]. Writes out_a, out_b (bf16 [M, I]: x @ Wg^T, x @ Wu^T rounded to bf16), "
       "out_h (bf16 [M, I]: bf16(silu(a_c) * b_c), 0 allowed when out_y is 0) and, unless out_y "
-      "is 0, out_y = bf16(h @ Wd^T) (bf16 [M, H]); rows outside every segment are not written. "
+      "is 0, out_y = bf16(h @ Wd^T) (bf16 [M, H]); rows outside every segment are not written "
+      "(zero_outside=True: zeroed, on the device, so fresh outputs need no fill). "
       "'cuda': tensor-core GEMMs (sm_90a wgmma, fp32 accumulation in one fixed order: a row's "
       "bits do not depend on the other rows, the grid or num_sms), the offsets read on the "
       "device only (clamped to [0, M]); H and I multiples of 64, El <= 1024, 16-byte aligned "
@@ -147,7 +150,7 @@ void register_experts(pybind11::module_& m) {
          std::uintptr_t scratch_g, std::uintptr_t scratch_h, std::uintptr_t scratch_d_ab,
          std::uintptr_t scratch_wdy, std::int64_t num_rows, std::int64_t hidden, std::int64_t inner,
          std::int64_t num_experts, std::optional<double> limit, std::int64_t num_sms,
-         std::int64_t num_threads, std::uintptr_t stream) {
+         std::int64_t num_threads, std::uintptr_t stream, bool zero_outside) {
         GroupedBackwardArgs a;
         a.x = x;
         a.offsets = offsets;
@@ -175,6 +178,7 @@ void register_experts(pybind11::module_& m) {
         a.limit = core::swiglu_limit("grouped_backward", limit);
         a.num_sms = num_sms;
         a.num_threads = num_threads;
+        a.zero_outside = zero_outside;
         grouped_backward(device, a, stream);
       },
       py::arg("device"), py::arg("x"), py::arg("offsets"), py::arg("a"), py::arg("b"),
@@ -185,10 +189,11 @@ void register_experts(pybind11::module_& m) {
       py::arg("scratch_d_ab"), py::arg("scratch_wdy"), py::arg("num_rows"), py::arg("hidden"),
       py::arg("inner"), py::arg("num_experts"), py::arg("limit") = py::none(),
       py::arg("num_sms") = 0, py::arg("num_threads") = 1, py::arg("stream") = 0,
-      py::call_guard<py::gil_scoped_release>(),
+      py::arg("zero_outside") = false, py::call_guard<py::gil_scoped_release>(),
       "SwiGLU expert backward over segments of consecutive rows (grouped_forward's layout). "
       "Writes out_dx (bf16 [M, H]: [d_a, d_b] @ [Wg; Wu]) and out_d_w (fp32 [M]: <g, h>, g = dy "
-      "@ Wd unweighted) for the rows of the segments; the weight gradients dWg, dWu ([El, I, H]) "
+      "@ Wd unweighted) for the rows of the segments (other rows not written; zero_outside=True: "
+      "zeroed, on the device); the weight gradients dWg, dWu ([El, I, H]) "
       "and dWd ([El, H, I]) are C + the segments' sums, C the fp32 accumulators acc_* when "
       "carry_in (else +0), written to acc_* (fp32) and/or out_* (bf16, rounded) where given; "
       "router_weights fp32 [M] or 0 (all ones). 'cuda': tensor-core GEMMs; the weight gradients "

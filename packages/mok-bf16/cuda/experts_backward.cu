@@ -26,7 +26,7 @@ namespace {
 using gemm::BLoad;
 using kernels::check;
 
-// One warp per row of [offsets[0], offsets[El]) (clamped to [0, M]); lane l takes the 8-element
+// One warp per row of the segments (tiles::for_each_row_range); lane l takes the 8-element
 // pieces l, l + 32, ... of the row. d_w: each lane sums fl(g_i * h_i) over its elements in
 // ascending order from +0, then the lanes' sums are added by a butterfly (xor 16, 8, 4, 2, 1):
 // an order fixed by I alone, the same on every lane.
@@ -55,10 +55,9 @@ __device__ inline std::uint32_t pack(std::uint16_t lo, std::uint16_t hi) {
   return static_cast<std::uint32_t>(lo) | (static_cast<std::uint32_t>(hi) << 16);
 }
 
-__global__ void swiglu_backward_kernel(SwigluBackwardRows r) {
-  const auto clamp = [&](std::int64_t v) { return v < 0 ? 0 : (v > r.num_rows ? r.num_rows : v); };
-  const std::int64_t lo = clamp(r.offsets[0]);
-  const std::int64_t hi = clamp(r.offsets[r.num_experts]);
+// Rows [lo, hi) of the kernel below.
+__device__ inline void swiglu_backward_rows(const SwigluBackwardRows& r, std::int64_t lo,
+                                            std::int64_t hi) {
   const int lane = threadIdx.x % 32;
   const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (blockDim.x / 32);
   const int I = r.inner, H = r.hidden;
@@ -115,6 +114,13 @@ __global__ void swiglu_backward_kernel(SwigluBackwardRows r) {
   }
 }
 
+__global__ void swiglu_backward_kernel(SwigluBackwardRows r) {
+  __shared__ int sorted;
+  tiles::for_each_row_range(
+      r.offsets, r.num_experts, r.num_rows, &sorted,
+      [&](std::int64_t lo, std::int64_t hi) { swiglu_backward_rows(r, lo, hi); });
+}
+
 void launch_wgrad(const CUtensorMap& map_a, const CUtensorMap& map_b, const gemm::WgradProblem& p,
                   bool carry_in, int num_sms, cudaStream_t stream) {
   using R = gemm::Ring<kernels::kStages>;
@@ -145,6 +151,10 @@ void grouped_backward_cuda(const GroupedBackwardArgs& args, std::uintptr_t strea
   const auto ptr = [](std::uintptr_t p) { return reinterpret_cast<const void*>(p); };
   const int Ei = static_cast<int>(El), Hi = static_cast<int>(H), Ii = static_cast<int>(I);
 
+  if (args.zero_outside) {
+    kernels::zero_uncovered_rows(args.out_dx, 2 * s.hidden, offsets, Ei, s.num_rows, sms, stream);
+    kernels::zero_uncovered_rows(args.out_d_w, 4, offsets, Ei, s.num_rows, sms, stream);
+  }
   // g = dy @ Wd_e: Wd [El, H, I] is N-major for this GEMM (K = H rows per expert).
   const CUtensorMap map_dy = hopper::make_tensor_map(ptr(args.dy), M, H, gemm::kBlockM);
   const CUtensorMap map_wd = hopper::make_tensor_map(ptr(args.w_down), El * H, I, 64);

@@ -48,37 +48,40 @@ struct GateUpEpilogue {
   }
 };
 
-// h = swiglu_h(a, b) for the rows [offsets[0], offsets[El]) (clamped to [0, M]), 8 elements of
+// h = swiglu_h(a, b) for the rows of the segments (tiles::for_each_row_range), 8 elements of
 // a row per thread, the sigmoid looked up (sigmoid_table.cuh: the same bits without float64
 // math). A kernel of its own, not the GEMM's epilogue: with the float64 sigmoid the element
 // math cost the gate+up GEMM a third of its time.
 __global__ void swiglu_h_kernel(const std::uint16_t* a, const std::uint16_t* b, std::uint16_t* h,
                                 const std::int64_t* offsets, int num_experts, std::int64_t num_rows,
                                 int inner, core::SwigluLimit limit) {
-  const auto clamp = [&](std::int64_t r) { return r < 0 ? 0 : (r > num_rows ? num_rows : r); };
-  const std::int64_t lo = clamp(offsets[0]);
-  const std::int64_t hi = clamp(offsets[num_experts]);
-  if (hi <= lo) return;
-  const std::int64_t vectors = (hi - lo) * inner / 8;
+  __shared__ int sorted;
   const core::TableSigmoid sig;
-  for (std::int64_t v = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
-       v < vectors; v += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    const std::int64_t at = lo * inner + 8 * v;
-    const uint4 av = *reinterpret_cast<const uint4*>(a + at);
-    const uint4 bv = *reinterpret_cast<const uint4*>(b + at);
-    const std::uint32_t aw[4] = {av.x, av.y, av.z, av.w};
-    const std::uint32_t bw[4] = {bv.x, bv.y, bv.z, bv.w};
-    std::uint32_t hw[4];
+  tiles::for_each_row_range(
+      offsets, num_experts, num_rows, &sorted, [&](std::int64_t lo, std::int64_t hi) {
+        const std::int64_t vectors = (hi - lo) * inner / 8;
+        for (std::int64_t v = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+             v < vectors; v += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+          const std::int64_t at = lo * inner + 8 * v;
+          const uint4 av = *reinterpret_cast<const uint4*>(a + at);
+          const uint4 bv = *reinterpret_cast<const uint4*>(b + at);
+          const std::uint32_t aw[4] = {av.x, av.y, av.z, av.w};
+          const std::uint32_t bw[4] = {bv.x, bv.y, bv.z, bv.w};
+          std::uint32_t hw[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const auto lo16 = [](std::uint32_t w) { return static_cast<std::uint16_t>(w & 0xFFFFu); };
-      const auto hi16 = [](std::uint32_t w) { return static_cast<std::uint16_t>(w >> 16); };
-      hw[i] =
-          static_cast<std::uint32_t>(core::swiglu_h(lo16(aw[i]), lo16(bw[i]), limit, sig)) |
-          (static_cast<std::uint32_t>(core::swiglu_h(hi16(aw[i]), hi16(bw[i]), limit, sig)) << 16);
-    }
-    *reinterpret_cast<uint4*>(h + at) = make_uint4(hw[0], hw[1], hw[2], hw[3]);
-  }
+          for (int i = 0; i < 4; ++i) {
+            const auto lo16 = [](std::uint32_t w) {
+              return static_cast<std::uint16_t>(w & 0xFFFFu);
+            };
+            const auto hi16 = [](std::uint32_t w) { return static_cast<std::uint16_t>(w >> 16); };
+            hw[i] =
+                static_cast<std::uint32_t>(core::swiglu_h(lo16(aw[i]), lo16(bw[i]), limit, sig)) |
+                (static_cast<std::uint32_t>(core::swiglu_h(hi16(aw[i]), hi16(bw[i]), limit, sig))
+                 << 16);
+          }
+          *reinterpret_cast<uint4*>(h + at) = make_uint4(hw[0], hw[1], hw[2], hw[3]);
+        }
+      });
 }
 
 }  // namespace
@@ -93,6 +96,13 @@ void grouped_forward_cuda(const GroupedForwardArgs& args, std::uintptr_t stream_
   const std::uint64_t I = static_cast<std::uint64_t>(s.inner);
   const std::uint64_t El = static_cast<std::uint64_t>(s.num_experts);
 
+  if (args.zero_outside) {
+    const auto* offs = reinterpret_cast<const std::int64_t*>(args.offsets);
+    const int el = static_cast<int>(s.num_experts);
+    for (const std::uintptr_t out : {args.out_a, args.out_b, args.out_h})
+      kernels::zero_uncovered_rows(out, 2 * s.inner, offs, el, s.num_rows, sms, stream);
+    kernels::zero_uncovered_rows(args.out_y, 2 * s.hidden, offs, el, s.num_rows, sms, stream);
+  }
   const CUtensorMap map_x = hopper::make_tensor_map(x, M, H, gemm::kBlockM);
   const CUtensorMap map_wg =
       hopper::make_tensor_map(reinterpret_cast<const void*>(args.w_gate), El * I, H, kGateUpN);

@@ -31,6 +31,63 @@ inline int device_sms() {
   return sms;
 }
 
+// Zeroes the rows of a row-major array (row_bytes a multiple of 4) that no segment covers, the
+// segments as the GEMMs' tile walk reads them (offsets clamped to [0, M], a decreasing end makes
+// a segment empty): with non-decreasing offsets the rows before offsets[0] and from offsets[El]
+// on; otherwise each row is checked against every segment. A warp per row; nothing is read on
+// the host, so fresh outputs need no fill pass. (Internal linkage: every .cu has its copy.)
+namespace {
+__global__ void zero_uncovered_rows_kernel(unsigned char* data, std::int64_t row_bytes,
+                                           const std::int64_t* offsets, int num_experts,
+                                           std::int64_t num_rows) {
+  __shared__ std::int64_t seg_lo[gemm::kMaxExperts], seg_hi[gemm::kMaxExperts];
+  __shared__ int sorted;
+  if (threadIdx.x == 0) sorted = 1;
+  __syncthreads();
+  const auto clamp = [&](std::int64_t r) { return r < 0 ? 0 : (r > num_rows ? num_rows : r); };
+  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
+    const std::int64_t lo = clamp(offsets[e]), hi = clamp(offsets[e + 1]);
+    if (hi < lo || (e > 0 && lo < clamp(offsets[e - 1]))) sorted = 0;
+    seg_lo[e] = lo;
+    seg_hi[e] = hi < lo ? lo : hi;
+  }
+  __syncthreads();
+  const int lane = threadIdx.x % 32;
+  const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (blockDim.x / 32);
+  for (std::int64_t r = (blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x) / 32;
+       r < num_rows; r += warps) {
+    bool covered;
+    if (sorted) {
+      covered = r >= seg_lo[0] && r < seg_hi[num_experts - 1];
+    } else {
+      bool mine = false;
+      for (int e = lane; e < num_experts; e += 32) mine |= r >= seg_lo[e] && r < seg_hi[e];
+      covered = __any_sync(0xFFFFFFFFu, mine);
+    }
+    if (covered) continue;
+    unsigned char* row = data + r * row_bytes;
+    if (row_bytes % 16 == 0) {
+      for (std::int64_t i = 16 * lane; i < row_bytes; i += 16 * 32)
+        *reinterpret_cast<uint4*>(row + i) = make_uint4(0, 0, 0, 0);
+    } else {
+      for (std::int64_t i = 4 * lane; i < row_bytes; i += 4 * 32)
+        *reinterpret_cast<std::uint32_t*>(row + i) = 0;
+    }
+  }
+}
+}  // namespace
+
+// zero_uncovered_rows_kernel on `stream` for an array (skipped when null or empty).
+inline void zero_uncovered_rows(std::uintptr_t data, std::int64_t row_bytes,
+                                const std::int64_t* offsets, int num_experts, std::int64_t num_rows,
+                                int num_sms, cudaStream_t stream) {
+  if (data == 0 || row_bytes == 0 || num_rows == 0) return;
+  const std::int64_t blocks = std::min<std::int64_t>(4 * num_sms, (num_rows + 7) / 8);
+  zero_uncovered_rows_kernel<<<static_cast<int>(blocks), 256, 0, stream>>>(
+      reinterpret_cast<unsigned char*>(data), row_bytes, offsets, num_experts, num_rows);
+  check(cudaGetLastError(), "launching the zeroing of uncovered rows");
+}
+
 // Each output element rounded once to bf16, into a row-major [rows, n] array; deferred
 // (grouped_gemm.cuh: stored while the next tile's first k-blocks run).
 struct StoreBf16 {

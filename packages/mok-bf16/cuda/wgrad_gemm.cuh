@@ -99,6 +99,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ unsigned char smem_raw[];
   __shared__ alignas(8) std::uint64_t full[kStages];
   __shared__ alignas(8) std::uint64_t empty[kStages];
+  __shared__ alignas(8) std::uint64_t lag;  // consumer 0 has issued kLagBlocks k-blocks
 
   const R ring{reinterpret_cast<unsigned char*>(
       (reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) & ~std::uintptr_t{1023})};
@@ -107,13 +108,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       hopper::mbar_init(&full[s], 1);
       hopper::mbar_init(&empty[s], 2);
     }
+    hopper::mbar_init(&lag, 1);
     hopper::fence_barrier_init();
   }
   __syncthreads();
   const int total = p.num_experts * ((p.m + kBlockM - 1) / kBlockM) * ((p.n + kMmaN - 1) / kMmaN);
 
   if (threadIdx.x < 128) {  // ---------------------------------------------- producer
-    hopper::regs_dealloc<40>();
+    hopper::regs_dealloc<24>();
     if (threadIdx.x != 0) return;
     hopper::prefetch_tensor_map(&map_a);
     hopper::prefetch_tensor_map(&map_b);
@@ -145,13 +147,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // ------------------------------------------------------------------------ consumers
-  hopper::regs_alloc<232>();
+  // The second consumer runs about kLagBlocks k-blocks behind the first (grouped_gemm.cuh), so
+  // their tile ends (the fp32 loads and the stores) overlap the other's wgmmas. A tile whose
+  // rows end inside a block brings them together again (the zeroing's barrier).
+  hopper::regs_alloc<240>();
   const int consumer = threadIdx.x / 128 - 1;  // rows [64 c, 64 c + 64) of the C tile
   const int t128 = threadIdx.x % 128;
   const bool releases = t128 == 0;
   int stage = 0;
   std::uint32_t phase = 0;
+  bool lag_due = consumer == 0;
+  int lag_blocks = 0;
   Accumulators acc;
+  if (consumer == 1 && blockIdx.x < total) hopper::mbar_wait(&lag, 0);
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
     // A tile with no rows still writes C (its carried value, or +0), so every output exists.
     const WgradTile tile = locate_wgrad(p, t);
@@ -184,6 +192,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (tail != 0 && kb == tile.blocks - 1) {
         // Rows past the segment: zero this consumer's A box and half of B's boxes, then meet
         // the other consumer so both see all of B zeroed before any wgmma reads it.
+        if (lag_due) {  // consumer 1 must be running to meet us at the barrier below
+          if (releases) hopper::mbar_arrive(&lag);
+          lag_due = false;
+        }
         zero_box_rows(ring.a(stage) + consumer * kBox, tail, t128, 128);
         for (int j = 2 * consumer; j < 2 * consumer + 2; ++j) {
           zero_box_rows(ring.b(stage) + j * kBox, tail, t128, 128);
@@ -202,6 +214,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       hopper::wgmma_commit();
       hopper::wgmma_wait<1>();
       if (previous >= 0 && releases) hopper::mbar_arrive(&empty[previous]);
+      if (lag_due && ++lag_blocks == kLagBlocks) {
+        if (releases) hopper::mbar_arrive(&lag);
+        lag_due = false;
+      }
       previous = stage;
       if (++stage == kStages) {
         stage = 0;
@@ -211,6 +227,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     hopper::wgmma_wait<0>();
     hopper::fence_regs(acc.d);
     if (previous >= 0 && releases) hopper::mbar_arrive(&empty[previous]);
+    if (lag_due) {  // a first tile of fewer than kLagBlocks blocks (or none)
+      if (releases) hopper::mbar_arrive(&lag);
+      lag_due = false;
+    }
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = frag_row(t128, 2 * half);

@@ -1,6 +1,7 @@
 // The expert entry points' host side: argument checks and the device dispatch.
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -134,6 +135,18 @@ void check_offsets(std::string_view fn, std::uintptr_t offsets, const ExpertShap
   }
 }
 
+// Zeroes rows [0, offsets[0]) and [offsets[El], M) of a row-major array of `row_bytes` per row
+// (checked offsets: those are the rows outside every segment); a null array is skipped.
+void zero_outside_cpu(std::uintptr_t out, std::int64_t row_bytes, std::uintptr_t offsets,
+                      const ExpertShape& s) {
+  if (out == 0 || row_bytes == 0) return;
+  const auto* off = reinterpret_cast<const std::int64_t*>(offsets);
+  auto* p = reinterpret_cast<unsigned char*>(out);
+  std::memset(p, 0, static_cast<std::size_t>(off[0] * row_bytes));
+  const std::int64_t hi = off[s.num_experts];
+  std::memset(p + hi * row_bytes, 0, static_cast<std::size_t>((s.num_rows - hi) * row_bytes));
+}
+
 [[noreturn]] void no_cuda_kernels(std::string_view fn) {
   throw std::runtime_error(std::string(fn) +
                            ": no CUDA implementation: these entry points compute the reference "
@@ -222,6 +235,11 @@ void grouped_forward(std::string_view device, const GroupedForwardArgs& a, std::
     return;
   }
   check_offsets(fn, a.offsets, s);
+  if (a.zero_outside) {
+    for (const std::uintptr_t out : {a.out_a, a.out_b, a.out_h})
+      zero_outside_cpu(out, 2 * s.inner, a.offsets, s);
+    zero_outside_cpu(a.out_y, 2 * s.hidden, a.offsets, s);
+  }
   if (gemm || rows) grouped_forward_cpu(a);
 }
 
@@ -271,6 +289,10 @@ void grouped_backward(std::string_view device, const GroupedBackwardArgs& a,
     return;
   }
   check_offsets(fn, a.offsets, s);
+  if (a.zero_outside) {
+    zero_outside_cpu(a.out_dx, 2 * s.hidden, a.offsets, s);
+    zero_outside_cpu(a.out_d_w, 4, a.offsets, s);
+  }
   if (gemm || rows) grouped_backward_cpu(a);
 }
 

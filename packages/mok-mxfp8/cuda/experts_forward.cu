@@ -79,54 +79,56 @@ struct StoreBf16 {
   }
 };
 
-// h = swiglu_h(a, b) and its MXFP8 rows along I (hq_bytes apart), for the rows [offsets[0],
-// offsets[El]) (clamped to [0, M]): a thread per 32-element block, 16-byte loads and stores.
+// h = swiglu_h(a, b) and its MXFP8 rows along I (hq_bytes apart), for the rows of the segments
+// (tiles::for_each_row_range): a thread per 32-element block, 16-byte loads and stores.
 __global__ void swiglu_hq_kernel(const std::uint16_t* a, const std::uint16_t* b, std::uint16_t* h,
                                  std::uint8_t* hq, std::int64_t hq_bytes,
                                  const std::int64_t* offsets, int num_experts,
                                  std::int64_t num_rows, int inner, core::SwigluLimit limit) {
-  const auto clamp = [&](std::int64_t r) { return r < 0 ? 0 : (r > num_rows ? num_rows : r); };
-  const std::int64_t lo = clamp(offsets[0]);
-  const std::int64_t hi = clamp(offsets[num_experts]);
-  if (hi <= lo) return;
-  const std::int64_t per_row = inner / kBlock;
-  const std::int64_t blocks = (hi - lo) * per_row;
+  __shared__ int sorted;
   const core::TableSigmoid sig;  // sigmoid_table.cuh: the reference's bits, looked up
-  for (std::int64_t v = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
-       v < blocks; v += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    const std::int64_t row = lo + v / per_row, j = v % per_row;
-    const std::int64_t at = row * inner + j * kBlock;
-    std::uint32_t hw[kBlock / 2];  // the block's h, two bf16 per word
+  const std::int64_t per_row = inner / kBlock;
+  tiles::for_each_row_range(
+      offsets, num_experts, num_rows, &sorted, [&](std::int64_t lo, std::int64_t hi) {
+        const std::int64_t blocks = (hi - lo) * per_row;
+        for (std::int64_t v = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+             v < blocks; v += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+          const std::int64_t row = lo + v / per_row, j = v % per_row;
+          const std::int64_t at = row * inner + j * kBlock;
+          std::uint32_t hw[kBlock / 2];  // the block's h, two bf16 per word
 #pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      const uint4 av = reinterpret_cast<const uint4*>(a + at)[w];
-      const uint4 bv = reinterpret_cast<const uint4*>(b + at)[w];
-      const std::uint32_t aw[4] = {av.x, av.y, av.z, av.w};
-      const std::uint32_t bw[4] = {bv.x, bv.y, bv.z, bv.w};
+          for (int w = 0; w < 4; ++w) {
+            const uint4 av = reinterpret_cast<const uint4*>(a + at)[w];
+            const uint4 bv = reinterpret_cast<const uint4*>(b + at)[w];
+            const std::uint32_t aw[4] = {av.x, av.y, av.z, av.w};
+            const std::uint32_t bw[4] = {bv.x, bv.y, bv.z, bv.w};
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const auto lo16 = [](std::uint32_t x) { return static_cast<std::uint16_t>(x & 0xFFFFu); };
-        const auto hi16 = [](std::uint32_t x) { return static_cast<std::uint16_t>(x >> 16); };
-        hw[4 * w + i] =
-            static_cast<std::uint32_t>(core::swiglu_h(lo16(aw[i]), lo16(bw[i]), limit, sig)) |
-            (static_cast<std::uint32_t>(core::swiglu_h(hi16(aw[i]), hi16(bw[i]), limit, sig))
-             << 16);
-      }
-      reinterpret_cast<uint4*>(h + at)[w] =
-          make_uint4(hw[4 * w], hw[4 * w + 1], hw[4 * w + 2], hw[4 * w + 3]);
-    }
-    std::uint32_t q[kBlock / 4] = {};  // the block's E4M3 bytes, four per word
-    const std::uint8_t scale = quantize_block(
-        kBlock, ScaleRule::kRceil,
-        [&](int i) { return (i % 2 == 0 ? hw[i / 2] << 16 : hw[i / 2] & 0xFFFF0000u); },
-        [&](int i, std::uint8_t byte) {
-          q[i / 4] |= static_cast<std::uint32_t>(byte) << (8 * (i % 4));
-        });
-    std::uint8_t* out = hq + row * hq_bytes;
-    reinterpret_cast<uint4*>(out + j * kBlock)[0] = make_uint4(q[0], q[1], q[2], q[3]);
-    reinterpret_cast<uint4*>(out + j * kBlock)[1] = make_uint4(q[4], q[5], q[6], q[7]);
-    out[inner + j] = scale;
-  }
+            for (int i = 0; i < 4; ++i) {
+              const auto lo16 = [](std::uint32_t x) {
+                return static_cast<std::uint16_t>(x & 0xFFFFu);
+              };
+              const auto hi16 = [](std::uint32_t x) { return static_cast<std::uint16_t>(x >> 16); };
+              hw[4 * w + i] =
+                  static_cast<std::uint32_t>(core::swiglu_h(lo16(aw[i]), lo16(bw[i]), limit, sig)) |
+                  (static_cast<std::uint32_t>(core::swiglu_h(hi16(aw[i]), hi16(bw[i]), limit, sig))
+                   << 16);
+            }
+            reinterpret_cast<uint4*>(h + at)[w] =
+                make_uint4(hw[4 * w], hw[4 * w + 1], hw[4 * w + 2], hw[4 * w + 3]);
+          }
+          std::uint32_t q[kBlock / 4] = {};  // the block's E4M3 bytes, four per word
+          const std::uint8_t scale = quantize_block(
+              kBlock, ScaleRule::kRceil,
+              [&](int i) { return (i % 2 == 0 ? hw[i / 2] << 16 : hw[i / 2] & 0xFFFF0000u); },
+              [&](int i, std::uint8_t byte) {
+                q[i / 4] |= static_cast<std::uint32_t>(byte) << (8 * (i % 4));
+              });
+          std::uint8_t* out = hq + row * hq_bytes;
+          reinterpret_cast<uint4*>(out + j * kBlock)[0] = make_uint4(q[0], q[1], q[2], q[3]);
+          reinterpret_cast<uint4*>(out + j * kBlock)[1] = make_uint4(q[4], q[5], q[6], q[7]);
+          out[inner + j] = scale;
+        }
+      });
 }
 
 // Launches one FP8 grouped GEMM on `stream` with at most `num_sms` CTAs.

@@ -118,6 +118,7 @@ struct GroupedForwardArgs {
   SwigluLimit limit;
   std::int64_t num_sms = 0;      // CUDA: most CTAs per GEMM (0: every SM of the device)
   std::int64_t num_threads = 1;  // CPU threads
+  bool zero_outside = false;     // also zero the outputs' rows outside every segment
 };
 
 // grouped_backward: the backward over experts' segments (the layout of grouped_forward).
@@ -170,6 +171,7 @@ struct GroupedBackwardArgs {
   SwigluLimit limit;
   std::int64_t num_sms = 0;      // CUDA: most CTAs per kernel (0: every SM)
   std::int64_t num_threads = 1;  // CPU threads
+  bool zero_outside = false;     // also zero out_dx's and out_d_w's rows outside every segment
 };
 
 // Largest El of grouped_forward on "cuda" (the tile list lives in shared memory).

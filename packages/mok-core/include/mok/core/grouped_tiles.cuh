@@ -108,6 +108,31 @@ __device__ inline Tile locate(const Problem& p, const TileList& list, int t, int
           (in_band / rows) * block_n};
 }
 
+// The row ranges an elementwise kernel over the segments walks, as the tile walk reads the
+// segments: fn(lo, hi) once with [offsets[0], offsets[El]) (clamped) when the offsets are
+// non-decreasing (their segments are then that range, in order), else once per non-empty segment
+// (a row in two overlapping segments is then visited twice: the kernels compute it alike).
+// Every thread of the block must call it (a block-wide check of the order, through `sorted`).
+template <class Fn>
+__device__ inline void for_each_row_range(const std::int64_t* offsets, int num_experts,
+                                          std::int64_t num_rows, int* sorted, const Fn& fn) {
+  const auto clamp = [&](std::int64_t r) { return r < 0 ? 0 : (r > num_rows ? num_rows : r); };
+  if (threadIdx.x == 0) *sorted = 1;
+  __syncthreads();
+  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
+    if (clamp(offsets[e + 1]) < clamp(offsets[e])) *sorted = 0;
+  }
+  __syncthreads();
+  if (*sorted) {
+    fn(clamp(offsets[0]), clamp(offsets[num_experts]));
+    return;
+  }
+  for (int e = 0; e < num_experts; ++e) {
+    const std::int64_t lo = clamp(offsets[e]), hi = clamp(offsets[e + 1]);
+    if (hi > lo) fn(lo, hi);
+  }
+}
+
 // Where the fragment element (j, q) of thread `t` of a consumer warpgroup sits in the tile.
 __device__ inline int frag_row(int t, int q) { return 16 * (t / 32) + (t % 32) / 4 + 8 * (q / 2); }
 __device__ inline int frag_col(int t, int j, int q) { return 8 * j + 2 * (t % 4) + (q % 2); }

@@ -65,7 +65,8 @@ def grouped_forward(
     """The SwiGLU experts on rows [offsets[e], offsets[e+1]) of x for each local expert e.
 
     offsets: int64 [El + 1], non-decreasing within [0, M] (on CUDA they stay on the device and
-    are clamped there; on the CPU a bad one raises ValueError). Rows outside every segment are
+    are clamped there, an end below its start making that segment empty; on the CPU a bad one
+    raises ValueError). Rows outside every segment are
     left as `out` has them (zeros in fresh outputs). w_down None: a, b and h only;
     with_h=False as well: a and b only (h is None).
     """
@@ -76,12 +77,13 @@ def grouped_forward(
         raise ValueError("with_h=False needs w_down=None: the down projection reads h")
     if not isinstance(num_sms, int) or num_sms < 0:
         raise ValueError(f"num_sms must be an int >= 0 (0: every SM), got {num_sms!r}")
+    fresh = out is None  # fresh outputs: their rows outside the segments zeroed by the call
     if out is None:
         out = GroupedForward(
-            torch.zeros(M, I, dtype=BF16, device=dev),
-            torch.zeros(M, I, dtype=BF16, device=dev),
-            torch.zeros(M, I, dtype=BF16, device=dev) if with_h else None,
-            None if w_down_EHI is None else torch.zeros(M, H, dtype=BF16, device=dev),
+            torch.empty(M, I, dtype=BF16, device=dev),
+            torch.empty(M, I, dtype=BF16, device=dev),
+            torch.empty(M, I, dtype=BF16, device=dev) if with_h else None,
+            None if w_down_EHI is None else torch.empty(M, H, dtype=BF16, device=dev),
         )
     rows_I = [("M", M), ("I", I)]
     check_tensor("out.a", out.a, dtypes=(BF16,), shape=rows_I, device=dev)
@@ -115,6 +117,7 @@ def grouped_forward(
             num_sms=num_sms,
             num_threads=torch.get_num_threads() if dev.type == "cpu" else 1,
             stream=torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0,
+            zero_outside=fresh,
         )
     return out
 
@@ -190,9 +193,10 @@ def grouped_backward(
             check_tensor(f"{group}.{name}", t, dtypes=(dtype,), shape=shape, device=dev)
     if not isinstance(num_sms, int) or num_sms < 0:
         raise ValueError(f"num_sms must be an int >= 0 (0: every SM), got {num_sms!r}")
+    fresh = out is None  # fresh outputs: their rows outside the segments zeroed by the call
     if out is None:
         out = GroupedBackward(
-            torch.zeros(M, H, dtype=BF16, device=dev), torch.zeros(M, dtype=torch.float32, device=dev)
+            torch.empty(M, H, dtype=BF16, device=dev), torch.empty(M, dtype=torch.float32, device=dev)
         )
     check_tensor("out.dx", out.dx, dtypes=(BF16,), shape=[("M", M), ("H", H)], device=dev)
     check_tensor("out.d_w", out.d_w, dtypes=(torch.float32,), shape=[("M", M)], device=dev)
@@ -250,5 +254,6 @@ def grouped_backward(
             num_sms=num_sms,
             num_threads=torch.get_num_threads() if not cuda else 1,
             stream=torch.cuda.current_stream(dev).cuda_stream if cuda else 0,
+            zero_outside=fresh,
         )
     return out
