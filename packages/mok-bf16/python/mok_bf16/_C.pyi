@@ -40,6 +40,7 @@ def grouped_forward(
     num_sms: int = 0,
     num_threads: int = 1,
     stream: int = 0,
+    zero_outside: bool = False,
 ) -> None: ...
 def grouped_backward(
     device: str,
@@ -73,6 +74,7 @@ def grouped_backward(
     num_sms: int = 0,
     num_threads: int = 1,
     stream: int = 0,
+    zero_outside: bool = False,
 ) -> None: ...
 def swiglu_backward(
     device: str,
