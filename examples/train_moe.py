@@ -10,7 +10,8 @@ experts (one per EP group). With mok, a run that stops and resumes from a checkp
 continues with bitwise the same losses and weights as a run that never stopped.
 
 The data is synthetic (an order-2 Markov chain, drawn per step and rank from seeded
-generators), so the example needs no download.
+generators), so the example needs no download. Each rank takes its own GPU; with fewer GPUs than
+ranks on a machine, every rank runs on the CPU (gloo).
 """
 
 from __future__ import annotations
@@ -132,7 +133,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
-    use_cuda = torch.cuda.is_available()
+    # One GPU per local rank, or every rank on the CPU (a machine with fewer GPUs than local
+    # ranks runs on the CPU rather than failing; every rank sees the same counts).
+    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     else:
