@@ -385,6 +385,27 @@ def test_auto_picks_the_native_backend_for_mxfp8_too():
     assert mok.resolve_backend(mok.MoKConfig(precision="mxfp8"), torch.device("cpu")).name == "cpu"
 
 
+def _count_calls(monkeypatch, module, name: str) -> dict[str, int]:
+    """Replaces module.name by a wrapper that counts its calls; returns the counter."""
+    calls = {"n": 0}
+    real = getattr(module, name)
+
+    def counted(*a, **k):
+        calls["n"] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def _assert_within(ref: dict, got: dict, keys: tuple[str, ...], tol: float = 1e-2) -> None:
+    """Every tensor of `keys` within a relative L2 error `tol` of the reference backend's."""
+    for key in keys:
+        want, have = ref[key].double(), got[key].double()
+        rel = ((have - want).norm() / want.norm().clamp_min(1e-30)).item()
+        assert rel <= tol, f"{key}: relative L2 error {rel:.2e} against the reference backend"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")
 @pytest.mark.parametrize("routing", ["balanced", "skewed"])
 def test_cuda_backend_runs_the_fp8_gemms(routing, monkeypatch):
@@ -396,14 +417,7 @@ def test_cuda_backend_runs_the_fp8_gemms(routing, monkeypatch):
     H, I = 128, 64
     if not native.gpu_mxfp8_forward_kernels(mok.MoKConfig(precision="mxfp8"), torch.device("cuda"), H, I, 1):
         pytest.skip("mok-mxfp8's FP8 grouped forward needs an sm_90 GPU and a CUDA build of mok-mxfp8")
-    calls = {"n": 0}
-    real = native.mxfp8_grouped_forward
-
-    def counted(*a, **k):
-        calls["n"] += 1
-        return real(*a, **k)
-
-    monkeypatch.setattr(native, "mxfp8_grouped_forward", counted)
+    calls = _count_calls(monkeypatch, native, "mxfp8_grouped_forward")
     inp = make_inputs(96, H, I, 8, 2, 0, routing, seed=13)
     ref = run_functional(inp, mok.MoKConfig(precision="mxfp8", backend="reference", expert_alignment=32), device="cpu")
     first = None
@@ -415,10 +429,7 @@ def test_cuda_backend_runs_the_fp8_gemms(routing, monkeypatch):
             assert_bitwise(first, got, CONTRACT_KEYS, what=f"cuda backend MXFP8 {kw}: ")
     assert calls["n"], "the FP8 GEMMs did not run"
     assert first is not None
-    for key in CONTRACT_KEYS:
-        want, have = ref[key].double(), first[key].double()
-        rel = ((have - want).norm() / want.norm().clamp_min(1e-30)).item()
-        assert rel <= 1e-2, f"{key}: relative L2 error {rel:.2e} against the reference backend"
+    _assert_within(ref, first, CONTRACT_KEYS)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")
@@ -431,14 +442,7 @@ def test_cuda_backend_runs_the_shared_expert_on_the_bf16_kernels(monkeypatch):
     H, I, Is = 128, 64, 64
     if not native.gpu_shared_kernels(torch.device("cuda"), H, Is):
         pytest.skip("mok-bf16's grouped GEMMs need an sm_90 GPU and a CUDA build of mok-bf16")
-    calls = {"n": 0}
-    real = native.grouped_forward
-
-    def counted(*a, **k):
-        calls["n"] += 1
-        return real(*a, **k)
-
-    monkeypatch.setattr(native, "grouped_forward", counted)
+    calls = _count_calls(monkeypatch, native, "grouped_forward")
     inp = make_inputs(96, H, I, 8, 2, Is, "skewed", seed=14)
     mx = run_functional(inp, mok.MoKConfig(precision="mxfp8", backend="cuda", expert_alignment=64), device="cuda")
     assert calls["n"], "the shared expert did not run on mok-bf16's kernels"
@@ -446,7 +450,4 @@ def test_cuda_backend_runs_the_shared_expert_on_the_bf16_kernels(monkeypatch):
     for key in ("dWg_s", "dWu_s", "dWd_s"):
         assert torch.equal(mx[key], bf[key]), f"{key}: the shared expert differs from the BF16 layer's"
     ref = run_functional(inp, mok.MoKConfig(precision="mxfp8", backend="reference", expert_alignment=64), device="cpu")
-    for key in CONTRACT_KEYS + ("dWg_s", "dWu_s", "dWd_s"):
-        want, have = ref[key].double(), mx[key].double().cpu()
-        rel = ((have - want).norm() / want.norm().clamp_min(1e-30)).item()
-        assert rel <= 1e-2, f"{key}: relative L2 error {rel:.2e} against the reference backend"
+    _assert_within(ref, mx, CONTRACT_KEYS + ("dWg_s", "dWu_s", "dWd_s"))
