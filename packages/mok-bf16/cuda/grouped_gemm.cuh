@@ -155,6 +155,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                         const __grid_constant__ CUtensorMap map_b0,
                         const __grid_constant__ CUtensorMap map_b1, Problem p, Epilogue epilogue) {
   using R = Ring<kStages>;
+  static_assert(kStages > kLagBlocks, "consumer 0 must get kLagBlocks stages before any release");
   constexpr bool kPaired = kB == BLoad::kPaired;
   constexpr int kBlockN = kPaired ? kMmaN / 2 : kMmaN;  // output columns per weight and tile
   extern __shared__ unsigned char smem_raw[];

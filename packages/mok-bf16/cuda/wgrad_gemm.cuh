@@ -95,6 +95,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     wgrad_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                       const __grid_constant__ CUtensorMap map_b, WgradProblem p) {
   using R = Ring<kStages>;
+  static_assert(kStages > kLagBlocks, "consumer 0 must get kLagBlocks stages before any release");
   constexpr int kBox = kBlockK * 128;  // bytes of a 64 x 64 box
   extern __shared__ unsigned char smem_raw[];
   __shared__ alignas(8) std::uint64_t full[kStages];

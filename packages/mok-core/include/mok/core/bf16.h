@@ -7,6 +7,9 @@
 // keeps an operand's payload, and which operand depends on the compiler's operand order; CUDA
 // returns its canonical NaN), so keeping them would make the bits device-dependent. (torch
 // itself disagrees on NaN: its vectorized CPU code gives 0xFFFF, CUDA's cvt.rn.bf16.f32 0x7FFF.)
+// One exception by design: mok-bf16's GEMM epilogues (grouped_gemm.cuh's pack_bf16) round with
+// that hardware conversion, one instruction a pair: the same bits for every number, 0x7FFF for
+// a NaN (docs/determinism.md "The GPU GEMMs").
 #pragma once
 
 #include <cstdint>
