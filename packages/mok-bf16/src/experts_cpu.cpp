@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "mok/bf16/experts.h"
+#include "mok/core/sigmoid_lookup.h"
 #include "mok/core/threads.h"
 
 namespace mok::bf16 {
@@ -28,6 +29,10 @@ constexpr std::int64_t kWgradRows = 8;  // accumulator rows per weight-gradient 
 
 using mok::core::parallel_items;
 using mok::core::parallel_ranges;
+
+// The sigmoid from the host table (sigmoid_lookup.h): the reference's bits, without its float64
+// exp and division per element.
+constexpr mok::core::HostTableSigmoid kSig{};
 
 // ------------------------------------------------------------------ GEMM pieces
 
@@ -152,9 +157,9 @@ void swiglu_forward_cpu(const SwigluForwardArgs& args) {
       for (std::int64_t i = 0; i < I; ++i) {
         for (std::int64_t r = 0; r < kTileRows; ++r) {
           h_t[i * kTileRows + r] =
-              r < n
-                  ? bf16_to_float(swiglu_h(out_a[(m0 + r) * I + i], out_b[(m0 + r) * I + i], limit))
-                  : 0.0f;
+              r < n ? bf16_to_float(
+                          swiglu_h(out_a[(m0 + r) * I + i], out_b[(m0 + r) * I + i], limit, kSig))
+                    : 0.0f;
         }
       }
       tile_times_weight_t(h_t.data(), w_down + e * H * I, I, H, y.data());
@@ -208,7 +213,7 @@ void swiglu_backward_cpu(const SwigluBackwardArgs& args) {
       row_times_weight(dy_m.data(), w_down + e * H * I, H, I, g.data());
       float d_w = 0.0f;
       for (std::int64_t i = 0; i < I; ++i) {
-        const SwigluGrad grad = swiglu_backward(g[i], w, a[m * I + i], b[m * I + i], limit);
+        const SwigluGrad grad = swiglu_backward(g[i], w, a[m * I + i], b[m * I + i], limit, kSig);
         d_w = mac_rn(d_w, g[i], grad.h);
         h[m * I + i] = float_to_bf16(grad.h);
         d_ab[m * 2 * I + i] = grad.d_a;
@@ -287,7 +292,8 @@ void grouped_forward_cpu(const GroupedForwardArgs& args) {
     const auto* a = reinterpret_cast<const u16*>(f.out_a);
     const auto* b = reinterpret_cast<const u16*>(f.out_b);
     auto* h = reinterpret_cast<u16*>(args.out_h) + lo * I;
-    for (std::int64_t i = 0; i < n * I; ++i) h[i] = mok::core::swiglu_h(a[i], b[i], args.limit);
+    for (std::int64_t i = 0; i < n * I; ++i)
+      h[i] = mok::core::swiglu_h(a[i], b[i], args.limit, kSig);
   }
 }
 

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "mok/core/sigmoid_lookup.h"
 #include "mok/core/threads.h"
 #include "mok/mxfp8/experts.h"
 
@@ -25,6 +26,10 @@ using core::parallel_items;
 using core::parallel_ranges;
 using u8 = std::uint8_t;
 using u16 = std::uint16_t;
+
+// The sigmoid from the host table (sigmoid_lookup.h): the reference's bits, without its float64
+// exp and division per element.
+constexpr core::HostTableSigmoid kSig{};
 
 constexpr std::int64_t kWgradRows = 8;  // accumulator rows per weight-gradient work item
 
@@ -177,7 +182,7 @@ void forward_rows(const MxForwardArgs& args, std::int64_t row_bytes, const HOutp
             blocked_dot(xv.data(), H, [&](std::int64_t k) { return up.along_c(e, i, k); }));
         out_a[m * I + i] = a;
         out_b[m * I + i] = b;
-        const u16 hb = core::swiglu_h(a, b, args.limit);
+        const u16 hb = core::swiglu_h(a, b, args.limit, kSig);
         if (extra.h != nullptr) extra.h[m * I + i] = hb;
         h[i] = bf16_to_float(hb);
       }
@@ -287,7 +292,7 @@ void swiglu_backward_cpu(const MxBackwardArgs& args) {
       float d_w = 0.0f;
       for (std::int64_t i = 0; i < I; ++i) {
         const core::SwigluGrad grad =
-            core::swiglu_backward(g[i], w, a[m * I + i], b[m * I + i], args.limit);
+            core::swiglu_backward(g[i], w, a[m * I + i], b[m * I + i], args.limit, kSig);
         d_w = mac_rn(d_w, g[i], grad.h);
         h[m * I + i] = grad.h;
         d_ab[m * 2 * I + i] = bf16_to_float(grad.d_a);
