@@ -469,3 +469,38 @@ def test_helpers_check_their_arguments():
         mok_bf16.exp_f64(0, 0, -1)
     with pytest.raises(ValueError, match="sigmoid: a must not be 0"):
         mok_bf16.sigmoid(0, 0, 3)
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none"),
+        ),
+    ],
+)
+@pytest.mark.parametrize("limit", LIMITS, ids=["no-limit", "limit"])
+def test_every_finite_gate_value_gives_the_reference_h(limit, device):
+    """The CPU loops and the GPU's h kernel take the sigmoid from a table of all bf16 arguments
+    (sigmoid_lookup.h, sigmoid_table.cuh): h for every finite bf16 pre-activation a is bitwise the
+    reference's. Expert e's rows are one-hot
+    (row r has x[r, r % 64] = 1), so a[r, i] = Wg[e, i, r % 64] exactly; 16 experts of 64 x 64
+    weights hold all 65,536 bf16 patterns (non-finite ones replaced: 0 * inf would spread)."""
+    from mok_torch.backends.native.grouped import grouped_forward
+
+    El, H, I = 16, 64, 64
+    patterns = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(BF16)
+    patterns = torch.where(torch.isfinite(patterns.float()), patterns, torch.zeros_like(patterns))
+    wg = patterns.reshape(El, H, I).transpose(1, 2).contiguous()  # wg[e, i, c]: pattern (e, c, i)
+    wu = torch.ones(El, I, H, dtype=BF16)
+    x = torch.eye(H, dtype=BF16).repeat(El, 1)  # row r: one-hot at r % 64
+    offsets = torch.arange(El + 1, dtype=torch.int64) * H
+    dev = torch.device(device)
+    out = grouped_forward(x.to(dev), offsets.to(dev), wg.to(dev), wu.to(dev), None, limit)
+    out = type(out)(*(None if t is None else t.cpu() for t in out))
+    assert out.h is not None
+    seen = torch.unique(out.a.view(torch.int16)).numel()
+    assert seen >= (1 << 16) - 2 * 256, f"only {seen} distinct pre-activations reached the SwiGLU"
+    assert_bits({"h": swiglu(out.a, out.b, limit)}, {"h": out.h})
