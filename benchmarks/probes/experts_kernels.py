@@ -1,6 +1,9 @@
 """A probe of mok-bf16's grouped forward and backward: each CUDA kernel's time at one shape.
 
-    python benchmarks/probes/experts_kernels.py [H I El ROWS] ...   (default: kimi's slice)
+    python benchmarks/probes/experts_kernels.py [H I El ROWS | H I S1,S2,..] ...   (default: kimi's slice)
+
+H I El ROWS: El equal segments of ROWS / El rows rounded up to 128; H I S1,S2,..: segments of
+exactly those sizes (e.g. the ones `mok bench-experts` draws).
 
 Runs grouped_forward and grouped_backward (one macrobatch, bf16 weight gradients from +0, as
 `mok bench-experts` does) a few times under torch.profiler and prints, per kernel, its mean
@@ -35,11 +38,9 @@ def short(name: str) -> str:
     return name[:60]
 
 
-def probe(H: int, I: int, El: int, rows: int) -> None:
+def probe(H: int, I: int, sizes: list[int]) -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
-    size = -(-rows // El // 128) * 128
-    sizes = [size] * El
-    M = sum(sizes)
+    El, M = len(sizes), sum(sizes)
     x = torch.randn(M, H, device="cuda", generator=g).to(BF16)
     wg, wu = ((torch.randn(El, I, H, device="cuda", generator=g) / H**0.5).to(BF16) for _ in range(2))
     wd = (torch.randn(El, H, I, device="cuda", generator=g) / I**0.5).to(BF16)
@@ -79,7 +80,7 @@ def probe(H: int, I: int, El: int, rows: int) -> None:
     busy = timed(5)
     total = sum(per.values())
     fl = 2 * M * H * I
-    print(f"\nH={H} I={I} El={El} rows={M}: {total:.3f} ms of kernels per forward + backward "
+    print(f"\nH={H} I={I} El={El} rows={M} sizes={sizes[:8]}: {total:.3f} ms of kernels per forward + backward "
           f"({18 * fl / 2 / total / 1e9:.0f} TFLOP/s)")  # fmt: skip
     print(f"  events: {idle:.3f} ms per call from an idle GPU, {busy:.3f} ms per call back to back")
     for name, ms in sorted(per.items(), key=lambda kv: -kv[1]):
@@ -87,9 +88,15 @@ def probe(H: int, I: int, El: int, rows: int) -> None:
 
 
 def main(argv: list[str]) -> None:
-    nums = [int(a) for a in argv] or [7168, 2048, 6, 16416]
-    for i in range(0, len(nums), 4):
-        probe(*nums[i : i + 4])
+    args = argv or ["7168", "2048", "6", "16416"]
+    while args:
+        H, I = int(args[0]), int(args[1])
+        if "," in args[2]:
+            sizes, args = [int(s) for s in args[2].split(",")], args[3:]
+        else:
+            El, rows, args = int(args[2]), int(args[3]), args[4:]
+            sizes = [-(-rows // El // 128) * 128] * El
+        probe(H, I, sizes)
 
 
 if __name__ == "__main__":
