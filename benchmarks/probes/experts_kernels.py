@@ -14,6 +14,7 @@ part of any package; NOTES.md records what it showed.
 from __future__ import annotations
 
 import sys
+import time
 from collections import defaultdict
 
 import torch
@@ -48,9 +49,14 @@ def probe(H: int, I: int, sizes: list[int]) -> None:
     offsets = torch.tensor([0] + sizes, device="cuda").cumsum(0)
     wgrads = (torch.empty_like(wg), torch.empty_like(wu), torch.empty_like(wd))
 
+    host: list[tuple[float, float]] = []  # host seconds per forward and backward call
+
     def step() -> None:
+        t0 = time.perf_counter()
         f = grouped_forward(x, offsets, wg, wu, wd)
+        t1 = time.perf_counter()
         grouped_backward(x, offsets, f.a, f.b, dy, None, wg, wu, wd, None, carry_in=False, wgrad_out=wgrads)
+        host.append((t1 - t0, time.perf_counter() - t1))
 
     for _ in range(2):
         step()
@@ -83,6 +89,9 @@ def probe(H: int, I: int, sizes: list[int]) -> None:
     print(f"\nH={H} I={I} El={El} rows={M} sizes={sizes[:8]}: {total:.3f} ms of kernels per forward + backward "
           f"({18 * fl / 2 / total / 1e9:.0f} TFLOP/s)")  # fmt: skip
     print(f"  events: {idle:.3f} ms per call from an idle GPU, {busy:.3f} ms per call back to back")
+    fwd_host = sorted(h[0] for h in host)[len(host) // 2] * 1e3
+    bwd_host = sorted(h[1] for h in host)[len(host) // 2] * 1e3
+    print(f"  host: {fwd_host:.3f} ms per forward call, {bwd_host:.3f} ms per backward call (median)")
     for name, ms in sorted(per.items(), key=lambda kv: -kv[1]):
         print(f"  {ms:8.3f} ms {100 * ms / total:5.1f} %  {name}")
 
