@@ -44,7 +44,7 @@ SHAPES = [
     pytest.param(12, 16, 0, 2, "random", 0.0, id="I0"),
     pytest.param(12, 0, 8, 2, "random", 0.0, id="H0"),
 ]
-LIMITS = [None, 0.5]
+LIMITS = [None, 0.7]  # 0.7: not a bf16 value (the clamp returns the fp32 limit itself)
 
 
 @dataclass

@@ -235,10 +235,25 @@ def element_math(g: torch.Tensor, a: torch.Tensor, b: torch.Tensor, w: torch.Ten
     return h, torch.cat([d_a, d_b], dim=-1).to(BF16)
 
 
+def d_w_in_lane_order(g: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """d_w = <g, h> in the CUDA SwiGLU kernel's order (experts_backward.cu, docs/determinism.md),
+    fp32 op by op: lane l sums fl(g_i h_i) over its 8-element pieces l, l + 32, ... ascending
+    from +0, then the 32 lane sums are added by a butterfly (xor 16, 8, 4, 2, 1)."""
+    rows, I = g.shape
+    prod = g * h.float()  # each product rounded to fp32
+    lanes = torch.zeros(rows, 32)
+    for piece in range(I // 8):
+        for i in range(8 * piece, 8 * piece + 8):
+            lanes[:, piece % 32] = lanes[:, piece % 32] + prod[:, i]
+    for d in (16, 8, 4, 2, 1):
+        lanes = lanes + lanes[:, torch.arange(32) ^ d]
+    return lanes[:, 0]
+
+
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("lengths, H, I", GROUPED_CASES)
-@pytest.mark.parametrize("limit", [None, 0.75])
+@pytest.mark.parametrize("limit", [None, 0.75, 0.7])
 def test_cuda_against_float64(lengths, H, I, limit):
     d = make(lengths, H, I, seed=H + I)
     dc = to(d, "cuda")
@@ -257,6 +272,7 @@ def test_cuda_against_float64(lengths, H, I, limit):
     # The element math, bitwise the reference's on the kernel's g.
     h_ref, d_ab_ref = element_math(g[used], d["a"][used], d["b"][used], d["w"][used], limit)
     assert torch.equal(h[used], h_ref) and torch.equal(d_ab[used], d_ab_ref)
+    assert torch.equal(d_w[used], d_w_in_lane_order(g[used], h[used]))
     assert torch.equal(wdy[used], (d["w"][used, None] * d["dy"][used].float()).to(BF16))
     assert torch.equal(h[used], swiglu(d["a"][used], d["b"][used], limit))
     El = len(lengths)
@@ -343,6 +359,23 @@ def test_cuda_rows_split_at_64_carry_the_weight_gradients():
     run(d, acc_zero)
     for u, v in zip(acc_zero, acc_one, strict=True):
         assert torch.equal(u, v)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("lengths, H, I", GROUPED_CASES)
+def test_cuda_unweighted_rows_equal_weights_of_one(lengths, H, I):
+    """router_weights None: dWd reads dy itself (no bf16(w dy) pass, no scratch for it); every
+    output bitwise the call with weights of exactly 1 (NaN rows included)."""
+    d = to(make(lengths, H, I, seed=3, weighted=False), "cuda")
+    if d["x"].shape[0] > 2:  # a NaN with a payload bf16(1 * dy) would not keep (0x7FC0)
+        d["dy"].view(torch.int16)[1, 5] = 0x7F81
+    ones = dict(d, w=torch.ones(d["x"].shape[0], device="cuda"))
+    got, acc = run(d)
+    want, acc_want = run(ones)
+    for u, v in zip((*got, *acc), (*want, *acc_want), strict=True):
+        assert torch.equal(u.view(torch.int16 if u.dtype == BF16 else torch.int32),
+                           v.view(torch.int16 if v.dtype == BF16 else torch.int32))  # fmt: skip
 
 
 @pytest.mark.gpu

@@ -200,7 +200,8 @@ void register_experts(pybind11::module_& m) {
       "take each expert's rows in 64-row blocks from its segment start (calls split at multiples "
       "of 64 rows from the segment starts, the later ones with carry_in, give the bits of one "
       "call); scratch_g fp32 [M, I], scratch_h bf16 [M, I], scratch_d_ab bf16 [M, 2I], "
-      "scratch_wdy bf16 [M, H] are required and 16-byte aligned; H and I multiples of 64, El <= "
+      "scratch_wdy bf16 [M, H] (only with router_weights: dWd reads dy itself otherwise) are "
+      "required and 16-byte aligned; H and I multiples of 64, El <= "
       "1024. 'cpu': the reference arithmetic (swiglu_backward per segment), scratch unused "
       "(may be 0), offsets checked. Raises ValueError naming a bad argument.");
 }

@@ -1,7 +1,8 @@
 // The grouped SwiGLU backward on the GPU, over the experts' segments of consecutive rows:
 //
 //   g:       g = dy @ Wd_e                  (grouped GEMM, Wd N-major; fp32 out, unrounded)
-//   SwiGLU:  h, d_a, d_b, d_w = <g, h> and bf16(w dy) per row (an elementwise kernel: mok-core's
+//   SwiGLU:  h, d_a, d_b, d_w = <g, h> and bf16(w dy) per row (bf16(w dy) only for weighted rows;
+//            dy itself is dWd's operand otherwise) (an elementwise kernel: mok-core's
 //            element math, the reference's bit for bit given a, b, g and w; d_w summed in a
 //            fixed order that depends only on I)
 //   dx:      dx = [d_a, d_b] @ [Wg_e; Wu_e]  (grouped GEMM over K = 2I, gate part first)
@@ -38,7 +39,7 @@ struct SwigluBackwardRows {
   const std::uint16_t* dy;      // [M, H]
   std::uint16_t* h;             // [M, I]
   std::uint16_t* d_ab;          // [M, 2I]
-  std::uint16_t* wdy;           // [M, H]
+  std::uint16_t* wdy;           // [M, H] (weighted rows only)
   float* d_w;                   // [M]
   const std::int64_t* offsets;
   int num_experts;
@@ -61,7 +62,7 @@ __device__ inline void swiglu_backward_rows(const SwigluBackwardRows& r, std::in
   const int lane = threadIdx.x % 32;
   const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (blockDim.x / 32);
   const int I = r.inner, H = r.hidden;
-  const core::TableSigmoid sig;  // sigmoid_table.cuh: the reference's bits, looked up
+  const auto sig = core::TableSigmoid::of(r.limit);  // sigmoid_table.cuh: the reference's bits
   for (std::int64_t row =
            lo + (blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x) / 32;
        row < hi; row += warps) {
@@ -99,6 +100,7 @@ __device__ inline void swiglu_backward_rows(const SwigluBackwardRows& r, std::in
     for (int d = 16; d >= 1; d /= 2)
       part = core::add_rn(part, __shfl_xor_sync(0xFFFFFFFFu, part, d));
     if (lane == 0) r.d_w[row] = part;
+    if (r.router_weights == nullptr) continue;  // unweighted: dWd reads dy itself
     for (int i = 8 * lane; i < H; i += 8 * 32) {
       const std::int64_t at = row * H + i;
       const uint4 v = *reinterpret_cast<const uint4*>(r.dy + at);
@@ -124,8 +126,11 @@ __global__ void swiglu_backward_kernel(SwigluBackwardRows r) {
 void launch_wgrad(const CUtensorMap& map_a, const CUtensorMap& map_b, const gemm::WgradProblem& p,
                   bool carry_in, int num_sms, cudaStream_t stream) {
   using R = gemm::Ring<kernels::kStages>;
-  auto* kernel = carry_in ? gemm::wgrad_gemm_kernel<kernels::kStages, true>
-                          : gemm::wgrad_gemm_kernel<kernels::kStages, false>;
+  // bf16 outputs only (no fp32 accumulator, so nothing carried in): the deferred epilogue.
+  const bool f32 = p.part[0].f32 != nullptr || p.part[1].f32 != nullptr;
+  auto* kernel = carry_in ? gemm::wgrad_gemm_kernel<kernels::kStages, true, true>
+                 : f32    ? gemm::wgrad_gemm_kernel<kernels::kStages, false, true>
+                          : gemm::wgrad_gemm_kernel<kernels::kStages, false, false>;
   check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, R::kSharedBytes),
         "setting the shared memory size");
   const std::int64_t tiles = static_cast<std::int64_t>(p.num_experts) *
@@ -202,7 +207,10 @@ void grouped_backward_cuda(const GroupedBackwardArgs& args, std::uintptr_t strea
   gate_up.part[0] = {f32(args.acc_gate), bf16(args.out_gate)};
   gate_up.part[1] = {f32(args.acc_up), bf16(args.out_up)};
   launch_wgrad(map_dab_rows, map_x_rows, gate_up, args.carry_in, sms, stream);
-  const CUtensorMap map_wdy_rows = hopper::make_tensor_map(ptr(args.scratch_wdy), M, H, 64);
+  // bf16(w dy), or dy itself for unweighted rows (bf16(1 * dy) is dy: the same sums; a NaN's
+  // payload cannot reach the output, the epilogue writes every NaN as 0x7FFF).
+  const std::uintptr_t wdy = args.router_weights == 0 ? args.dy : args.scratch_wdy;
+  const CUtensorMap map_wdy_rows = hopper::make_tensor_map(ptr(wdy), M, H, 64);
   const CUtensorMap map_h_rows = hopper::make_tensor_map(ptr(args.scratch_h), M, I, 64);
   gemm::WgradProblem down{offsets, s.num_rows, Ei, Hi, Ii, Hi, {}};
   down.part[0] = {f32(args.acc_down), bf16(args.out_down)};

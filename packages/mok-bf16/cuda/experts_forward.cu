@@ -51,12 +51,13 @@ struct GateUpEpilogue {
 // h = swiglu_h(a, b) for the rows of the segments (tiles::for_each_row_range), 8 elements of
 // a row per thread, the sigmoid looked up (sigmoid_table.cuh: the same bits without float64
 // math). A kernel of its own, not the GEMM's epilogue: with the float64 sigmoid the element
-// math cost the gate+up GEMM a third of its time.
+// math cost the gate+up GEMM a third of its time, and with the table still 9 % (its unrolled
+// code in every deferred store piece; NOTES.md, session 8) where this kernel costs ~5 %.
 __global__ void swiglu_h_kernel(const std::uint16_t* a, const std::uint16_t* b, std::uint16_t* h,
                                 const std::int64_t* offsets, int num_experts, std::int64_t num_rows,
                                 int inner, core::SwigluLimit limit) {
   __shared__ int sorted;
-  const core::TableSigmoid sig;
+  const auto sig = core::TableSigmoid::of(limit);
   tiles::for_each_row_range(
       offsets, num_experts, num_rows, &sorted, [&](std::int64_t lo, std::int64_t hi) {
         const std::int64_t vectors = (hi - lo) * inner / 8;

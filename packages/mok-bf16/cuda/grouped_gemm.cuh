@@ -102,13 +102,15 @@ struct PackedBf16 {
 // Rounds to nearest even by the hardware conversion, one instruction per pair: the bits of
 // core::float_to_bf16 for every number; a NaN becomes the canonical 0x7FFF (float_to_bf16
 // gives 0x7FC0; either is a NaN, and each is the same on every run).
+__device__ inline std::uint32_t pack_bf16x2(float lo, float hi) {
+  std::uint32_t w;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(hi), "f"(lo));
+  return w;
+}
+
 __device__ inline void pack_bf16(const Accumulators& acc, PackedBf16& out) {
 #pragma unroll
-  for (int i = 0; i < kMmaN / 4; ++i) {
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;"
-        : "=r"(out.w[i])
-        : "f"(acc.d[2 * i + 1]), "f"(acc.d[2 * i]));
-  }
+  for (int i = 0; i < kMmaN / 4; ++i) out.w[i] = pack_bf16x2(acc.d[2 * i], acc.d[2 * i + 1]);
 }
 
 template <class E, class = void>

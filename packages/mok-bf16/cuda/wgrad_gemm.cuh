@@ -3,7 +3,9 @@
 // B are row-major bf16 activations ([rows, M] and [rows, N]: d_ab and x for d[Wg; Wu], w*dy
 // and h for dWd), both staged MN-major. C's rows [0, split) and [split, M) are two arrays
 // (dWg and dWu from one GEMM over [d_a, d_b]), each an fp32 accumulator carried across calls
-// and/or a bf16 output.
+// and/or a bf16 output. With bf16 outputs only (kF32 false: no accumulator, nothing carried) the
+// epilogue is deferred as the grouped GEMM's bf16 ones are: rounded into packed pairs after the
+// tile's last wgmma, stored in pieces while the next tile's first k-blocks run.
 //
 // Tiles: per expert, 128 x 256 blocks of C (two consumer warpgroups of 64 rows), the list
 // "expert, then column tile, then row tile"; a persistent CTA walks it as the grouped GEMM does
@@ -88,14 +90,37 @@ __device__ inline void zero_box_rows(unsigned char* box, int valid, int t, int t
   }
 }
 
-// kCarryIn: start from C's fp32 values (a template argument: a run-time choice there makes
-// ptxas serialise the wgmmas).
-template <int kStages, bool kCarryIn>
+// Stores piece kChunk (grouped_gemm.cuh's kDrainChunks pieces: n8 blocks [kChunk J, kChunk J +
+// J) of the 256 columns) of a tile's packed bf16 pairs, c16 at the consumer's first row of C.
+template <int kChunk>
+__device__ inline void store_wgrad_piece(const PackedBf16& packed, std::uint16_t* c16, int row0,
+                                         int col0, const WgradProblem& p, int t128) {
+  constexpr int kJ = kMmaN / 8 / kDrainChunks;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = frag_row(t128, 2 * half);
+    if (row0 + r >= p.m) continue;
+#pragma unroll
+    for (int jj = 0; jj < kJ; ++jj) {
+      const int j = kChunk * kJ + jj;
+      const int col = col0 + frag_col(t128, j, 0);
+      if (col < p.n)
+        *reinterpret_cast<std::uint32_t*>(c16 + r * p.n + col) = packed.w[2 * j + half];
+    }
+  }
+}
+
+// kCarryIn: start from C's fp32 values; kF32: some part has an fp32 accumulator (else every
+// part has a bf16 output, and the epilogue is deferred). Template arguments: a run-time choice
+// there makes ptxas serialise the wgmmas.
+template <int kStages, bool kCarryIn, bool kF32>
 __global__ void __launch_bounds__(kThreads, 1)
     wgrad_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                       const __grid_constant__ CUtensorMap map_b, WgradProblem p) {
   using R = Ring<kStages>;
   static_assert(kStages > kLagBlocks, "consumer 0 must get kLagBlocks stages before any release");
+  static_assert(kF32 || !kCarryIn, "carrying C in needs its fp32 accumulators");
+  constexpr bool kDeferred = !kF32;
   constexpr int kBox = kBlockK * 128;  // bytes of a 64 x 64 box
   extern __shared__ unsigned char smem_raw[];
   __shared__ alignas(8) std::uint64_t full[kStages];
@@ -159,7 +184,57 @@ __global__ void __launch_bounds__(kThreads, 1)
   std::uint32_t phase = 0;
   bool lag_due = consumer == 0;
   int lag_blocks = 0;
+  int previous = -1;
   Accumulators acc;
+  // One k-block of `tile` (the last of a partial block: rows past the segment zeroed first).
+  const auto k_block = [&](const WgradTile& tile, int kb, int tail) {
+    hopper::mbar_wait(&full[stage], phase);
+    if (tail != 0 && kb == tile.blocks - 1) {
+      // Rows past the segment: zero this consumer's A box and half of B's boxes, then meet
+      // the other consumer so both see all of B zeroed before any wgmma reads it.
+      if (lag_due) {  // consumer 1 must be running to meet us at the barrier below
+        if (releases) hopper::mbar_arrive(&lag);
+        lag_due = false;
+      }
+      zero_box_rows(ring.a(stage) + consumer * kBox, tail, t128, 128);
+      for (int j = 2 * consumer; j < 2 * consumer + 2; ++j) {
+        zero_box_rows(ring.b(stage) + j * kBox, tail, t128, 128);
+      }
+      hopper::fence_proxy_async();
+      hopper::named_barrier(1, 256);
+    }
+    const std::uint32_t a = hopper::smem_addr(ring.a(stage) + consumer * kBox);
+    const std::uint32_t b = hopper::smem_addr(ring.b(stage));
+    hopper::wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < kBlockK / 16; ++k) {
+      hopper::Wgmma<kMmaN>::mma<1, 1>(acc.d, hopper::smem_desc_mn(a + 2048 * k),
+                                      hopper::smem_desc_mn(b + 2048 * k), 1);
+    }
+    hopper::wgmma_commit();
+    hopper::wgmma_wait<1>();
+    if (previous >= 0 && releases) hopper::mbar_arrive(&empty[previous]);
+    if (lag_due && ++lag_blocks == kLagBlocks) {
+      if (releases) hopper::mbar_arrive(&lag);
+      lag_due = false;
+    }
+    previous = stage;
+    if (++stage == kStages) {
+      stage = 0;
+      phase ^= 1;
+    }
+  };
+  // The previous tile's rounded sums while they are being stored (deferred epilogue).
+  PackedBf16 pending;
+  std::uint16_t* pending_c16 = nullptr;
+  int pending_row0 = 0, pending_col0 = 0;
+  const auto drain = [&](auto chunk) {
+    if constexpr (kDeferred) {
+      if (pending_c16 != nullptr) {
+        store_wgrad_piece<chunk.value>(pending, pending_c16, pending_row0, pending_col0, p, t128);
+      }
+    }
+  };
   if (consumer == 1 && blockIdx.x < total) hopper::mbar_wait(&lag, 0);
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
     // A tile with no rows still writes C (its carried value, or +0), so every output exists.
@@ -187,43 +262,22 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     hopper::fence_regs(acc.d);
     const int tail = static_cast<int>((tile.hi - tile.lo) % kBlockK);  // rows of a partial block
-    int previous = -1;
-    for (int kb = 0; kb < tile.blocks; ++kb) {
-      hopper::mbar_wait(&full[stage], phase);
-      if (tail != 0 && kb == tile.blocks - 1) {
-        // Rows past the segment: zero this consumer's A box and half of B's boxes, then meet
-        // the other consumer so both see all of B zeroed before any wgmma reads it.
-        if (lag_due) {  // consumer 1 must be running to meet us at the barrier below
-          if (releases) hopper::mbar_arrive(&lag);
-          lag_due = false;
+    previous = -1;
+    if constexpr (kDeferred) {
+      // The first k-blocks each store one piece of the previous tile after issuing their
+      // wgmmas; pieces left over (fewer than kDrainChunks blocks) are stored after the loop.
+      unroll<kDrainChunks>([&](auto c) {
+        if (c.value < tile.blocks) {
+          k_block(tile, c.value, tail);
+          drain(c);
         }
-        zero_box_rows(ring.a(stage) + consumer * kBox, tail, t128, 128);
-        for (int j = 2 * consumer; j < 2 * consumer + 2; ++j) {
-          zero_box_rows(ring.b(stage) + j * kBox, tail, t128, 128);
-        }
-        hopper::fence_proxy_async();
-        hopper::named_barrier(1, 256);
-      }
-      const std::uint32_t a = hopper::smem_addr(ring.a(stage) + consumer * kBox);
-      const std::uint32_t b = hopper::smem_addr(ring.b(stage));
-      hopper::wgmma_fence();
-#pragma unroll
-      for (int k = 0; k < kBlockK / 16; ++k) {
-        hopper::Wgmma<kMmaN>::mma<1, 1>(acc.d, hopper::smem_desc_mn(a + 2048 * k),
-                                        hopper::smem_desc_mn(b + 2048 * k), 1);
-      }
-      hopper::wgmma_commit();
-      hopper::wgmma_wait<1>();
-      if (previous >= 0 && releases) hopper::mbar_arrive(&empty[previous]);
-      if (lag_due && ++lag_blocks == kLagBlocks) {
-        if (releases) hopper::mbar_arrive(&lag);
-        lag_due = false;
-      }
-      previous = stage;
-      if (++stage == kStages) {
-        stage = 0;
-        phase ^= 1;
-      }
+      });
+      for (int kb = kDrainChunks; kb < tile.blocks; ++kb) k_block(tile, kb, tail);
+      unroll<kDrainChunks>([&](auto c) {
+        if (c.value >= tile.blocks) drain(c);
+      });
+    } else {
+      for (int kb = 0; kb < tile.blocks; ++kb) k_block(tile, kb, tail);
     }
     hopper::wgmma_wait<0>();
     hopper::fence_regs(acc.d);
@@ -232,23 +286,31 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (releases) hopper::mbar_arrive(&lag);
       lag_due = false;
     }
+    if constexpr (kDeferred) {
+      pack_bf16(acc, pending);
+      pending_c16 = c16;
+      pending_row0 = row0;
+      pending_col0 = tile.col0;
+    } else {
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = frag_row(t128, 2 * half);
+      for (int half = 0; half < 2; ++half) {
+        const int r = frag_row(t128, 2 * half);
 #pragma unroll
-      for (int j = 0; j < kMmaN / 8; ++j) {
-        const int col = tile.col0 + frag_col(t128, j, 0);
-        if (row0 + r >= p.m || col >= p.n) continue;
-        const float lo = acc.d[4 * j + 2 * half], hi = acc.d[4 * j + 2 * half + 1];
-        if (c32 != nullptr) *reinterpret_cast<float2*>(c32 + r * p.n + col) = make_float2(lo, hi);
-        if (c16 != nullptr) {
-          *reinterpret_cast<std::uint32_t*>(c16 + r * p.n + col) =
-              static_cast<std::uint32_t>(core::float_to_bf16(lo)) |
-              (static_cast<std::uint32_t>(core::float_to_bf16(hi)) << 16);
+        for (int j = 0; j < kMmaN / 8; ++j) {
+          const int col = tile.col0 + frag_col(t128, j, 0);
+          if (row0 + r >= p.m || col >= p.n) continue;
+          const float lo = acc.d[4 * j + 2 * half], hi = acc.d[4 * j + 2 * half + 1];
+          if (c32 != nullptr) {
+            *reinterpret_cast<float2*>(c32 + r * p.n + col) = make_float2(lo, hi);
+          }
+          if (c16 != nullptr) {
+            *reinterpret_cast<std::uint32_t*>(c16 + r * p.n + col) = pack_bf16x2(lo, hi);
+          }
         }
       }
     }
   }
+  if constexpr (kDeferred) unroll<kDrainChunks>([&](auto c) { drain(c); });
 }
 
 }  // namespace mok::bf16::gemm

@@ -283,7 +283,7 @@ void grouped_backward(std::string_view device, const GroupedBackwardArgs& a,
   check_pointer(fn, "scratch_g", a.scratch_g, 16, cuda && gemm);
   check_pointer(fn, "scratch_h", a.scratch_h, 16, cuda && gemm);
   check_pointer(fn, "scratch_d_ab", a.scratch_d_ab, 16, cuda && gemm);
-  check_pointer(fn, "scratch_wdy", a.scratch_wdy, 16, cuda && gemm);
+  check_pointer(fn, "scratch_wdy", a.scratch_wdy, 16, cuda && gemm && a.router_weights != 0);
   if (run_on_cuda(fn, kind, a, stream,
                   [](const auto& args, std::uintptr_t st) { grouped_backward_cuda(args, st); })) {
     return;

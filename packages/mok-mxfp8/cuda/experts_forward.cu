@@ -86,7 +86,7 @@ __global__ void swiglu_hq_kernel(const std::uint16_t* a, const std::uint16_t* b,
                                  const std::int64_t* offsets, int num_experts,
                                  std::int64_t num_rows, int inner, core::SwigluLimit limit) {
   __shared__ int sorted;
-  const core::TableSigmoid sig;  // sigmoid_table.cuh: the reference's bits, looked up
+  const auto sig = core::TableSigmoid::of(limit);  // sigmoid_table.cuh: the reference's bits
   const std::int64_t per_row = inner / kBlock;
   tiles::for_each_row_range(
       offsets, num_experts, num_rows, &sorted, [&](std::int64_t lo, std::int64_t hi) {

@@ -33,13 +33,15 @@ def check_tensor(
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
         raise TypeError(f"{name} must have dtype {_dtype_names(dtypes)}, got {str(t.dtype).replace('torch.', '')}")
-    letters = ", ".join(letter for letter, _ in shape)
     if t.dim() != len(shape):
+        letters = ", ".join(letter for letter, _ in shape)
         raise ValueError(f"{name} must have shape [{letters}] ({len(shape)} dims), got {list(t.shape)}")
+    sizes = t.shape
     for axis, (letter, size) in enumerate(shape):
-        if size is not None and t.shape[axis] != size:
+        if size is not None and sizes[axis] != size:
+            letters = ", ".join(letter for letter, _ in shape)
             want = ", ".join(str(s) if s is not None else letter for letter, s in shape)
-            raise ValueError(f"{name} must have shape [{letters}] = [{want}], got {list(t.shape)} ({letter} differs)")
+            raise ValueError(f"{name} must have shape [{letters}] = [{want}], got {list(sizes)} ({letter} differs)")
     if device is not None and t.device != device:
         raise ValueError(f"{name} must be on {device}, got {t.device}")
     if contiguous and not t.is_contiguous():

@@ -166,7 +166,7 @@ struct GroupedBackwardArgs {
   std::uintptr_t scratch_g = 0;       // fp32 [M, I]   (cuda)
   std::uintptr_t scratch_h = 0;       // bf16 [M, I]   (cuda)
   std::uintptr_t scratch_d_ab = 0;    // bf16 [M, 2I]  (cuda)
-  std::uintptr_t scratch_wdy = 0;     // bf16 [M, H]   (cuda)
+  std::uintptr_t scratch_wdy = 0;     // bf16 [M, H]   (cuda, with router_weights; else unused)
   ExpertShape shape;
   SwigluLimit limit;
   std::int64_t num_sms = 0;      // CUDA: most CTAs per kernel (0: every SM)

@@ -7,7 +7,7 @@
 // bf16 value (clamped: then the fp32 limit), so it takes at most 65,536 + 1 values: a kernel
 // computes them once per device with core::sigmoid itself, and the SwiGLU kernels look them up.
 // The bits cannot change: an entry is the same function of the same input on the same hardware.
-// An argument that is not a bf16 value (the clamp's limit) is computed directly.
+// The one argument that is not a bf16 value (the clamp's limit) is computed once per call.
 //
 // Every translation unit that includes this header has its own table (internal linkage), made
 // by its first call of ensure_sigmoid_table on each device.
@@ -35,12 +35,22 @@ __global__ void fill_sigmoid_table_kernel() {
   if (i < (1 << 16)) g_sigmoid_table[i] = sigmoid(bf16_to_float(static_cast<std::uint16_t>(i)));
 }
 
-// The lookup, as the `sig` argument of swiglu_h and swiglu_backward.
+// The lookup, as the `sig` argument of swiglu_h and swiglu_backward, whose argument is the
+// clamped gate: a bf16 value, or the clamp's limit. The limit's sigmoid is computed once, by
+// of() (on the host for a kernel argument, or once per thread), so the element code holds no
+// float64 math: inlined at every element of an unrolled GEMM epilogue, that code tripled the
+// kernels' size and their instruction fetch stalled the tensor cores (NOTES.md, session 8).
+// A read-only (non-coherent) load: the table does not change while a kernel reads it, and the
+// compiler may issue the lookups ahead of the caller's stores.
 struct TableSigmoid {
+  float at_limit;  // sigmoid(limit): the one argument that is not a bf16 value
+
+  MOK_HD static TableSigmoid of(SwigluLimit lim) { return {lim.on ? sigmoid(lim.limit) : 0.0f}; }
+
   __device__ float operator()(float a) const {
     const std::uint32_t bits = __float_as_uint(a);
-    if ((bits & 0xFFFFu) != 0) return sigmoid(a);  // not a bf16 value: the clamp's limit
-    return g_sigmoid_table[bits >> 16];
+    if ((bits & 0xFFFFu) != 0) return at_limit;  // not a bf16 value: the clamp's limit
+    return __ldg(&g_sigmoid_table[bits >> 16]);
   }
 };
 

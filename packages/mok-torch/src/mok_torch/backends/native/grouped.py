@@ -85,17 +85,18 @@ def grouped_forward(
             torch.empty(M, I, dtype=BF16, device=dev) if with_h else None,
             None if w_down_EHI is None else torch.empty(M, H, dtype=BF16, device=dev),
         )
-    rows_I = [("M", M), ("I", I)]
-    check_tensor("out.a", out.a, dtypes=(BF16,), shape=rows_I, device=dev)
-    check_tensor("out.b", out.b, dtypes=(BF16,), shape=rows_I, device=dev)
-    if with_h:
-        if out.h is None:
-            raise ValueError("out.h must be a tensor unless with_h=False")
-        check_tensor("out.h", out.h, dtypes=(BF16,), shape=rows_I, device=dev)
-    if w_down_EHI is not None:
-        if out.y is None:
-            raise ValueError("out.y must be a tensor when w_down is given")
-        check_tensor("out.y", out.y, dtypes=(BF16,), shape=[("M", M), ("H", H)], device=dev)
+    else:  # given outputs are checked (fresh ones are right by construction)
+        rows_I = [("M", M), ("I", I)]
+        check_tensor("out.a", out.a, dtypes=(BF16,), shape=rows_I, device=dev)
+        check_tensor("out.b", out.b, dtypes=(BF16,), shape=rows_I, device=dev)
+        if with_h:
+            if out.h is None:
+                raise ValueError("out.h must be a tensor unless with_h=False")
+            check_tensor("out.h", out.h, dtypes=(BF16,), shape=rows_I, device=dev)
+        if w_down_EHI is not None:
+            if out.y is None:
+                raise ValueError("out.y must be a tensor when w_down is given")
+            check_tensor("out.y", out.y, dtypes=(BF16,), shape=[("M", M), ("H", H)], device=dev)
     on_device = torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
     with on_device:
         mok_bf16.grouped_forward(
@@ -133,7 +134,7 @@ class GroupedScratch(NamedTuple):
     g: torch.Tensor  # [M, I] fp32: dy @ Wd, unweighted
     h: torch.Tensor  # [M, I] bf16: silu(a_c) * b_c
     d_ab: torch.Tensor  # [M, 2I] bf16: d_a then d_b
-    wdy: torch.Tensor  # [M, H] bf16: bf16(w dy)
+    wdy: torch.Tensor | None  # [M, H] bf16: bf16(w dy), weighted rows only (None: unweighted; dWd reads dy)
 
 
 Wgrads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # dWg [El, I, H], dWu [El, I, H], dWd [El, H, I]
@@ -198,23 +199,31 @@ def grouped_backward(
         out = GroupedBackward(
             torch.empty(M, H, dtype=BF16, device=dev), torch.empty(M, dtype=torch.float32, device=dev)
         )
-    check_tensor("out.dx", out.dx, dtypes=(BF16,), shape=[("M", M), ("H", H)], device=dev)
-    check_tensor("out.d_w", out.d_w, dtypes=(torch.float32,), shape=[("M", M)], device=dev)
+    else:  # given outputs are checked (fresh ones are right by construction)
+        check_tensor("out.dx", out.dx, dtypes=(BF16,), shape=[("M", M), ("H", H)], device=dev)
+        check_tensor("out.d_w", out.d_w, dtypes=(torch.float32,), shape=[("M", M)], device=dev)
     cuda = dev.type == "cuda"
+    given_scratch = scratch is not None
     if cuda and scratch is None:
         scratch = GroupedScratch(
             torch.empty(M, I, dtype=torch.float32, device=dev),
             torch.empty(M, I, dtype=BF16, device=dev),
             torch.empty(M, 2 * I, dtype=BF16, device=dev),
-            torch.empty(M, H, dtype=BF16, device=dev),
+            None if router_weights_M is None else torch.empty(M, H, dtype=BF16, device=dev),
         )
-    if cuda and scratch is not None:
+    if cuda and scratch is not None and given_scratch:
         check_tensor("scratch.g", scratch.g, dtypes=(torch.float32,), shape=rows_I, device=dev)
         check_tensor("scratch.h", scratch.h, dtypes=(BF16,), shape=rows_I, device=dev)
         check_tensor("scratch.d_ab", scratch.d_ab, dtypes=(BF16,), shape=[("M", M), ("2I", 2 * I)], device=dev)
-        check_tensor("scratch.wdy", scratch.wdy, dtypes=(BF16,), shape=[("M", M), ("H", H)], device=dev)
+        if router_weights_M is not None or scratch.wdy is not None:
+            check_tensor("scratch.wdy", scratch.wdy, dtypes=(BF16,), shape=[("M", M), ("H", H)], device=dev)
     g_ptr, h_ptr, d_ab_ptr, wdy_ptr = (
-        (scratch.g.data_ptr(), scratch.h.data_ptr(), scratch.d_ab.data_ptr(), scratch.wdy.data_ptr())
+        (
+            scratch.g.data_ptr(),
+            scratch.h.data_ptr(),
+            scratch.d_ab.data_ptr(),
+            0 if scratch.wdy is None else scratch.wdy.data_ptr(),
+        )
         if cuda and scratch is not None
         else (0, 0, 0, 0)
     )
