@@ -474,3 +474,27 @@ def test_mok_forward_on_the_gpu_gemms_is_timed_at_real_shapes(monkeypatch):
     monkeypatch.setattr(native, "gpu_forward_kernels", lambda *args: False)
     fwd = mok_cuda.unavailable(shape, ranks, Settings(allow_slow=False, passes=("forward",)))
     assert fwd is not None and "its experts run the reference arithmetic" in fwd
+
+
+def test_providers_are_timed_in_turns():
+    """time_in_turns: every call warmed up first, then iteration i of each before i + 1 of any;
+    a call that raises is reported with its exception and the others go on."""
+    from mok_torch.bench.timing import Ranks, time_in_turns
+
+    calls: list[str] = []
+
+    def call(name: str, fail_on: int | None = None):
+        def fn() -> None:
+            calls.append(name)
+            if fail_on is not None and calls.count(name) == fail_on:
+                raise RuntimeError(f"{name} broke")
+
+        return fn
+
+    ranks = Ranks(torch.device("cpu"), None, 0, 1)
+    got = time_in_turns(ranks, {"a": call("a"), "b": call("b", fail_on=3), "c": call("c")}, iters=3, warmup=1)
+    assert calls == ["a", "b", "c", "a", "b", "c", "a", "b", "c", "a", "c"]
+    assert isinstance(got["b"], RuntimeError) and "b broke" in str(got["b"])
+    for name in ("a", "c"):
+        times = got[name]
+        assert isinstance(times, list) and len(times) == 3 and all(t >= 0 for t in times)

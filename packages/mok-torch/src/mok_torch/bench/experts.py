@@ -19,7 +19,11 @@ and forward + backward (unweighted rows, so both compute the same gradients):
 - `torch-fwd-bwd`: the `torch._grouped_mm` forward and its autograd backward
   (`torch.autograd.grad` of x and the three weights);
 
-and reports ms and TFLOP/s (6 * rows * H * I for the forward, 12 for the backward) against the
+Each provider's iterations are timed in turns with the others' (iteration i of every provider
+before iteration i + 1 of any): the H200's power cap engages after seconds of load, and timed
+one after another the providers would not see the same clocks (NOTES.md, session 8).
+
+It reports ms and TFLOP/s (6 * rows * H * I for the forward, 12 for the backward) against the
 dense BF16 matmul rate measured in the same run, mok's speedups, whether two mok runs gave the
 same bits, and mok's relative differences from torch's output and gradients.
 
@@ -46,7 +50,7 @@ from . import report
 from .launch import component_parser, one_device_main
 from .providers import GROUP_ALIGN
 from .shapes import Shape, resolve_shapes
-from .timing import Ranks, median, time_ms
+from .timing import Ranks, median, time_in_turns
 
 BF16 = torch.bfloat16
 PROVIDERS = ("mok", "mok-gate-up", "mok-gate-up-ab", "torch-grouped-mm", "mok-fwd-bwd", "mok-bwd", "torch-fwd-bwd")
@@ -153,12 +157,15 @@ def _case(ranks: Ranks, shape: Shape, El: int, routing: str, ns: argparse.Namesp
         ("mok-bwd", ours_backward, 2 * flops),
         ("torch-fwd-bwd", theirs_fwd_bwd, 3 * flops),
     )
-    for name, fn, f in providers:
-        try:
-            ms = median(time_ms(ranks, fn, iters=ns.iters, warmup=ns.warmup))
+    # In turns, so the device's power state drifts alike for every provider (timing.time_in_turns).
+    timed = time_in_turns(ranks, {name: fn for name, fn, _ in providers}, iters=ns.iters, warmup=ns.warmup)
+    for name, _, f in providers:
+        got = timed[name]
+        if isinstance(got, Exception):  # a provider that fails is reported, not dropped
+            row[name] = {"status": "failed", "why": ceilings_mod.describe_error(got)}
+        else:
+            ms = median(got)
             row[name] = {"status": "ok", "ms": ms, "TFLOPs": f / (ms * 1e-3) / 1e12}
-        except Exception as exc:  # a provider that fails is reported, not dropped
-            row[name] = {"status": "failed", "why": ceilings_mod.describe_error(exc)}
     if row["mok"]["status"] == "ok":
         first, second = ours(), ours()
         row["mok"]["bitwise_repeatable"] = all(torch.equal(u, v) for u, v in zip(first, second, strict=True))
@@ -215,7 +222,14 @@ def bench(ns: argparse.Namespace, ranks: Ranks) -> dict[str, Any]:
         "versions": report.versions(),
         "git": report.git_state(),
         "command": " ".join(["mok", "bench-experts", *ns.argv]),
-        "config": {"shapes": ns.shapes, "ep": ns.ep, "routing": ns.routing, "iters": ns.iters, "warmup": ns.warmup},
+        "config": {
+            "shapes": ns.shapes,
+            "ep": ns.ep,
+            "routing": ns.routing,
+            "iters": ns.iters,
+            "warmup": ns.warmup,
+            "timing": "providers in turns",
+        },
         "ceilings": {"bf16_matmul": None if mm is None else mm.asdict()},
         "results": results,
     }

@@ -44,7 +44,7 @@ from . import report
 from .experts import case_inputs, each_case, expert_parser
 from .launch import one_device_main
 from .shapes import Shape
-from .timing import Ranks, median, time_ms
+from .timing import Ranks, median, time_in_turns
 
 BF16 = torch.bfloat16
 E4M3 = torch.float8_e4m3fn
@@ -113,12 +113,15 @@ def _case(ranks: Ranks, shape: Shape, El: int, routing: str, ns: argparse.Namesp
         ("torch-scaled-gate-up", scaled_gate_up, 4 * M * H * I),
         ("torch-scaled-fast-gate-up", lambda: scaled_gate_up(fast=True), 4 * M * H * I),
     )
-    for name, fn, f in providers:
-        try:
-            ms = median(time_ms(ranks, fn, iters=ns.iters, warmup=ns.warmup))
+    # In turns, so the device's power state drifts alike for every provider (timing.time_in_turns).
+    timed = time_in_turns(ranks, {name: fn for name, fn, _ in providers}, iters=ns.iters, warmup=ns.warmup)
+    for name, _, f in providers:
+        got = timed[name]
+        if isinstance(got, Exception):  # a provider that fails is reported, not dropped
+            row[name] = {"status": "failed", "why": ceilings_mod.describe_error(got)}
+        else:
+            ms = median(got)
             row[name] = {"status": "ok", "ms": ms, "TFLOPs": f / (ms * 1e-3) / 1e12}
-        except Exception as exc:  # a provider that fails is reported, not dropped
-            row[name] = {"status": "failed", "why": ceilings_mod.describe_error(exc)}
     ok = lambda n: row[n]["status"] == "ok"  # noqa: E731
     if ok("mok-mxfp8"):
         first, second = mx(), mx()
@@ -158,7 +161,14 @@ def bench(ns: argparse.Namespace, ranks: Ranks) -> dict[str, Any]:
         "versions": report.versions(),
         "git": report.git_state(),
         "command": " ".join(["mok", "bench-mxfp8", *ns.argv]),
-        "config": {"shapes": ns.shapes, "ep": ns.ep, "routing": ns.routing, "iters": ns.iters, "warmup": ns.warmup},
+        "config": {
+            "shapes": ns.shapes,
+            "ep": ns.ep,
+            "routing": ns.routing,
+            "iters": ns.iters,
+            "warmup": ns.warmup,
+            "timing": "providers in turns",
+        },
         "ceilings": {
             "bf16_matmul": None if mm is None else mm.asdict(),
             "fp8_matmul": None if mm8 is None else mm8.asdict(),

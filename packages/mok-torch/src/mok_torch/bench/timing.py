@@ -112,3 +112,39 @@ def time_ms(
         synchronize(ranks)
         times = [start.elapsed_time(end) for start, end in events]
     return reduce_max(ranks, times)
+
+
+def time_in_turns(
+    ranks: Ranks, fns: dict[str, Callable[[], Any]], *, iters: int, warmup: int
+) -> dict[str, list[float] | Exception]:
+    """Per-iteration times in ms of several calls taken in turns: after each call's `warmup`
+    untimed runs, iteration i of every call is timed before iteration i + 1 of any (each as
+    time_ms times one iteration). The device's clock and power state drift over a run (the
+    H200's power cap engages after seconds of load): in turns, the drift falls on every call
+    alike instead of on whichever ran last. A call that raises gets its exception instead of
+    times; the others go on.
+    """
+    results: dict[str, list[float] | Exception] = {}
+    live: dict[str, Callable[[], Any]] = {}
+    for name, fn in fns.items():
+        try:
+            for _ in range(warmup):
+                fn()
+            synchronize(ranks)
+        except Exception as exc:  # reported by the caller, not dropped
+            results[name] = exc
+            continue
+        live[name] = fn
+        results[name] = []
+    for _ in range(iters):
+        for name, fn in list(live.items()):
+            try:
+                times = time_ms(ranks, fn, iters=1, warmup=0)
+            except Exception as exc:
+                results[name] = exc
+                del live[name]
+                continue
+            kept = results[name]
+            assert isinstance(kept, list)
+            kept.extend(times)
+    return results
