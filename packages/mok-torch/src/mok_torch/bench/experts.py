@@ -38,7 +38,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -111,6 +111,25 @@ def case_inputs(ranks: Ranks, shape: Shape, El: int, routing: str, g: torch.Gene
     return CaseInputs(x, wg, wu, wd, ends, offsets, row)
 
 
+Provider = tuple[str, Callable[[], Any], int]  # name, the call, its flops
+
+
+def time_providers(ranks: Ranks, providers: Sequence[Provider], ns: argparse.Namespace) -> dict[str, dict]:
+    """Each provider's result entry: median ms and TFLOP/s over ns.iters iterations taken in
+    turns with the others' (timing.time_in_turns: the device's power state drifts alike for
+    every provider), or the error of one that failed (reported, not dropped)."""
+    timed = time_in_turns(ranks, {name: fn for name, fn, _ in providers}, iters=ns.iters, warmup=ns.warmup)
+    entries: dict[str, dict] = {}
+    for name, _, flops in providers:
+        got = timed[name]
+        if isinstance(got, Exception):
+            entries[name] = {"status": "failed", "why": ceilings_mod.describe_error(got)}
+        else:
+            ms = median(got)
+            entries[name] = {"status": "ok", "ms": ms, "TFLOPs": flops / (ms * 1e-3) / 1e12}
+    return entries
+
+
 def _case(ranks: Ranks, shape: Shape, El: int, routing: str, ns: argparse.Namespace, g: torch.Generator) -> dict:
     x, wg, wu, wd, ends, offsets, row = case_inputs(ranks, shape, El, routing, g)
     H, I, M, dev = shape.hidden, shape.inner, x.shape[0], ranks.device
@@ -157,15 +176,7 @@ def _case(ranks: Ranks, shape: Shape, El: int, routing: str, ns: argparse.Namesp
         ("mok-bwd", ours_backward, 2 * flops),
         ("torch-fwd-bwd", theirs_fwd_bwd, 3 * flops),
     )
-    # In turns, so the device's power state drifts alike for every provider (timing.time_in_turns).
-    timed = time_in_turns(ranks, {name: fn for name, fn, _ in providers}, iters=ns.iters, warmup=ns.warmup)
-    for name, _, f in providers:
-        got = timed[name]
-        if isinstance(got, Exception):  # a provider that fails is reported, not dropped
-            row[name] = {"status": "failed", "why": ceilings_mod.describe_error(got)}
-        else:
-            ms = median(got)
-            row[name] = {"status": "ok", "ms": ms, "TFLOPs": f / (ms * 1e-3) / 1e12}
+    row.update(time_providers(ranks, providers, ns))
     if row["mok"]["status"] == "ok":
         first, second = ours(), ours()
         row["mok"]["bitwise_repeatable"] = all(torch.equal(u, v) for u, v in zip(first, second, strict=True))

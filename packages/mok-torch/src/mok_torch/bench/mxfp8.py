@@ -41,10 +41,10 @@ from ..backends.native.mxfp8_grouped import mxfp8_grouped_forward
 from ..mxfp8 import mxfp8_quantize, pack_rows
 from . import ceilings as ceilings_mod
 from . import report
-from .experts import case_inputs, each_case, expert_parser
+from .experts import case_inputs, each_case, expert_parser, time_providers
 from .launch import one_device_main
 from .shapes import Shape
-from .timing import Ranks, median, time_in_turns
+from .timing import Ranks
 
 BF16 = torch.bfloat16
 E4M3 = torch.float8_e4m3fn
@@ -113,15 +113,7 @@ def _case(ranks: Ranks, shape: Shape, El: int, routing: str, ns: argparse.Namesp
         ("torch-scaled-gate-up", scaled_gate_up, 4 * M * H * I),
         ("torch-scaled-fast-gate-up", lambda: scaled_gate_up(fast=True), 4 * M * H * I),
     )
-    # In turns, so the device's power state drifts alike for every provider (timing.time_in_turns).
-    timed = time_in_turns(ranks, {name: fn for name, fn, _ in providers}, iters=ns.iters, warmup=ns.warmup)
-    for name, _, f in providers:
-        got = timed[name]
-        if isinstance(got, Exception):  # a provider that fails is reported, not dropped
-            row[name] = {"status": "failed", "why": ceilings_mod.describe_error(got)}
-        else:
-            ms = median(got)
-            row[name] = {"status": "ok", "ms": ms, "TFLOPs": f / (ms * 1e-3) / 1e12}
+    row.update(time_providers(ranks, providers, ns))
     ok = lambda n: row[n]["status"] == "ok"  # noqa: E731
     if ok("mok-mxfp8"):
         first, second = mx(), mx()
