@@ -207,6 +207,30 @@ def test_cuda_scratch_and_accumulators_are_required():
         mok_bf16.grouped_backward("cuda", p, p, p, p, p, 0, p, p, p, p, p, *no_up, p, p, p, p, 4, 64, 64, 2)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_gpu)])
+@pytest.mark.parametrize("carry_in", [False, True], ids=["from-zero", "carried"])
+def test_zero_rows_still_write_the_weight_gradients(device, carry_in):
+    """No rows at all: the weight gradients are C (carried in) or +0, in the fp32 accumulators
+    and the bf16 outputs (on CUDA the wrapper writes them: no kernel runs without rows)."""
+    d = to(make([0, 0, 0], 64, 64, seed=4), device)
+    acc = accumulators(d, fill=0.375 if carry_in else float("nan"))
+    out16 = accumulators(d, fill=3.0, dtype=BF16)
+    got, _ = run(d, acc, carry_in=carry_in, wgrad_out=out16)
+    assert got.dx.shape[0] == 0 and got.d_w.shape[0] == 0
+    want = 0.375 if carry_in else 0.0
+    for t in (*acc, *out16):
+        assert bool((t == want).all())
+
+
+def test_cuda_entry_point_refuses_zero_rows():
+    """Checked on the host, so this runs on any machine: without rows no kernel would write the
+    weight gradients (mok_torch's wrapper handles zero rows itself)."""
+    p = 64
+    acc_out = (p, p, p, 0, 0, 0, False)
+    with pytest.raises(ValueError, match="num_rows = 0 on cuda"):
+        mok_bf16.grouped_backward("cuda", p, p, p, p, p, 0, p, p, p, p, p, *acc_out, p, p, p, p, 0, 64, 64, 2)
+
+
 # ------------------------------------------------------------------ CUDA
 
 
@@ -376,6 +400,25 @@ def test_cuda_unweighted_rows_equal_weights_of_one(lengths, H, I):
     for u, v in zip((*got, *acc), (*want, *acc_want), strict=True):
         assert torch.equal(u.view(torch.int16 if u.dtype == BF16 else torch.int32),
                            v.view(torch.int16 if v.dtype == BF16 else torch.int32))  # fmt: skip
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("lengths, H, I", GROUPED_CASES)
+@pytest.mark.parametrize("num_sms", [0, 1, 17])
+def test_cuda_bf16_only_weight_gradients_equal_the_fp32_path(lengths, H, I, num_sms):
+    """bf16 outputs without fp32 accumulators (the deferred epilogue of wgrad_gemm.cuh) are
+    bitwise what the kernel with accumulators writes, the fp32 sums rounded once; with one CTA
+    (num_sms = 1) a CTA walks every tile: experts without rows, tiles of fewer k-blocks than the
+    store pieces, the last pieces after the last tile."""
+    d = to(make(lengths, H, I, seed=7), "cuda")
+    acc = accumulators(d, fill=float("nan"))
+    with_f32 = accumulators(d, fill=3.0, dtype=BF16)
+    run(d, acc, num_sms=num_sms, carry_in=False, wgrad_out=with_f32)
+    only = accumulators(d, fill=3.0, dtype=BF16)
+    run(d, None, num_sms=num_sms, carry_in=False, wgrad_out=only)
+    for u, v, w in zip(only, with_f32, acc, strict=True):
+        assert torch.equal(u.view(torch.int16), v.view(torch.int16)) and torch.equal(u, w.to(BF16))
 
 
 @pytest.mark.gpu

@@ -276,9 +276,17 @@ void grouped_backward(std::string_view device, const GroupedBackwardArgs& a,
   } wgrads[3] = {{"acc_gate", a.acc_gate, "out_gate", a.out_gate},
                  {"acc_up", a.acc_up, "out_up", a.out_up},
                  {"acc_down", a.acc_down, "out_down", a.out_down}};
+  // The weight gradients exist (C, or +0) even without rows.
+  const bool weights = s.hidden > 0 && s.inner > 0 && s.num_experts > 0;
   for (const auto& w : wgrads) {
-    check_pointer(fn, w.acc_name, w.acc, cuda ? 16 : 4, gemm && (a.carry_in || w.out == 0));
+    check_pointer(fn, w.acc_name, w.acc, cuda ? 16 : 4, weights && (a.carry_in || w.out == 0));
     check_pointer(fn, w.out_name, w.out, cuda ? 16 : 2, false);
+  }
+  if (cuda && !rows && weights) {
+    // No kernel runs without rows, so nothing would write C (or +0) to the outputs.
+    invalid(fn,
+            "num_rows = 0 on cuda: the weight gradients would not be written (mok_torch's "
+            "grouped_backward writes them itself for zero rows)");
   }
   check_pointer(fn, "scratch_g", a.scratch_g, 16, cuda && gemm);
   check_pointer(fn, "scratch_h", a.scratch_h, 16, cuda && gemm);
@@ -293,7 +301,7 @@ void grouped_backward(std::string_view device, const GroupedBackwardArgs& a,
     zero_outside_cpu(a.out_dx, 2 * s.hidden, a.offsets, s);
     zero_outside_cpu(a.out_d_w, 4, a.offsets, s);
   }
-  if (gemm || rows) grouped_backward_cpu(a);
+  if (weights || rows) grouped_backward_cpu(a);
 }
 
 }  // namespace mok::bf16

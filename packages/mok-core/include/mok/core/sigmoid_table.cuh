@@ -36,10 +36,10 @@ __global__ void fill_sigmoid_table_kernel() {
 }
 
 // The lookup, as the `sig` argument of swiglu_h and swiglu_backward, whose argument is the
-// clamped gate: a bf16 value, or the clamp's limit. The limit's sigmoid is computed once, by
-// of() (on the host for a kernel argument, or once per thread), so the element code holds no
-// float64 math: inlined at every element of an unrolled GEMM epilogue, that code tripled the
-// kernels' size and their instruction fetch stalled the tensor cores (NOTES.md, session 8).
+// clamped gate: a bf16 value, or the clamp's limit. The limit's sigmoid is computed once per
+// thread by of(), so the element code holds no float64 math (inlined at every element of an
+// unrolled GEMM epilogue, that code tripled the kernels' size and their instruction fetch
+// stalled the tensor cores: NOTES.md, session 8).
 // A read-only (non-coherent) load: the table does not change while a kernel reads it, and the
 // compiler may issue the lookups ahead of the caller's stores.
 struct TableSigmoid {

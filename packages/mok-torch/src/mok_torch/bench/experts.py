@@ -124,6 +124,8 @@ def time_providers(ranks: Ranks, providers: Sequence[Provider], ns: argparse.Nam
         got = timed[name]
         if isinstance(got, Exception):
             entries[name] = {"status": "failed", "why": ceilings_mod.describe_error(got)}
+        elif not got:
+            entries[name] = {"status": "failed", "why": "no timed iterations"}
         else:
             ms = median(got)
             entries[name] = {"status": "ok", "ms": ms, "TFLOPs": flops / (ms * 1e-3) / 1e12}

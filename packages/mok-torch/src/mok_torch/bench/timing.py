@@ -131,8 +131,8 @@ def time_in_turns(
             for _ in range(warmup):
                 fn()
             synchronize(ranks)
-        except Exception as exc:  # reported by the caller, not dropped
-            results[name] = exc
+        except Exception as exc:  # reported by the caller, not dropped (its frames let go)
+            results[name] = exc.with_traceback(None)
             continue
         live[name] = fn
         results[name] = []
@@ -141,7 +141,7 @@ def time_in_turns(
             try:
                 times = time_ms(ranks, fn, iters=1, warmup=0)
             except Exception as exc:
-                results[name] = exc
+                results[name] = exc.with_traceback(None)
                 del live[name]
                 continue
             kept = results[name]

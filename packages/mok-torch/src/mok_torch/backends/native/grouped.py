@@ -129,7 +129,8 @@ class GroupedBackward(NamedTuple):
 
 
 class GroupedScratch(NamedTuple):
-    """What the CUDA backward's kernels pass each other (pass one in to read it back)."""
+    """What the CUDA backward's kernels pass each other (pass one in to read it back; wdy is
+    written for weighted rows only)."""
 
     g: torch.Tensor  # [M, I] fp32: dy @ Wd, unweighted
     h: torch.Tensor  # [M, I] bf16: silu(a_c) * b_c
@@ -203,6 +204,19 @@ def grouped_backward(
         check_tensor("out.dx", out.dx, dtypes=(BF16,), shape=[("M", M), ("H", H)], device=dev)
         check_tensor("out.d_w", out.d_w, dtypes=(torch.float32,), shape=[("M", M)], device=dev)
     cuda = dev.type == "cuda"
+    if cuda and M == 0:
+        # No kernel runs without rows: the weight gradients are C (carried in) or +0.
+        for i in range(3):
+            if carry_in:
+                assert acc is not None
+                if wgrad_out is not None:
+                    wgrad_out[i].copy_(acc[i])
+            else:
+                if acc is not None:
+                    acc[i].zero_()
+                if wgrad_out is not None:
+                    wgrad_out[i].zero_()
+        return out
     given_scratch = scratch is not None
     if cuda and scratch is None:
         scratch = GroupedScratch(
