@@ -133,13 +133,37 @@ def rewrite(text: str, table: str, start_marker: str = START, end_marker: str = 
     return text[: start + len(start_marker)] + "\n" + table + "\n" + text[end:]
 
 
-def latest_component(results: Path, schema: str) -> tuple[dict[str, Any], Path] | None:
-    """The newest GPU run of a component benchmark (its JSON and path), or None."""
+def component_runs(results: Path, schema: str) -> list[tuple[dict[str, Any], Path]]:
+    """The GPU runs of a component benchmark (JSON and path), oldest first."""
     found = []
     for path, report in _reports(results):
         if report.get("schema") == schema and report["device"].get("type") == "cuda":
             found.append((report["created"], path.name, report, path))
-    return max(found)[2:] if found else None
+    return [(report, path) for _, _, report, path in sorted(found, key=lambda f: (f[0], f[1]))]
+
+
+def latest_component(results: Path, schema: str) -> tuple[dict[str, Any], Path] | None:
+    """The newest GPU run of a component benchmark (its JSON and path), or None."""
+    runs = component_runs(results, schema)
+    return runs[-1] if runs else None
+
+
+def latest_experts(results: Path, schema: str) -> list[tuple[dict[str, Any], dict[str, Any], Path]]:
+    """Per (shape, routing), the newest GPU row of `mok bench-experts` with its run: a run of
+    some rows only (one routing, say) replaces those rows and keeps the others. Rows by shape,
+    then routing, each in the order the newest runs list them."""
+    newest: dict[tuple[str, str], tuple[dict[str, Any], dict[str, Any], Path]] = {}
+    shapes: list[str] = []
+    routings: list[str] = []
+    for report, path in reversed(component_runs(results, schema)):
+        for r in report["results"]:
+            if r.get("status") == "skipped":
+                continue
+            key = (r["shape_name"], r["routing"])
+            newest.setdefault(key, (r, report, path))
+            shapes += [] if key[0] in shapes else [key[0]]
+            routings += [] if key[1] in routings else [key[1]]
+    return [newest[k] for k in sorted(newest, key=lambda k: (shapes.index(k[0]), routings.index(k[1])))]
 
 
 def _source(path: Path, root: Path) -> str:
@@ -149,19 +173,18 @@ def _source(path: Path, root: Path) -> str:
         return f"`{path.name}`"
 
 
-def render_experts(run: tuple[dict[str, Any], Path] | None, root: Path) -> str:
-    """`mok bench-experts`: TFLOP/s of mok's GEMMs and torch._grouped_mm (forward, forward + backward)."""
-    if run is None:
+def render_experts(rows: list[tuple[dict[str, Any], dict[str, Any], Path]], root: Path) -> str:
+    """`mok bench-experts`: TFLOP/s of mok's GEMMs and torch._grouped_mm (forward, forward + backward),
+    each row the newest of its shape and routing (latest_experts); ratios are within one run."""
+    if not rows:
         return "_No expert-GEMM results are committed yet._"
-    report, path = run
-    mm = (report["ceilings"].get("bf16_matmul") or {}).get("value")
     head = "| shape | routing | rows | mok fwd | gate+up with h | gate+up, a and b only | torch._grouped_mm "
     head += "| mok / torch | mok fwd+bwd | torch fwd+bwd | mok / torch | bitwise |"
     lines = [head, "| --- " * 13 + "|"]
     names = ("mok", "mok-gate-up", "mok-gate-up-ab", "torch-grouped-mm", "mok-fwd-bwd", "torch-fwd-bwd")
-    for r in report["results"]:
-        if r.get("status") == "skipped":
-            continue
+    sources: dict[Path, dict[str, Any]] = {}
+    for r, report, path in rows:
+        sources[path] = report
         # Runs before the backward kernels have no fwd+bwd columns: "-".
         cell = [
             "-" if n not in r else f"{r[n]['TFLOPs']:.0f}" if r[n]["status"] == "ok" else r[n]["status"] for n in names
@@ -173,8 +196,13 @@ def render_experts(run: tuple[dict[str, Any], Path] | None, root: Path) -> str:
             same += "/yes" if r["mok-fwd-bwd"].get("bitwise_repeatable") else "/NO"
         cells = " | ".join([*cell[:4], speed, *cell[4:], speed_fb])
         lines.append(f"| {r['shape_name']} | {r['routing']} | {r['rows']} | {cells} | {same} |")
-    dense = f"; dense BF16 matmul {mm:.0f} TFLOP/s in the same run" if mm else ""
-    return "\n".join(lines) + f"\n\nTFLOP/s, {report['device']['name']}{dense}. From {_source(path, root)}."
+    runs = []
+    for path, report in sorted(sources.items(), key=lambda kv: kv[0].name):
+        mm = (report["ceilings"].get("bf16_matmul") or {}).get("value")
+        dense = f" (dense BF16 matmul {mm:.0f} TFLOP/s in that run)" if mm else ""
+        runs.append(f"{_source(path, root)}{dense}")
+    device = rows[0][1]["device"]["name"]
+    return "\n".join(lines) + f"\n\nTFLOP/s, {device}. From {', '.join(runs)}."
 
 
 def render_quantize(run: tuple[dict[str, Any], Path] | None, root: Path) -> str:
@@ -248,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     new = rewrite(old, render(rows, sources, root))
     for start, end, schema, render_component in COMPONENTS:
         if start in new:
-            new = rewrite(new, render_component(latest_component(args.results, schema), root), start, end)
+            found = latest_experts if render_component is render_experts else latest_component
+            new = rewrite(new, render_component(found(args.results, schema), root), start, end)
     if args.check:
         if new != old:
             print(f"{args.readme} is out of date: run python benchmarks/readme_table.py", file=sys.stderr)

@@ -347,6 +347,41 @@ def test_readme_component_tables_come_from_the_latest_gpu_run(tmp_path):
     assert "dense BF16 matmul 700, FP8 1200 TFLOP/s" in mtable
 
 
+def test_readme_experts_table_keeps_rows_a_newer_partial_run_did_not_measure(tmp_path):
+    """Per shape and routing the newest row: a newer run of the balanced rows only replaces
+    those and keeps the older skewed ones; every run a row comes from is named, with its rate."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import readme_table
+    finally:
+        sys.path.pop(0)
+
+    def run(created: str, rows: list[tuple[str, float]], dense: float) -> dict:
+        ok = lambda t: {"status": "ok", "TFLOPs": t, "bitwise_repeatable": True}  # noqa: E731
+        return {"schema": "mok-bench-experts/1", "created": created, "device": {"type": "cuda", "name": "H"},
+                "ceilings": {"bf16_matmul": {"value": dense}},
+                "results": [{"shape_name": "glm-5.2", "routing": routing, "rows": 16, "mok": ok(t),
+                             "mok-gate-up": ok(t), "mok-gate-up-ab": ok(t), "torch-grouped-mm": ok(500.0),
+                             "speedup_vs_torch": t / 500.0} for routing, t in rows]}  # fmt: skip
+
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "full.json").write_text(
+        json.dumps(run("2026-12-01T00:00:00+00:00", [("balanced", 401.0), ("skewed", 433.0)], 700.0))
+    )
+    (results / "part.json").write_text(json.dumps(run("2026-12-02T00:00:00+00:00", [("balanced", 612.0)], 750.0)))
+    rows = readme_table.latest_experts(results, "mok-bench-experts/1")
+    assert [(r["routing"], r["mok"]["TFLOPs"], p.name) for r, _, p in rows] == [
+        ("balanced", 612.0, "part.json"),
+        ("skewed", 433.0, "full.json"),
+    ]
+    table = readme_table.render_experts(rows, tmp_path)
+    assert "| glm-5.2 | balanced | 16 | 612 |" in table and "| glm-5.2 | skewed | 16 | 433 |" in table
+    assert "401" not in table
+    assert "`results/full.json` (dense BF16 matmul 700 TFLOP/s in that run)" in table
+    assert "`results/part.json` (dense BF16 matmul 750 TFLOP/s in that run)" in table
+
+
 def _between_markers(path: Path) -> str:
     text = path.read_text()
     return text[text.index("<!-- bench-table:start -->") : text.index("<!-- bench-table:end -->")]
