@@ -132,6 +132,12 @@ def time_providers(ranks: Ranks, providers: Sequence[Provider], ns: argparse.Nam
     return entries
 
 
+def run_config(ns: argparse.Namespace) -> dict[str, Any]:
+    """The options an expert-GEMM benchmark's JSON records (its providers timed in turns)."""
+    return {"shapes": ns.shapes, "ep": ns.ep, "routing": ns.routing, "iters": ns.iters, "warmup": ns.warmup,
+            "timing": "providers in turns"}  # fmt: skip
+
+
 def _case(ranks: Ranks, shape: Shape, El: int, routing: str, ns: argparse.Namespace, g: torch.Generator) -> dict:
     x, wg, wu, wd, ends, offsets, row = case_inputs(ranks, shape, El, routing, g)
     H, I, M, dev = shape.hidden, shape.inner, x.shape[0], ranks.device
@@ -235,14 +241,7 @@ def bench(ns: argparse.Namespace, ranks: Ranks) -> dict[str, Any]:
         "versions": report.versions(),
         "git": report.git_state(),
         "command": " ".join(["mok", "bench-experts", *ns.argv]),
-        "config": {
-            "shapes": ns.shapes,
-            "ep": ns.ep,
-            "routing": ns.routing,
-            "iters": ns.iters,
-            "warmup": ns.warmup,
-            "timing": "providers in turns",
-        },
+        "config": run_config(ns),
         "ceilings": {"bf16_matmul": None if mm is None else mm.asdict()},
         "results": results,
     }

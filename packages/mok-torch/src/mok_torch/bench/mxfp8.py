@@ -41,7 +41,7 @@ from ..backends.native.mxfp8_grouped import mxfp8_grouped_forward
 from ..mxfp8 import mxfp8_quantize, pack_rows
 from . import ceilings as ceilings_mod
 from . import report
-from .experts import case_inputs, each_case, expert_parser, time_providers
+from .experts import case_inputs, each_case, expert_parser, run_config, time_providers
 from .launch import one_device_main
 from .shapes import Shape
 from .timing import Ranks
@@ -153,14 +153,7 @@ def bench(ns: argparse.Namespace, ranks: Ranks) -> dict[str, Any]:
         "versions": report.versions(),
         "git": report.git_state(),
         "command": " ".join(["mok", "bench-mxfp8", *ns.argv]),
-        "config": {
-            "shapes": ns.shapes,
-            "ep": ns.ep,
-            "routing": ns.routing,
-            "iters": ns.iters,
-            "warmup": ns.warmup,
-            "timing": "providers in turns",
-        },
+        "config": run_config(ns),
         "ceilings": {
             "bf16_matmul": None if mm is None else mm.asdict(),
             "fp8_matmul": None if mm8 is None else mm8.asdict(),
