@@ -128,11 +128,17 @@ void launch_wgrad(const CUtensorMap& map_a, const CUtensorMap& map_b, const gemm
   using R = gemm::Ring<kernels::kStages>;
   // bf16 outputs only (no fp32 accumulator, so nothing carried in): the deferred epilogue.
   const bool f32 = p.part[0].f32 != nullptr || p.part[1].f32 != nullptr;
-  auto* kernel = carry_in ? gemm::wgrad_gemm_kernel<kernels::kStages, true, true>
-                 : f32    ? gemm::wgrad_gemm_kernel<kernels::kStages, false, true>
-                          : gemm::wgrad_gemm_kernel<kernels::kStages, false, false>;
-  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, R::kSharedBytes),
-        "setting the shared memory size");
+  constexpr auto kCarry = gemm::wgrad_gemm_kernel<kernels::kStages, true, true>;
+  constexpr auto kF32 = gemm::wgrad_gemm_kernel<kernels::kStages, false, true>;
+  constexpr auto kBf16 = gemm::wgrad_gemm_kernel<kernels::kStages, false, false>;
+  if (carry_in) {
+    kernels::allow_shared_bytes<kCarry>(R::kSharedBytes);
+  } else if (f32) {
+    kernels::allow_shared_bytes<kF32>(R::kSharedBytes);
+  } else {
+    kernels::allow_shared_bytes<kBf16>(R::kSharedBytes);
+  }
+  auto* kernel = carry_in ? kCarry : f32 ? kF32 : kBf16;
   const std::int64_t tiles = static_cast<std::int64_t>(p.num_experts) *
                              ((p.m + gemm::kBlockM - 1) / gemm::kBlockM) *
                              ((p.n + gemm::kMmaN - 1) / gemm::kMmaN);
@@ -157,8 +163,8 @@ void grouped_backward_cuda(const GroupedBackwardArgs& args, std::uintptr_t strea
   const int Ei = static_cast<int>(El), Hi = static_cast<int>(H), Ii = static_cast<int>(I);
 
   if (args.zero_outside) {
-    kernels::zero_uncovered_rows(args.out_dx, 2 * s.hidden, offsets, Ei, s.num_rows, sms, stream);
-    kernels::zero_uncovered_rows(args.out_d_w, 4, offsets, Ei, s.num_rows, sms, stream);
+    kernels::zero_uncovered_rows({{args.out_dx, 2 * s.hidden}, {args.out_d_w, 4}}, offsets, Ei,
+                                 s.num_rows, sms, stream);
   }
   // g = dy @ Wd_e: Wd [El, H, I] is N-major for this GEMM (K = H rows per expert).
   const CUtensorMap map_dy = hopper::make_tensor_map(ptr(args.dy), M, H, gemm::kBlockM);

@@ -98,11 +98,12 @@ void grouped_forward_cuda(const GroupedForwardArgs& args, std::uintptr_t stream_
   const std::uint64_t El = static_cast<std::uint64_t>(s.num_experts);
 
   if (args.zero_outside) {
-    const auto* offs = reinterpret_cast<const std::int64_t*>(args.offsets);
-    const int el = static_cast<int>(s.num_experts);
-    for (const std::uintptr_t out : {args.out_a, args.out_b, args.out_h})
-      kernels::zero_uncovered_rows(out, 2 * s.inner, offs, el, s.num_rows, sms, stream);
-    kernels::zero_uncovered_rows(args.out_y, 2 * s.hidden, offs, el, s.num_rows, sms, stream);
+    kernels::zero_uncovered_rows({{args.out_a, 2 * s.inner},
+                                  {args.out_b, 2 * s.inner},
+                                  {args.out_h, 2 * s.inner},
+                                  {args.out_y, 2 * s.hidden}},
+                                 reinterpret_cast<const std::int64_t*>(args.offsets),
+                                 static_cast<int>(s.num_experts), s.num_rows, sms, stream);
   }
   const CUtensorMap map_x = hopper::make_tensor_map(x, M, H, gemm::kBlockM);
   const CUtensorMap map_wg =

@@ -5,7 +5,9 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <initializer_list>
 #include <stdexcept>
 #include <string>
 
@@ -22,24 +24,65 @@ inline void check(cudaError_t err, const char* what) {
   }
 }
 
-inline int device_sms() {
+// Host state kept per device (kernel attributes set, SM counts read): devices 0 .. 63.
+inline constexpr int kTrackedDevices = 64;
+
+inline int current_device() {
   int device = 0;
   check(cudaGetDevice(&device), "cudaGetDevice");
+  return device;
+}
+
+// The current device's SM count, read from the driver once per device.
+inline int device_sms() {
+  static std::atomic<int> known[kTrackedDevices];
+  const int device = current_device();
+  const bool tracked = device >= 0 && device < kTrackedDevices;
+  if (tracked) {
+    if (const int sms = known[device].load(std::memory_order_relaxed); sms > 0) return sms;
+  }
   int sms = 0;
   check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
         "reading the SM count");
+  if (tracked) known[device].store(sms, std::memory_order_relaxed);
   return sms;
 }
 
-// Zeroes the rows of a row-major array (row_bytes a multiple of 4) that no segment covers, the
-// segments as the GEMMs' tile walk reads them (offsets clamped to [0, M], a decreasing end makes
-// a segment empty): with non-decreasing offsets the rows before offsets[0] and from offsets[El]
-// on; otherwise each row is checked against every segment. A warp per row; nothing is read on
-// the host, so fresh outputs need no fill pass. (Internal linkage: every .cu has its copy.)
+// Lets `kernel` use `bytes` of dynamic shared memory on the current device; the driver call is
+// made once per kernel and device (each kernel has its own instantiation, so its own flags).
+template <auto kKernel>
+void allow_shared_bytes(int bytes) {
+  static std::atomic<bool> done[kTrackedDevices];
+  const int device = current_device();
+  const bool tracked = device >= 0 && device < kTrackedDevices;
+  if (tracked && done[device].load(std::memory_order_acquire)) return;
+  check(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+        "setting the shared memory size");
+  if (tracked) done[device].store(true, std::memory_order_release);
+}
+
+// Row-major arrays whose rows outside every segment a call zeroes (row_bytes a multiple of 4;
+// null or empty ones are skipped).
+struct ZeroTarget {
+  std::uintptr_t data;
+  std::int64_t row_bytes;
+};
+inline constexpr int kMaxZeroTargets = 4;
+struct ZeroTargets {
+  unsigned char* data[kMaxZeroTargets];
+  std::int64_t row_bytes[kMaxZeroTargets];
+  int count;
+};
+
+// Zeroes the rows that no segment covers in every target array, the segments as the GEMMs' tile
+// walk reads them (offsets clamped to [0, M], a decreasing end makes a segment empty): with
+// non-decreasing offsets the rows before offsets[0] and from offsets[El] on; otherwise each row
+// is checked against every segment. A warp per row, each row checked once for all the targets;
+// nothing is read on the host, so fresh outputs need no fill pass. (Internal linkage: every .cu
+// has its copy.)
 namespace {
-__global__ void zero_uncovered_rows_kernel(unsigned char* data, std::int64_t row_bytes,
-                                           const std::int64_t* offsets, int num_experts,
-                                           std::int64_t num_rows) {
+__global__ void zero_uncovered_rows_kernel(ZeroTargets targets, const std::int64_t* offsets,
+                                           int num_experts, std::int64_t num_rows) {
   __shared__ std::int64_t seg_lo[gemm::kMaxExperts], seg_hi[gemm::kMaxExperts];
   __shared__ int sorted;
   if (threadIdx.x == 0) sorted = 1;
@@ -65,26 +108,36 @@ __global__ void zero_uncovered_rows_kernel(unsigned char* data, std::int64_t row
       covered = __any_sync(0xFFFFFFFFu, mine);
     }
     if (covered) continue;
-    unsigned char* row = data + r * row_bytes;
-    if (row_bytes % 16 == 0) {
-      for (std::int64_t i = 16 * lane; i < row_bytes; i += 16 * 32)
-        *reinterpret_cast<uint4*>(row + i) = make_uint4(0, 0, 0, 0);
-    } else {
-      for (std::int64_t i = 4 * lane; i < row_bytes; i += 4 * 32)
-        *reinterpret_cast<std::uint32_t*>(row + i) = 0;
+    for (int k = 0; k < targets.count; ++k) {
+      const std::int64_t row_bytes = targets.row_bytes[k];
+      unsigned char* row = targets.data[k] + r * row_bytes;
+      if (row_bytes % 16 == 0) {
+        for (std::int64_t i = 16 * lane; i < row_bytes; i += 16 * 32)
+          *reinterpret_cast<uint4*>(row + i) = make_uint4(0, 0, 0, 0);
+      } else {
+        for (std::int64_t i = 4 * lane; i < row_bytes; i += 4 * 32)
+          *reinterpret_cast<std::uint32_t*>(row + i) = 0;
+      }
     }
   }
 }
 }  // namespace
 
-// zero_uncovered_rows_kernel on `stream` for an array (skipped when null or empty).
-inline void zero_uncovered_rows(std::uintptr_t data, std::int64_t row_bytes,
+// zero_uncovered_rows_kernel on `stream` for up to kMaxZeroTargets arrays: one launch for all.
+inline void zero_uncovered_rows(std::initializer_list<ZeroTarget> arrays,
                                 const std::int64_t* offsets, int num_experts, std::int64_t num_rows,
                                 int num_sms, cudaStream_t stream) {
-  if (data == 0 || row_bytes == 0 || num_rows == 0) return;
+  ZeroTargets targets{};
+  for (const ZeroTarget& t : arrays) {
+    if (t.data == 0 || t.row_bytes == 0) continue;
+    if (targets.count == kMaxZeroTargets) throw std::logic_error("mok-bf16: too many zero targets");
+    targets.data[targets.count] = reinterpret_cast<unsigned char*>(t.data);
+    targets.row_bytes[targets.count++] = t.row_bytes;
+  }
+  if (targets.count == 0 || num_rows == 0) return;
   const std::int64_t blocks = std::min<std::int64_t>(4 * num_sms, (num_rows + 7) / 8);
-  zero_uncovered_rows_kernel<<<static_cast<int>(blocks), 256, 0, stream>>>(
-      reinterpret_cast<unsigned char*>(data), row_bytes, offsets, num_experts, num_rows);
+  zero_uncovered_rows_kernel<<<static_cast<int>(blocks), 256, 0, stream>>>(targets, offsets,
+                                                                           num_experts, num_rows);
   check(cudaGetLastError(), "launching the zeroing of uncovered rows");
 }
 
@@ -123,9 +176,8 @@ void launch(const CUtensorMap& map_a, const CUtensorMap& map_b0, const CUtensorM
             const gemm::Problem& p, const Epilogue& epilogue, int num_sms, cudaStream_t stream) {
   using R = gemm::Ring<kStages>;
   constexpr int kBlockN = kB == gemm::BLoad::kPaired ? gemm::kMmaN / 2 : gemm::kMmaN;
-  auto* kernel = gemm::grouped_gemm_kernel<kB, kStages, Epilogue>;
-  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, R::kSharedBytes),
-        "setting the shared memory size");
+  constexpr auto kernel = gemm::grouped_gemm_kernel<kB, kStages, Epilogue>;
+  allow_shared_bytes<kernel>(R::kSharedBytes);
   // No more CTAs than tiles can exist: every expert adds at most one partial row tile.
   const std::int64_t n_tiles = (p.n + kBlockN - 1) / kBlockN;
   const std::int64_t most =
