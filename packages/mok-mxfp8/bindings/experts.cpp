@@ -137,6 +137,46 @@ void register_experts(pybind11::module_& m) {
       "of 64, x's rows and arrays 16-byte aligned, the offsets read on the device only), "
       "deterministic and batch invariant, within a tight tolerance of the CPU. num_sms: most CTAs "
       "per GEMM (0: every SM). Raises ValueError naming a bad argument.");
+  m.def(
+      "grouped_gemm",
+      [](const std::string& device, std::uintptr_t a, std::int64_t a_row_bytes,
+         std::uintptr_t offsets, std::uintptr_t b0_data, std::uintptr_t b0_scales,
+         std::uintptr_t b1_data, std::uintptr_t b1_scales, std::int64_t k_split, std::uintptr_t out,
+         bool out_fp32, std::int64_t num_rows, std::int64_t n, std::int64_t k,
+         std::int64_t num_experts, std::int64_t num_sms, std::int64_t num_threads,
+         std::uintptr_t stream) {
+        MxGroupedGemmArgs g;
+        g.a = a;
+        g.a_row_bytes = a_row_bytes;
+        g.offsets = offsets;
+        g.b0_data = b0_data;
+        g.b0_scales = b0_scales;
+        g.b1_data = b1_data;
+        g.b1_scales = b1_scales;
+        g.k_split = k_split;
+        g.out = out;
+        g.out_fp32 = out_fp32;
+        g.num_rows = num_rows;
+        g.n = n;
+        g.k = k;
+        g.num_experts = num_experts;
+        g.num_sms = num_sms;
+        g.num_threads = num_threads;
+        grouped_gemm(device, g, stream);
+      },
+      py::arg("device"), py::arg("a"), py::arg("a_row_bytes"), py::arg("offsets"),
+      py::arg("b0_data"), py::arg("b0_scales"), py::arg("b1_data"), py::arg("b1_scales"),
+      py::arg("k_split"), py::arg("out"), py::arg("out_fp32"), py::arg("num_rows"), py::arg("n"),
+      py::arg("k"), py::arg("num_experts"), py::arg("num_sms") = 0, py::arg("num_threads") = 1,
+      py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+      "One MXFP8 grouped GEMM over segments of consecutive rows: out[rows of e] = A[rows of e] @ "
+      "B_e^T, both quantized along K. a: uint8 MXFP8 rows (K E4M3 bytes then K/32 scales, "
+      "a_row_bytes apart, 0: K + K/32); B_e: b0 (E4M3 [El, N, K0], scales [El, K0/32, N]) and, "
+      "with k_split = K0 > 0, b1 ([El, N, K - K0], [El, (K - K0)/32, N]) for the rest of K; out: "
+      "[M, N] bf16, or fp32 with out_fp32. Rows outside every segment are not written. 'cpu': "
+      "the reference arithmetic (32-block partials summed in fp32, in K order); 'cuda': the sm_90a "
+      "FP8 GEMM with per-32 scaling (n and k multiples of 64, k_split of 128), deterministic and "
+      "batch invariant. Raises ValueError naming a bad argument.");
 }
 
 }  // namespace mok::mxfp8::bindings

@@ -54,7 +54,10 @@ inline constexpr int kStages = 5;
 // Where B comes from. kSingle: one weight, 128 output columns per tile. kPaired: two weights
 // against the same rows (gate and up), 64 columns of each per tile, a thread's accumulators
 // holding the same columns of both (fragment blocks j < 8 the first's, j >= 8 the second's).
-enum class BLoad { kSingle, kPaired };
+// kSplitK: K split over two weights, K' = k_split from the first then k - k_split from the
+// second (dx = [d_a, d_b] @ [Wg; Wu] reads the transposed copies of Wg and Wu one after the
+// other), 128 output columns per tile; k_split a multiple of 128 (stages never straddle it).
+enum class BLoad { kSingle, kPaired, kSplitK };
 
 // The operands' scales (E8M0 bytes). A's are read 4 bytes (a stage's 4 slices of a row) at a
 // time, B's 16 (16 columns of a slice): `a` and a_stride multiples of 4, b0 and b1 of 16 (the
@@ -64,7 +67,7 @@ struct Scales {
   const std::uint8_t* a;   // A's: scale j of row r at a[r * a_stride + j]
   std::int64_t a_stride;   // bytes between rows' scales
   const std::uint8_t* b0;  // B's first weight: [El, K/32, N]
-  const std::uint8_t* b1;  // the second weight (kPaired), else unused
+  const std::uint8_t* b1;  // the second weight (kPaired, kSplitK), else unused
 };
 
 // A stage of the ring in shared memory: the E4M3 tiles (1024-byte aligned), the scale bytes as
@@ -102,18 +105,31 @@ struct Ring {
   __device__ static int b_index(int r) { return (r % 8 / 2) * 36 + (r / 8) * 2 + r % 2; }
 };
 
-// A stage of K: where it starts and how many 32-slices it has (4, or 2 at the end of K).
+// A stage of K: where it starts in A, how many 32-slices it has (4, or 2 at the end of a
+// weight's K), which weight it reads (kSplitK: 1 past k_split) and where it starts in that
+// weight's K.
 struct KBlock {
   int k0;
   int slices;
+  int weight;
+  int b_k0;
+  int b_k;  // that weight's K
 };
 
-__device__ inline int k_blocks(const Problem& p) { return (p.k + kBlockK - 1) / kBlockK; }
+__device__ inline int k_blocks_of(int k) { return (k + kBlockK - 1) / kBlockK; }
+
+__device__ inline int k_blocks(const Problem& p) {
+  return p.k_split > 0 ? k_blocks_of(p.k_split) + k_blocks_of(p.k - p.k_split) : k_blocks_of(p.k);
+}
 
 __device__ inline KBlock k_block(const Problem& p, int kb) {
-  const int k0 = kb * kBlockK;
-  const int left = (p.k - k0) / kSliceK;
-  return {k0, left < kSlices ? left : kSlices};
+  const int first = p.k_split > 0 ? k_blocks_of(p.k_split) : k_blocks_of(p.k);
+  const int weight = kb < first ? 0 : 1;
+  const int b_k0 = (weight == 0 ? kb : kb - first) * kBlockK;
+  const int b_k = p.k_split > 0 ? (weight == 0 ? p.k_split : p.k - p.k_split) : p.k;
+  const int left = (b_k - b_k0) / kSliceK;
+  return {weight == 0 ? b_k0 : p.k_split + b_k0, left < kSlices ? left : kSlices, weight, b_k0,
+          b_k};
 }
 
 // The accumulators of one consumer warpgroup: 64 rows x 128 columns.
@@ -213,7 +229,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (warp == 0 && lane == 0) {
       hopper::prefetch_tensor_map(&map_a);
       hopper::prefetch_tensor_map(&map_b0);
-      if constexpr (kPaired) hopper::prefetch_tensor_map(&map_b1);
+      if constexpr (kB != BLoad::kSingle) hopper::prefetch_tensor_map(&map_b1);
     }
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
       const Tile tile = locate(p, list, t, kTileN);
@@ -226,7 +242,8 @@ __global__ void __launch_bounds__(kThreads, 1)
             hopper::tma_load_2d(ring.a(stage), &map_a, &full[stage], k.k0,
                                 static_cast<int>(tile.row0));
             const int b_row = tile.expert * p.n + tile.col0;
-            hopper::tma_load_2d(ring.b(stage), &map_b0, &full[stage], k.k0, b_row);
+            const CUtensorMap* map_b = k.weight == 0 ? &map_b0 : &map_b1;
+            hopper::tma_load_2d(ring.b(stage), map_b, &full[stage], k.b_k0, b_row);
             if constexpr (kPaired) {
               hopper::tma_load_2d(ring.b(stage) + R::kBBytes / 2, &map_b1, &full[stage], k.k0,
                                   b_row);
@@ -241,14 +258,14 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
           }
           const int i = lane / 8, g = lane % 8;
-          const bool second = kPaired && g >= 4;
+          const bool second = kPaired ? g >= 4 : k.weight == 1;
           const int col = tile.col0 + 16 * (kPaired ? g % 4 : g);
           if (i < k.slices && col < p.n && kProbe < 5) {
-            const std::uint8_t* src =
-                (second ? sc.b1 : sc.b0) +
-                (static_cast<std::int64_t>(tile.expert) * (p.k / kSliceK) + k.k0 / kSliceK + i) *
-                    p.n +
-                col;
+            const std::uint8_t* src = (second ? sc.b1 : sc.b0) +
+                                      (static_cast<std::int64_t>(tile.expert) * (k.b_k / kSliceK) +
+                                       k.b_k0 / kSliceK + i) *
+                                          p.n +
+                                      col;
             hopper::cp_async_16(ring.raw_b(stage) + kBlockN * i + 16 * g, src);
           }
           hopper::cp_async_arrive(&full[stage]);

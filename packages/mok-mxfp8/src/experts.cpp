@@ -28,6 +28,19 @@ void check_weight(const std::string& fn, const std::string& name, const MxWeight
   check_pointer(fn, name + ".scales_t", w.scales_t, 1);
 }
 
+// The host reads the offsets (CPU calls): non-decreasing, within [0, num_rows].
+void check_offsets_on_host(const std::string& fn, std::uintptr_t offsets, std::int64_t num_experts,
+                           std::int64_t num_rows) {
+  const auto* off = reinterpret_cast<const std::int64_t*>(offsets);
+  for (std::int64_t e = 0; e <= num_experts; ++e) {
+    if (off[e] < 0 || off[e] > num_rows || (e > 0 && off[e] < off[e - 1])) {
+      invalid(fn, "offsets must be non-decreasing within [0, num_rows = " +
+                      std::to_string(num_rows) + "]: offsets[" + std::to_string(e) + "]" +
+                      got(off[e]));
+    }
+  }
+}
+
 void check_common(const std::string& fn, const MxExpertShape& s, SwigluLimit limit,
                   std::int64_t num_threads, std::uintptr_t experts, bool per_row = true) {
   if (s.num_rows < 0) invalid(fn, "num_rows must be >= 0" + got(s.num_rows));
@@ -180,16 +193,78 @@ void grouped_forward(const std::string& device, const MxGroupedForwardArgs& a,
                              "(MOK_CUDA=OFF, or no nvcc at build time)");
 #endif
   }
-  // The host reads the offsets: non-decreasing, within [0, M].
-  const auto* off = reinterpret_cast<const std::int64_t*>(a.offsets);
-  for (std::int64_t e = 0; e <= s.num_experts; ++e) {
-    if (off[e] < 0 || off[e] > s.num_rows || (e > 0 && off[e] < off[e - 1])) {
-      invalid(fn,
-              "offsets must be non-decreasing within [0, num_rows = " + std::to_string(s.num_rows) +
-                  "]: offsets[" + std::to_string(e) + "]" + got(off[e]));
-    }
-  }
+  check_offsets_on_host(fn, a.offsets, s.num_experts, s.num_rows);
   grouped_forward_cpu(a);
+}
+
+void grouped_gemm(const std::string& device, const MxGroupedGemmArgs& a, std::uintptr_t stream) {
+  const std::string fn = "grouped_gemm";
+  check_device(fn, device);
+  const bool cuda = device == "cuda";
+  if (a.num_rows < 0) invalid(fn, "num_rows must be >= 0" + got(a.num_rows));
+  if (a.n <= 0) invalid(fn, "n must be >= 1" + got(a.n));
+  if (a.k <= 0 || a.k % kBlock) invalid(fn, "k must be a positive multiple of 32" + got(a.k));
+  if (a.num_experts < 1) invalid(fn, "num_experts must be >= 1" + got(a.num_experts));
+  constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max() / 16;
+  if ((a.num_rows > 0 && (a.n > kMax / a.num_rows || a.k > kMax / a.num_rows)) ||
+      a.num_experts > kMax / (a.n * a.k)) {
+    invalid(fn, "the arrays are too large");
+  }
+  const bool split = a.k_split != 0;
+  if (split && (a.k_split < 0 || a.k_split >= a.k || a.k_split % kBlock)) {
+    invalid(fn, "k_split must be 0 or a multiple of 32 in (0, k = " + std::to_string(a.k) + ")" +
+                    got(a.k_split));
+  }
+  if (cuda && (a.n % 64 != 0 || a.k % 64 != 0)) {
+    invalid(fn, "on \"cuda\", n and k must be multiples of 64, got n " + std::to_string(a.n) +
+                    ", k " + std::to_string(a.k));
+  }
+  if (cuda && split && a.k_split % 128 != 0) {
+    invalid(fn, "on \"cuda\", k_split must be a multiple of 128 (the kernel's stages)" +
+                    got(a.k_split));
+  }
+  if (cuda && a.num_experts > 1024) {
+    invalid(fn, "on \"cuda\", num_experts must be <= 1024" + got(a.num_experts));
+  }
+  if (a.num_sms < 0) invalid(fn, "num_sms must be >= 0 (0: every SM)" + got(a.num_sms));
+  if (a.num_threads < 1 || a.num_threads > kMaxExpertThreads) {
+    invalid(fn, "num_threads must be in [1, " + std::to_string(kMaxExpertThreads) + "]" +
+                    got(a.num_threads));
+  }
+  const std::int64_t packed = a.k + a.k / kBlock;
+  if (a.a_row_bytes != 0 && a.a_row_bytes < packed) {
+    invalid(fn, "a_row_bytes must be 0 or >= k + k/32 = " + std::to_string(packed) +
+                    got(a.a_row_bytes));
+  }
+  const std::int64_t row_bytes = a.a_row_bytes != 0 ? a.a_row_bytes : packed;
+  if (cuda && row_bytes % 16 != 0) {
+    invalid(fn, "on \"cuda\", A's rows must be 16-byte aligned: a_row_bytes must be a multiple of 16" +
+                    got(row_bytes));
+  }
+  check_pointer(fn, "offsets", a.offsets, 8);
+  if (a.num_rows == 0) return;
+  const std::uintptr_t al = cuda ? 16 : 1;
+  check_pointer(fn, "a", a.a, al);
+  check_pointer(fn, "b0_data", a.b0_data, al);
+  check_pointer(fn, "b0_scales", a.b0_scales, al);
+  if (split) {
+    check_pointer(fn, "b1_data", a.b1_data, al);
+    check_pointer(fn, "b1_scales", a.b1_scales, al);
+  }
+  check_pointer(fn, "out", a.out, a.out_fp32 ? (cuda ? 8 : 4) : (cuda ? 4 : 2));
+  if (cuda) {
+#if MOK_WITH_CUDA
+    grouped_gemm_cuda(a, stream);
+    return;
+#else
+    (void)stream;
+    throw std::runtime_error(fn +
+                             ": device=\"cuda\" but mok-mxfp8 was built without CUDA "
+                             "(MOK_CUDA=OFF, or no nvcc at build time)");
+#endif
+  }
+  check_offsets_on_host(fn, a.offsets, a.num_experts, a.num_rows);
+  grouped_gemm_cpu(a);
 }
 
 }  // namespace mok::mxfp8

@@ -247,6 +247,44 @@ void grouped_forward_cpu(const MxGroupedForwardArgs& g) {
   forward_rows(args, row_bytes, extra);
 }
 
+void grouped_gemm_cpu(const MxGroupedGemmArgs& g) {
+  const std::int64_t M = g.num_rows, N = g.n, K = g.k, El = g.num_experts;
+  const std::int64_t K0 = g.k_split != 0 ? g.k_split : K;
+  const std::int64_t row_bytes = g.a_row_bytes != 0 ? g.a_row_bytes : K + K / kBlock;
+  const auto* offsets = reinterpret_cast<const std::int64_t*>(g.offsets);
+  const auto* a = reinterpret_cast<const u8*>(g.a);
+  // B_e[n, k] quantized along K: the first weight for k < K0, the second after.
+  const auto* d0 = reinterpret_cast<const u8*>(g.b0_data);
+  const auto* s0 = reinterpret_cast<const u8*>(g.b0_scales);
+  const auto* d1 = reinterpret_cast<const u8*>(g.b1_data);
+  const auto* s1 = reinterpret_cast<const u8*>(g.b1_scales);
+  const Tables& t = tables();
+  const auto b_value = [&](std::int64_t e, std::int64_t n, std::int64_t k) {
+    if (k < K0) {
+      return t.e4m3[d0[(e * N + n) * K0 + k]] * t.scale[s0[(e * (K0 / kBlock) + k / kBlock) * N + n]];
+    }
+    const std::int64_t K1 = K - K0, j = k - K0;
+    return t.e4m3[d1[(e * N + n) * K1 + j]] * t.scale[s1[(e * (K1 / kBlock) + j / kBlock) * N + n]];
+  };
+  for (std::int64_t e = 0; e < El; ++e) {
+    const std::int64_t lo = offsets[e], hi = offsets[e + 1];
+    parallel_ranges(hi - lo, g.num_threads, [&](std::int64_t begin, std::int64_t end) {
+      std::vector<float> av(static_cast<std::size_t>(K));
+      for (std::int64_t r = lo + begin; r < lo + end; ++r) {
+        row_values(a + r * row_bytes, K, av.data());
+        for (std::int64_t n = 0; n < N; ++n) {
+          const float v = blocked_dot(av.data(), K, [&](std::int64_t k) { return b_value(e, n, k); });
+          if (g.out_fp32) {
+            reinterpret_cast<float*>(g.out)[r * N + n] = v;
+          } else {
+            reinterpret_cast<u16*>(g.out)[r * N + n] = float_to_bf16(v);
+          }
+        }
+      }
+    });
+  }
+}
+
 // ------------------------------------------------------------------ backward
 
 void swiglu_backward_cpu(const MxBackwardArgs& args) {

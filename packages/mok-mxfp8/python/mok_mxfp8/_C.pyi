@@ -87,3 +87,23 @@ def grouped_forward(
     num_threads: int = 1,
     stream: int = 0,
 ) -> None: ...
+def grouped_gemm(
+    device: str,
+    a: int,
+    a_row_bytes: int,
+    offsets: int,
+    b0_data: int,
+    b0_scales: int,
+    b1_data: int,
+    b1_scales: int,
+    k_split: int,
+    out: int,
+    out_fp32: bool,
+    num_rows: int,
+    n: int,
+    k: int,
+    num_experts: int,
+    num_sms: int = 0,
+    num_threads: int = 1,
+    stream: int = 0,
+) -> None: ...

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._C import build_info, grouped_forward, quantize, swiglu_backward, swiglu_forward, version
+from ._C import build_info, grouped_forward, grouped_gemm, quantize, swiglu_backward, swiglu_forward, version
 
 __version__: str = version()
 
@@ -18,6 +18,7 @@ __all__ = [
     "backend_info",
     "build_info",
     "grouped_forward",
+    "grouped_gemm",
     "quantize",
     "swiglu_backward",
     "swiglu_forward",

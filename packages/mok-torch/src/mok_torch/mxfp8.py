@@ -73,12 +73,19 @@ class MXFP8Tensor:
         assert t is not None
         return t.device
 
-    def dequantize(self, transposed: bool = False) -> torch.Tensor:
-        """The values as float32 (exact): [..., R, C], or [..., C, R] for the transposed copy."""
+    def operand(self, transposed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(data, scales) of the normal copy ([..., R, C], [..., C/32, R]) or the transposed one
+        ([..., C, R], [..., R/32, C]): a GEMM operand quantized along its last dimension, as
+        `mxfp8_grouped_gemm` takes B."""
         data, scales = (self.data_t, self.scales_t) if transposed else (self.data, self.scales)
         if data is None or scales is None:
             which = "transposed" if transposed else "normal"
             raise ValueError(f"this MXFP8Tensor has no {which} copy (quantize with {which}=True)")
+        return data, scales
+
+    def dequantize(self, transposed: bool = False) -> torch.Tensor:
+        """The values as float32 (exact): [..., R, C], or [..., C, R] for the transposed copy."""
+        data, scales = self.operand(transposed)
         return dequantize_blocks(data, scales.transpose(-2, -1))
 
 

@@ -102,6 +102,36 @@ struct MxGroupedForwardArgs {
   std::int64_t num_threads = 1;  // CPU threads
 };
 
+// grouped_gemm: one MXFP8 grouped GEMM over experts' segments of rows, out[rows of e] =
+// A[rows of e] @ B_e^T, both operands quantized along K (the orientation of the forward and of
+// the input gradients):
+//
+//   g  = dy_q @ Q_H(Wd_e^T)^T                   B: Wd's transposed copy [El, I, H] (N = I, K = H)
+//   dx = Q_2I([d_a, d_b]) @ [Q_I(Wg_e^T); Q_I(Wu_e^T)]^T   K split: Wg's then Wu's transposed
+//                                               copies [El, H, I] (N = H, K = 2I, k_split = I)
+//
+// Each output element is the fp32 sum of its 32-blocks' partials in ascending K (docs/mxfp8.md
+// "Arithmetic"), rounded to bf16 or stored as fp32. Devices, offsets and rows outside every
+// segment as in grouped_forward.
+struct MxGroupedGemmArgs {
+  std::uintptr_t a = 0;            // uint8 MXFP8 rows: K E4M3 bytes then K/32 E8M0 scales per row
+  std::int64_t a_row_bytes = 0;    // bytes between A's rows (0: K + K/32); on "cuda" a multiple of 16
+  std::uintptr_t offsets = 0;      // int64 [El + 1]
+  std::uintptr_t b0_data = 0;      // uint8 E4M3 [El, N, K0]: B's first (or only) weight
+  std::uintptr_t b0_scales = 0;    // uint8 E8M0 [El, K0/32, N]
+  std::uintptr_t b1_data = 0;      // with k_split: the second weight, [El, N, K - K0]
+  std::uintptr_t b1_scales = 0;    // [El, (K - K0)/32, N]
+  std::int64_t k_split = 0;        // K0 (0: one weight, K0 = K); on "cuda" a multiple of 128
+  std::uintptr_t out = 0;          // [M, N]: bf16, or fp32 with out_fp32
+  bool out_fp32 = false;
+  std::int64_t num_rows = 0;       // M
+  std::int64_t n = 0;              // N
+  std::int64_t k = 0;              // K, a multiple of 32 (of 64 on "cuda")
+  std::int64_t num_experts = 0;    // El
+  std::int64_t num_sms = 0;        // CUDA: most CTAs (0: every SM)
+  std::int64_t num_threads = 1;    // CPU threads
+};
+
 inline constexpr std::int64_t kMaxExpertThreads = 1024;
 
 // device "cpu" (or "cuda": not implemented yet, raises std::runtime_error). Bad arguments raise
@@ -112,10 +142,14 @@ void swiglu_backward(const std::string& device, const MxBackwardArgs& args, std:
 void grouped_forward(const std::string& device, const MxGroupedForwardArgs& args,
                      std::uintptr_t stream);
 
+void grouped_gemm(const std::string& device, const MxGroupedGemmArgs& args, std::uintptr_t stream);
+
 void swiglu_forward_cpu(const MxForwardArgs& args);
 void grouped_forward_cpu(const MxGroupedForwardArgs& args);
+void grouped_gemm_cpu(const MxGroupedGemmArgs& args);
 #if MOK_WITH_CUDA
 void grouped_forward_cuda(const MxGroupedForwardArgs& args, std::uintptr_t stream);
+void grouped_gemm_cuda(const MxGroupedGemmArgs& args, std::uintptr_t stream);
 #endif
 void swiglu_backward_cpu(const MxBackwardArgs& args);
 

@@ -15,8 +15,14 @@ expert, as `mok bench-experts` makes them), the same inputs for every provider:
   `use_fast_accum=False` (the default: partial sums promoted to fp32 as they go);
   `torch-scaled-fast-gate-up`: the gate+up call with `use_fast_accum=True` (the whole K summed
   inside the FP8 tensor-core accumulator: fastest, least precise);
+- the input gradients' two GEMMs, on MXFP8 rows of a random dy [M, H] and d_ab [M, 2I]:
+  `mok-mxfp8-dgrad`: mok-mxfp8's grouped GEMM for g = dy_q @ Q_H(Wd^T)^T (fp32 out) and
+  dx = Q_2I(d_ab) @ [Q_I(Wg^T); Q_I(Wu^T)]^T (bf16 out, K split over the two transposed copies);
+  `torch-scaled-dgrad`: the same two products by `torch._scaled_grouped_mm` (rowwise scales,
+  bf16 out); `torch-bf16-dgrad`: by `torch._grouped_mm` on the bf16 values;
 
-and reports ms and TFLOP/s (6 * rows * H * I for a forward, 4 for gate+up) against the dense
+and reports ms and TFLOP/s (6 * rows * H * I for a forward and for the input gradients' GEMMs,
+4 for gate+up) against the dense
 BF16 and FP8 matmul rates measured in the same run, the MXFP8 speedups over torch's FP8 and
 over mok's BF16, whether two MXFP8 runs gave the same bits, and the MXFP8 output's relative
 difference from the BF16 kernels'.
@@ -37,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from ..backends.native.grouped import grouped_forward
-from ..backends.native.mxfp8_grouped import mxfp8_grouped_forward
+from ..backends.native.mxfp8_grouped import mxfp8_grouped_forward, mxfp8_grouped_gemm
 from ..mxfp8 import mxfp8_quantize, pack_rows
 from . import ceilings as ceilings_mod
 from . import report
@@ -56,6 +62,9 @@ PROVIDERS = (
     "torch-scaled",
     "torch-scaled-gate-up",
     "torch-scaled-fast-gate-up",
+    "mok-mxfp8-dgrad",
+    "torch-scaled-dgrad",
+    "torch-bf16-dgrad",
 )
 
 
@@ -104,6 +113,30 @@ def _case(ranks: Ranks, shape: Shape, El: int, routing: str, ns: argparse.Namesp
         h8, sh = rowwise_fp8(h)
         return torch._scaled_grouped_mm(h8, d8.transpose(-2, -1), sh, sd, offs=offs32, out_dtype=BF16)
 
+    # The input gradients' operands: dy and d_ab as MXFP8 rows, the weights' transposed copies.
+    dy = torch.randn(M, H, generator=g, dtype=torch.float32).to(dev, BF16)
+    dab = (torch.randn(M, 2 * I, generator=g, dtype=torch.float32) / 8).to(dev, BF16)
+    dy_rows, dab_rows = pack_rows(dy), pack_rows(dab)
+    dy8, sdy = rowwise_fp8(dy)
+    dab8, sdab = rowwise_fp8(dab)
+    wdt8, swdt = rowwise_fp8(wd.transpose(1, 2).contiguous())  # [El, I, H]: rows of Wd^T, reduced along H
+    gut8, sgut = rowwise_fp8(torch.cat([wg, wu], dim=1).transpose(1, 2).contiguous())  # [El, H, 2I]
+
+    def mx_dgrad() -> Any:
+        g_MI = mxfp8_grouped_gemm(dy_rows, H, offsets, q[2].operand(transposed=True), out_dtype=torch.float32)
+        dx = mxfp8_grouped_gemm(dab_rows, 2 * I, offsets, q[0].operand(True), q[1].operand(True))
+        return g_MI, dx
+
+    def scaled_dgrad() -> Any:
+        g_MI = torch._scaled_grouped_mm(dy8, wdt8.transpose(-2, -1), sdy, swdt, offs=offs32, out_dtype=BF16)
+        dx = torch._scaled_grouped_mm(dab8, gut8.transpose(-2, -1), sdab, sgut, offs=offs32, out_dtype=BF16)
+        return g_MI, dx
+
+    def bf16_dgrad() -> Any:
+        g_MI = torch._grouped_mm(dy, wd, offs=offs32)
+        dx = torch._grouped_mm(dab, torch.cat([wg, wu], dim=1), offs=offs32)
+        return g_MI, dx
+
     providers = (
         ("mok-mxfp8", mx, flops),
         ("mok-mxfp8-gate-up", mx_gate_up, 4 * M * H * I),
@@ -112,6 +145,9 @@ def _case(ranks: Ranks, shape: Shape, El: int, routing: str, ns: argparse.Namesp
         ("torch-scaled", scaled, flops),
         ("torch-scaled-gate-up", scaled_gate_up, 4 * M * H * I),
         ("torch-scaled-fast-gate-up", lambda: scaled_gate_up(fast=True), 4 * M * H * I),
+        ("mok-mxfp8-dgrad", mx_dgrad, 6 * M * H * I),
+        ("torch-scaled-dgrad", scaled_dgrad, 6 * M * H * I),
+        ("torch-bf16-dgrad", bf16_dgrad, 6 * M * H * I),
     )
     row.update(time_providers(ranks, providers, ns))
     ok = lambda n: row[n]["status"] == "ok"  # noqa: E731
@@ -128,6 +164,8 @@ def _case(ranks: Ranks, shape: Shape, El: int, routing: str, ns: argparse.Namesp
         ("mok-mxfp8-gate-up", "mok-bf16-gate-up", "gate_up_speedup_vs_bf16"),
         ("mok-mxfp8", "torch-scaled", "forward_speedup_vs_torch_scaled"),
         ("mok-mxfp8", "mok-bf16", "forward_speedup_vs_bf16"),
+        ("mok-mxfp8-dgrad", "torch-scaled-dgrad", "dgrad_speedup_vs_torch_scaled"),
+        ("mok-mxfp8-dgrad", "torch-bf16-dgrad", "dgrad_speedup_vs_torch_bf16"),
     ):
         if ok(ours) and ok(theirs):
             row[key] = row[theirs]["ms"] / row[ours]["ms"]
@@ -171,7 +209,7 @@ def _print(doc: dict[str, Any]) -> None:
     print(f"\nmok bench-mxfp8: {doc['device']['name']}, dense bf16 {mm:.0f}, fp8 {mm8:.0f} TFLOP/s (TFLOP/s)")
     print(
         f"{'shape':<20}{'routing':<9}{'rows':>7}{'mx fwd':>7}{'mx g-u':>7}{'bf fwd':>7}{'bf g-u':>7}"
-        f"{'t8 fwd':>7}{'t8 g-u':>7}{'t8fast':>7}{'xT8':>6}{'xBF':>6}  same bits"
+        f"{'t8 fwd':>7}{'t8 g-u':>7}{'t8fast':>7}{'mx dg':>7}{'t8 dg':>7}{'bf dg':>7}{'xT8':>6}{'xBF':>6}  same bits"
     )
     for r in doc["results"]:
         if r.get("status") == "skipped":

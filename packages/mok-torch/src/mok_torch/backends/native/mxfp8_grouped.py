@@ -2,7 +2,8 @@
 consecutive rows (docs/mxfp8.md).
 
 `mxfp8_grouped_forward` checks its tensors, allocates the outputs and calls
-`mok_mxfp8.grouped_forward` on the current stream. On CUDA (sm_90a) it runs the FP8
+`mok_mxfp8.grouped_forward` on the current stream; `mxfp8_grouped_gemm` does the same for one
+GEMM in the orientation of the input gradients (`mok_mxfp8.grouped_gemm`). On CUDA (sm_90a) it runs the FP8
 tensor-core GEMMs with per-32 scaling (`packages/mok-mxfp8/cuda/fp8_gemm.cuh`): deterministic
 and batch invariant, within a tight tolerance of the reference's bits (the FP8 wgmma's partial
 of 32 products is not a sequential fp32 sum). On the CPU it runs the reference arithmetic.
@@ -119,5 +120,89 @@ def mxfp8_grouped_forward(
             dev.type, x_rows.data_ptr(), x_rows.stride(0), offsets_El1.data_ptr(), gate, up, down,
             out.a.data_ptr(), out.b.data_ptr(), ptr(out.h), ptr(out.h_q), ptr(out.y),
             M, H, I, El, limit, num_sms, torch.get_num_threads() if dev.type == "cpu" else 1, stream,
+        )  # fmt: skip
+    return out
+
+
+def _operand(name: str, b: tuple[torch.Tensor, torch.Tensor], El: int, N: int | None, dev: torch.device) -> tuple:
+    """(data, scales, N, K) of a B operand: E4M3 [El, N, K] with E8M0 scales [El, K/32, N]."""
+    if not isinstance(b, tuple) or len(b) != 2:
+        raise TypeError(f"{name} must be a (data, scales) pair of tensors, got {type(b).__name__}")
+    e4m3, e8m0 = (U8, torch.float8_e4m3fn), (U8, torch.float8_e8m0fnu)
+    data = check_tensor(f"{name}[0] (data)", b[0], dtypes=e4m3, shape=[("El", El), ("N", N), ("K", None)], device=dev)
+    N, K = int(data.shape[1]), int(data.shape[2])
+    if K % 32:
+        raise ValueError(f"{name}'s K must be a multiple of 32, got {K}")
+    scale_shape = [("El", El), ("K/32", K // 32), ("N", N)]
+    check_tensor(f"{name}[1] (scales)", b[1], dtypes=e8m0, shape=scale_shape, device=dev)
+    return data, b[1], N, K
+
+
+def mxfp8_grouped_gemm(
+    a_rows: torch.Tensor,
+    k: int,
+    offsets_El1: torch.Tensor,
+    b: tuple[torch.Tensor, torch.Tensor],
+    b2: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *,
+    out_dtype: torch.dtype = BF16,
+    num_sms: int = 0,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """out[rows of e] = A[rows of e] @ B_e^T for each local expert e, both quantized along K.
+
+    a_rows: uint8 [M, row_bytes], each row K E4M3 bytes then K/32 E8M0 scales (`pack_rows`);
+    offsets int64 [El + 1] as in `mxfp8_grouped_forward`. b: (data [El, N, K0], scales
+    [El, K0/32, N]) of a weight quantized along K — `w.operand()` of an MXFP8Tensor of W
+    [El, N, K], or `w.operand(transposed=True)` of one of W^T [El, K, N]; b2: a second such weight
+    for the rest of K (K = K0 + K1, the blocks of b then b2), as dx = [d_a, d_b] @ [Wg; Wu]
+    reads Wg's and Wu's transposed copies. out_dtype bf16 or float32. Rows outside every
+    segment are left as `out` has them (zeros in a fresh one).
+
+        g = mxfp8_grouped_gemm(dy_rows, H, offsets, wd.operand(transposed=True), out_dtype=torch.float32)
+        dx = mxfp8_grouped_gemm(dab_rows, 2 * I, offsets, wg.operand(True), wu.operand(True))
+    """
+    import mok_mxfp8
+
+    a_rows = check_tensor("a_rows", a_rows, dtypes=(U8,), shape=[("M", None), ("row_bytes", None)])
+    dev = a_rows.device
+    M, row_bytes = a_rows.shape
+    if not isinstance(k, int) or isinstance(k, bool) or k <= 0 or k % 32:
+        raise ValueError(f"k must be a positive multiple of 32, got {k!r}")
+    if row_bytes < k + k // 32:
+        raise ValueError(f"a_rows has {row_bytes} bytes per row, fewer than k + k/32 = {k + k // 32}")
+    if a_rows.stride(1) != 1:
+        raise ValueError("a_rows' bytes must be contiguous within a row")
+    if out_dtype not in (BF16, torch.float32):
+        raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
+    if not isinstance(b, tuple) or len(b) != 2 or not isinstance(b[0], torch.Tensor):
+        raise TypeError(f"b must be a (data, scales) pair of tensors, got {type(b).__name__}")
+    El = int(b[0].shape[0]) if b[0].dim() == 3 else -1
+    d0, s0, N, K0 = _operand("b", b, El, None, dev)
+    check_tensor("offsets", offsets_El1, dtypes=(torch.int64,), shape=[("El+1", El + 1)], device=dev)
+    d1 = s1 = None
+    if b2 is None:
+        if K0 != k:
+            raise ValueError(f"b's K ({K0}) must equal k ({k}) without b2")
+    else:
+        d1, s1, _, K1 = _operand("b2", b2, El, N, dev)
+        if K0 + K1 != k:
+            raise ValueError(f"b's and b2's K ({K0} + {K1}) must add up to k ({k})")
+    for name, t in (("b[0]", d0), ("b[1]", s0), ("b2[0]", d1), ("b2[1]", s1)):
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    if not isinstance(num_sms, int) or num_sms < 0:
+        raise ValueError(f"num_sms must be an int >= 0 (0: every SM), got {num_sms!r}")
+    if out is None:
+        out = torch.zeros(M, N, dtype=out_dtype, device=dev)
+    check_tensor("out", out, dtypes=(out_dtype,), shape=[("M", M), ("N", N)], device=dev)
+    ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+    on_device = torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
+    with on_device:
+        stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
+        mok_mxfp8.grouped_gemm(
+            dev.type, a_rows.data_ptr(), a_rows.stride(0), offsets_El1.data_ptr(), d0.data_ptr(), s0.data_ptr(),
+            ptr(d1), ptr(s1), 0 if b2 is None else K0, out.data_ptr(), out_dtype == torch.float32,
+            M, N, k, El, num_sms, torch.get_num_threads() if dev.type == "cpu" else 1, stream,
         )  # fmt: skip
     return out
