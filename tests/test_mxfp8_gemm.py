@@ -49,7 +49,7 @@ def make(lengths: list[int], N: int, K: int, k_split: int, seed: int = 0) -> tup
     El, M = len(lengths), sum(lengths)
     offsets = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
     a = (torch.randn(M, K, generator=g) * 2).to(BF16)
-    rows = torch.zeros(M, K + K // 32 + 48, dtype=torch.uint8)
+    rows = torch.zeros(M, (K + K // 32 + 15) // 16 * 16 + 16, dtype=torch.uint8)  # 16-byte rows
     rows[:, : K + K // 32] = pack_rows(a)
     parts = [k_split, K - k_split] if k_split else [K]
     # W^T [El, K', N] quantized along K' (its transposed copy): the layout of Wd^T, Wg^T, Wu^T

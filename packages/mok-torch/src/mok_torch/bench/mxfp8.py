@@ -114,8 +114,8 @@ def _case(ranks: Ranks, shape: Shape, El: int, routing: str, ns: argparse.Namesp
         return torch._scaled_grouped_mm(h8, d8.transpose(-2, -1), sh, sd, offs=offs32, out_dtype=BF16)
 
     # The input gradients' operands: dy and d_ab as MXFP8 rows, the weights' transposed copies.
-    dy = torch.randn(M, H, generator=g, dtype=torch.float32).to(dev, BF16)
-    dab = (torch.randn(M, 2 * I, generator=g, dtype=torch.float32) / 8).to(dev, BF16)
+    dy = torch.randn(M, H, generator=g, device=g.device).to(dev, BF16)
+    dab = (torch.randn(M, 2 * I, generator=g, device=g.device) / 8).to(dev, BF16)
     dy_rows, dab_rows = pack_rows(dy), pack_rows(dab)
     dy8, sdy = rowwise_fp8(dy)
     dab8, sdab = rowwise_fp8(dab)
