@@ -229,6 +229,16 @@ def render_quantize(run: tuple[dict[str, Any], Path] | None, root: Path) -> str:
     )
 
 
+def _tflops(row: dict[str, Any], name: str) -> str:
+    if name not in row:
+        return "-"
+    return f"{row[name]['TFLOPs']:.0f}" if row[name]["status"] == "ok" else row[name]["status"]
+
+
+def _ratio(row: dict[str, Any], key: str) -> str:
+    return f"{row[key]:.2f}x" if key in row else "-"
+
+
 def render_mxfp8(run: tuple[dict[str, Any], Path] | None, root: Path) -> str:
     """`mok bench-mxfp8`: TFLOP/s of mok's MXFP8 GEMMs against mok's BF16 ones and torch's FP8 rowwise."""
     if run is None:
@@ -236,20 +246,24 @@ def render_mxfp8(run: tuple[dict[str, Any], Path] | None, root: Path) -> str:
     report, path = run
     ceil = report["ceilings"]
     mm, mm8 = ((ceil.get(k) or {}).get("value") for k in ("bf16_matmul", "fp8_matmul"))
+    # Runs from 2026-12-01 on also time the input gradients' GEMMs (g and dx).
+    dgrad = any("mok-mxfp8-dgrad" in r for r in report["results"])
     head = "| shape | routing | rows | MXFP8 fwd | MXFP8 gate+up | BF16 fwd | BF16 gate+up | torch FP8 fwd "
-    head += "| torch FP8 gate+up | torch FP8 gate+up, fast accum | gate+up vs torch FP8 | gate+up vs BF16 | bitwise |"
-    lines = [head, "| --- " * 13 + "|"]
+    head += "| torch FP8 gate+up | torch FP8 gate+up, fast accum | gate+up vs torch FP8 | gate+up vs BF16 "
+    head += "| MXFP8 g + dx | torch FP8 g + dx | torch BF16 g + dx | g + dx vs torch FP8 " if dgrad else ""
+    head += "| bitwise |"
+    lines = [head, "| --- " * (17 if dgrad else 13) + "|"]
     names = ("mok-mxfp8", "mok-mxfp8-gate-up", "mok-bf16", "mok-bf16-gate-up", "torch-scaled", "torch-scaled-gate-up")
     names += ("torch-scaled-fast-gate-up",)
+    keys = ("gate_up_speedup_vs_torch_scaled", "gate_up_speedup_vs_bf16")
     for r in report["results"]:
         if r.get("status") == "skipped":
             continue
-        cell = [
-            "-" if n not in r else f"{r[n]['TFLOPs']:.0f}" if r[n]["status"] == "ok" else r[n]["status"] for n in names
-        ]
-        speeds = [
-            f"{r[k]:.2f}x" if k in r else "-" for k in ("gate_up_speedup_vs_torch_scaled", "gate_up_speedup_vs_bf16")
-        ]
+        cell = [_tflops(r, n) for n in names]
+        speeds = [_ratio(r, k) for k in keys]
+        if dgrad:
+            speeds += [_tflops(r, n) for n in ("mok-mxfp8-dgrad", "torch-scaled-dgrad", "torch-bf16-dgrad")]
+            speeds.append(_ratio(r, "dgrad_speedup_vs_torch_scaled"))
         same = "yes" if r["mok-mxfp8"].get("bitwise_repeatable") else "NO"
         lines.append(f"| {r['shape_name']} | {r['routing']} | {r['rows']} | {' | '.join(cell + speeds)} | {same} |")
     dense = f"; dense BF16 matmul {mm:.0f}, FP8 {mm8:.0f} TFLOP/s in the same run" if mm and mm8 else ""
