@@ -32,10 +32,9 @@ void grouped_gemm_cuda(const MxGroupedGemmArgs& args, std::uintptr_t stream_hand
       hopper::make_tensor_map(ptr(args.a), M, K, tiles::kBlockM, MapType::kU8, row_bytes);
   const CUtensorMap map_b0 =
       hopper::make_tensor_map(ptr(args.b0_data), El * N, K0, gemm::kBlockN, MapType::kU8);
-  const CUtensorMap map_b1 =
-      split ? hopper::make_tensor_map(ptr(args.b1_data), El * N, K - K0, gemm::kBlockN,
-                                      MapType::kU8)
-            : map_b0;
+  const CUtensorMap map_b1 = split ? hopper::make_tensor_map(ptr(args.b1_data), El * N, K - K0,
+                                                             gemm::kBlockN, MapType::kU8)
+                                   : map_b0;
   tiles::Problem p{reinterpret_cast<const std::int64_t*>(args.offsets), args.num_rows,
                    static_cast<int>(El), static_cast<int>(N), static_cast<int>(K)};
   p.k_split = static_cast<int>(split ? K0 : 0);

@@ -34,9 +34,9 @@ void check_offsets_on_host(const std::string& fn, std::uintptr_t offsets, std::i
   const auto* off = reinterpret_cast<const std::int64_t*>(offsets);
   for (std::int64_t e = 0; e <= num_experts; ++e) {
     if (off[e] < 0 || off[e] > num_rows || (e > 0 && off[e] < off[e - 1])) {
-      invalid(fn, "offsets must be non-decreasing within [0, num_rows = " +
-                      std::to_string(num_rows) + "]: offsets[" + std::to_string(e) + "]" +
-                      got(off[e]));
+      invalid(fn,
+              "offsets must be non-decreasing within [0, num_rows = " + std::to_string(num_rows) +
+                  "]: offsets[" + std::to_string(e) + "]" + got(off[e]));
     }
   }
 }
@@ -88,6 +88,12 @@ void check_common(const std::string& fn, const MxExpertShape& s, SwigluLimit lim
   throw std::runtime_error(fn +
                            ": device=\"cuda\": the MXFP8 expert kernels for the GPU are not "
                            "written yet (the CPU implementation runs with device=\"cpu\")");
+}
+
+[[maybe_unused]] [[noreturn]] void built_without_cuda(const std::string& fn) {
+  throw std::runtime_error(fn +
+                           ": device=\"cuda\" but mok-mxfp8 was built without CUDA "
+                           "(MOK_CUDA=OFF, or no nvcc at build time)");
 }
 
 void check_device(const std::string& fn, const std::string& device) {
@@ -188,9 +194,7 @@ void grouped_forward(const std::string& device, const MxGroupedForwardArgs& a,
     return;
 #else
     (void)stream;
-    throw std::runtime_error(fn +
-                             ": device=\"cuda\" but mok-mxfp8 was built without CUDA "
-                             "(MOK_CUDA=OFF, or no nvcc at build time)");
+    built_without_cuda(fn);
 #endif
   }
   check_offsets_on_host(fn, a.offsets, s.num_experts, s.num_rows);
@@ -238,8 +242,9 @@ void grouped_gemm(const std::string& device, const MxGroupedGemmArgs& a, std::ui
   }
   const std::int64_t row_bytes = a.a_row_bytes != 0 ? a.a_row_bytes : packed;
   if (cuda && row_bytes % 16 != 0) {
-    invalid(fn, "on \"cuda\", A's rows must be 16-byte aligned: a_row_bytes must be a multiple of 16" +
-                    got(row_bytes));
+    invalid(fn,
+            "on \"cuda\", A's rows must be 16-byte aligned: a_row_bytes must be a multiple of 16" +
+                got(row_bytes));
   }
   check_pointer(fn, "offsets", a.offsets, 8);
   if (a.num_rows == 0) return;
@@ -258,9 +263,7 @@ void grouped_gemm(const std::string& device, const MxGroupedGemmArgs& a, std::ui
     return;
 #else
     (void)stream;
-    throw std::runtime_error(fn +
-                             ": device=\"cuda\" but mok-mxfp8 was built without CUDA "
-                             "(MOK_CUDA=OFF, or no nvcc at build time)");
+    built_without_cuda(fn);
 #endif
   }
   check_offsets_on_host(fn, a.offsets, a.num_experts, a.num_rows);

@@ -261,7 +261,8 @@ void grouped_gemm_cpu(const MxGroupedGemmArgs& g) {
   const Tables& t = tables();
   const auto b_value = [&](std::int64_t e, std::int64_t n, std::int64_t k) {
     if (k < K0) {
-      return t.e4m3[d0[(e * N + n) * K0 + k]] * t.scale[s0[(e * (K0 / kBlock) + k / kBlock) * N + n]];
+      return t.e4m3[d0[(e * N + n) * K0 + k]] *
+             t.scale[s0[(e * (K0 / kBlock) + k / kBlock) * N + n]];
     }
     const std::int64_t K1 = K - K0, j = k - K0;
     return t.e4m3[d1[(e * N + n) * K1 + j]] * t.scale[s1[(e * (K1 / kBlock) + j / kBlock) * N + n]];
@@ -273,7 +274,8 @@ void grouped_gemm_cpu(const MxGroupedGemmArgs& g) {
       for (std::int64_t r = lo + begin; r < lo + end; ++r) {
         row_values(a + r * row_bytes, K, av.data());
         for (std::int64_t n = 0; n < N; ++n) {
-          const float v = blocked_dot(av.data(), K, [&](std::int64_t k) { return b_value(e, n, k); });
+          const float v =
+              blocked_dot(av.data(), K, [&](std::int64_t k) { return b_value(e, n, k); });
           if (g.out_fp32) {
             reinterpret_cast<float*>(g.out)[r * N + n] = v;
           } else {

@@ -114,22 +114,22 @@ struct MxGroupedForwardArgs {
 // "Arithmetic"), rounded to bf16 or stored as fp32. Devices, offsets and rows outside every
 // segment as in grouped_forward.
 struct MxGroupedGemmArgs {
-  std::uintptr_t a = 0;            // uint8 MXFP8 rows: K E4M3 bytes then K/32 E8M0 scales per row
-  std::int64_t a_row_bytes = 0;    // bytes between A's rows (0: K + K/32); on "cuda" a multiple of 16
-  std::uintptr_t offsets = 0;      // int64 [El + 1]
-  std::uintptr_t b0_data = 0;      // uint8 E4M3 [El, N, K0]: B's first (or only) weight
-  std::uintptr_t b0_scales = 0;    // uint8 E8M0 [El, K0/32, N]
-  std::uintptr_t b1_data = 0;      // with k_split: the second weight, [El, N, K - K0]
-  std::uintptr_t b1_scales = 0;    // [El, (K - K0)/32, N]
-  std::int64_t k_split = 0;        // K0 (0: one weight, K0 = K); on "cuda" a multiple of 128
-  std::uintptr_t out = 0;          // [M, N]: bf16, or fp32 with out_fp32
+  std::uintptr_t a = 0;          // uint8 MXFP8 rows: K E4M3 bytes then K/32 E8M0 scales per row
+  std::int64_t a_row_bytes = 0;  // bytes between A's rows (0: K + K/32); on "cuda" a multiple of 16
+  std::uintptr_t offsets = 0;    // int64 [El + 1]
+  std::uintptr_t b0_data = 0;    // uint8 E4M3 [El, N, K0]: B's first (or only) weight
+  std::uintptr_t b0_scales = 0;  // uint8 E8M0 [El, K0/32, N]
+  std::uintptr_t b1_data = 0;    // with k_split: the second weight, [El, N, K - K0]
+  std::uintptr_t b1_scales = 0;  // [El, (K - K0)/32, N]
+  std::int64_t k_split = 0;      // K0 (0: one weight, K0 = K); on "cuda" a multiple of 128
+  std::uintptr_t out = 0;        // [M, N]: bf16, or fp32 with out_fp32
   bool out_fp32 = false;
-  std::int64_t num_rows = 0;       // M
-  std::int64_t n = 0;              // N
-  std::int64_t k = 0;              // K, a multiple of 32 (of 64 on "cuda")
-  std::int64_t num_experts = 0;    // El
-  std::int64_t num_sms = 0;        // CUDA: most CTAs (0: every SM)
-  std::int64_t num_threads = 1;    // CPU threads
+  std::int64_t num_rows = 0;     // M
+  std::int64_t n = 0;            // N
+  std::int64_t k = 0;            // K, a multiple of 32 (of 64 on "cuda")
+  std::int64_t num_experts = 0;  // El
+  std::int64_t num_sms = 0;      // CUDA: most CTAs (0: every SM)
+  std::int64_t num_threads = 1;  // CPU threads
 };
 
 inline constexpr std::int64_t kMaxExpertThreads = 1024;
