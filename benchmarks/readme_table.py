@@ -248,11 +248,13 @@ def render_mxfp8(run: tuple[dict[str, Any], Path] | None, root: Path) -> str:
     mm, mm8 = ((ceil.get(k) or {}).get("value") for k in ("bf16_matmul", "fp8_matmul"))
     # Runs from 2026-12-01 on also time the input gradients' GEMMs (g and dx).
     dgrad = any("mok-mxfp8-dgrad" in r for r in report["results"])
+    wgrad = any("mok-mxfp8-wgrad" in r for r in report["results"])
     head = "| shape | routing | rows | MXFP8 fwd | MXFP8 gate+up | BF16 fwd | BF16 gate+up | torch FP8 fwd "
     head += "| torch FP8 gate+up | torch FP8 gate+up, fast accum | gate+up vs torch FP8 | gate+up vs BF16 "
     head += "| MXFP8 g + dx | torch FP8 g + dx | torch BF16 g + dx | g + dx vs torch FP8 " if dgrad else ""
+    head += "| MXFP8 weight grads | torch BF16 weight grads " if wgrad else ""
     head += "| bitwise |"
-    lines = [head, "| --- " * (17 if dgrad else 13) + "|"]
+    lines = [head, "| --- " * (13 + 4 * dgrad + 2 * wgrad) + "|"]
     names = ("mok-mxfp8", "mok-mxfp8-gate-up", "mok-bf16", "mok-bf16-gate-up", "torch-scaled", "torch-scaled-gate-up")
     names += ("torch-scaled-fast-gate-up",)
     keys = ("gate_up_speedup_vs_torch_scaled", "gate_up_speedup_vs_bf16")
@@ -264,6 +266,8 @@ def render_mxfp8(run: tuple[dict[str, Any], Path] | None, root: Path) -> str:
         if dgrad:
             speeds += [_tflops(r, n) for n in ("mok-mxfp8-dgrad", "torch-scaled-dgrad", "torch-bf16-dgrad")]
             speeds.append(_ratio(r, "dgrad_speedup_vs_torch_scaled"))
+        if wgrad:
+            speeds += [_tflops(r, n) for n in ("mok-mxfp8-wgrad", "torch-bf16-wgrad")]
         same = "yes" if r["mok-mxfp8"].get("bitwise_repeatable") else "NO"
         lines.append(f"| {r['shape_name']} | {r['routing']} | {r['rows']} | {' | '.join(cell + speeds)} | {same} |")
     dense = f"; dense BF16 matmul {mm:.0f}, FP8 {mm8:.0f} TFLOP/s in the same run" if mm and mm8 else ""

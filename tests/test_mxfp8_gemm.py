@@ -223,3 +223,146 @@ def test_cuda_batch_invariant_split_invariant_and_rows_outside_untouched():
     r, e = 320, 1  # a row of expert 1, alone
     alone = torch.tensor([0] * (e + 1) + [1] * (len(lengths) - e), device="cuda")
     assert torch.equal(whole[r : r + 1], call(rows[r : r + 1].contiguous(), K, alone, bs))
+
+
+# ------------------------------------------------------------------ weight gradients
+#
+# out_e [R, C] = carry_e + sum over segment e's 32-row blocks of Q_rows(A)^T Q_rows(B), from the
+# transposed copies quantized along the rows (`grouped_wgrad`).
+
+WGRAD_CASES = [
+    pytest.param([64, 0, 96, 32], 128, 192, id="mixed"),
+    pytest.param([32], 64, 64, id="one-block"),
+    pytest.param([0, 0], 64, 128, id="all-empty"),
+    pytest.param([1024, 32, 0, 160], 256, 384, id="long-skewed"),
+    pytest.param([544], 320, 192, id="partial-tiles"),
+]
+
+
+def rows_copy(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, R]'s transposed copy quantized along the rows: (E4M3 [R, M], E8M0 [M/32, R])."""
+    if x.shape[0] == 0:
+        return torch.zeros(x.shape[1], 0, dtype=torch.uint8), torch.zeros(0, x.shape[1], dtype=torch.uint8)
+    return mxfp8_quantize(x, normal=False).operand(transposed=True)
+
+
+def make_wgrad(lengths: list[int], R: int, C: int, seed: int = 0) -> tuple:
+    """A [M, R] and B [M, C] (bf16), their transposed row copies, the offsets and a carry."""
+    g = torch.Generator().manual_seed(seed)
+    M = sum(lengths)
+    offsets = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
+    A = (torch.randn(M, R, generator=g) * 2).to(BF16)
+    B = torch.randn(M, C, generator=g).to(BF16)
+    carry = torch.randn(len(lengths), R, C, generator=g) * 4
+    return A, B, rows_copy(A), rows_copy(B), offsets, carry
+
+
+def rows_values(t: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """float64 [R, M] of a transposed row copy."""
+    data, scales = t
+    values = data.view(torch.float8_e4m3fn).double()
+    return values * scales.view(torch.float8_e8m0fnu).double().T.repeat_interleave(32, dim=1)
+
+
+def f64_wgrad(a_t, b_t, offsets, carry) -> tuple[torch.Tensor, torch.Tensor]:
+    a, b = rows_values(a_t), rows_values(b_t)
+    El, R, C = len(offsets) - 1, a.shape[0], b.shape[0]
+    out = torch.zeros(El, R, C, dtype=torch.float64) if carry is None else carry.double().clone()
+    scale = out.abs().clone()
+    for e in range(El):
+        lo, hi = int(offsets[e]), int(offsets[e + 1])
+        out[e] += a[:, lo:hi] @ b[:, lo:hi].T
+        scale[e] += a[:, lo:hi].abs() @ b[:, lo:hi].abs().T
+    return out, scale
+
+
+def wgrad(a_t, b_t, offsets, **kw) -> torch.Tensor:
+    from mok_torch.backends.native.mxfp8_grouped import mxfp8_grouped_wgrad
+
+    return mxfp8_grouped_wgrad(a_t, b_t, offsets, **kw)
+
+
+def split_wgrad(A, B, offsets, s: int, device: str, **kw) -> torch.Tensor:
+    """Rows [0, s) then [s, M) in two calls, the fp32 sums carried (s a multiple of 32)."""
+    first_offs, rest_offs = offsets.clamp(max=s), (offsets - s).clamp(min=0)
+    mv = lambda t: tuple(x.to(device) for x in t)  # noqa: E731
+    acc = wgrad(mv(rows_copy(A[:s])), mv(rows_copy(B[:s])), first_offs.to(device), out_dtype=torch.float32, **kw)
+    return wgrad(mv(rows_copy(A[s:])), mv(rows_copy(B[s:])), rest_offs.to(device), carry=acc, out=acc,
+                 out_dtype=torch.float32, **kw)  # fmt: skip
+
+
+@pytest.mark.parametrize("lengths, R, C", WGRAD_CASES)
+@pytest.mark.parametrize("with_carry", [False, True], ids=["from-zero", "carry"])
+@pytest.mark.parametrize("out_dtype", [BF16, torch.float32], ids=["bf16", "fp32"])
+def test_cpu_wgrad_against_float64(lengths, R, C, with_carry, out_dtype):
+    _, _, a_t, b_t, offs, carry = make_wgrad(lengths, R, C, seed=R + C)
+    got = wgrad(a_t, b_t, offs, carry=carry if with_carry else None, out_dtype=out_dtype)
+    want, scale = f64_wgrad(a_t, b_t, offs, carry if with_carry else None)
+    assert got.dtype == out_dtype and got.shape == (len(lengths), R, C)
+    assert_close(got, want, scale, out_dtype == torch.float32, "out")
+
+
+def test_cpu_wgrad_split_carries_the_bits_of_one_call_and_bf16_rounds_fp32():
+    A, B, a_t, b_t, offs, _ = make_wgrad([96, 64, 160], 128, 64, seed=3)
+    one = wgrad(a_t, b_t, offs, out_dtype=torch.float32)
+    for s in (32, 96, 128, 224):  # inside a segment and at a segment boundary
+        assert torch.equal(one, split_wgrad(A, B, offs, s, "cpu")), f"split at {s}"
+    assert torch.equal(wgrad(a_t, b_t, offs), one.to(BF16))
+
+
+def test_wgrad_bad_arguments_raise_naming_them():
+    _, _, a_t, b_t, offs, carry = make_wgrad([32, 64], 64, 128)
+    with pytest.raises(ValueError, match="offsets must be multiples of 32"):
+        wgrad(a_t, b_t, torch.tensor([0, 40, 96]))
+    with pytest.raises(ValueError, match=r"b_t\[0\] \(data\) must have shape"):
+        wgrad(a_t, (b_t[0][:, :64], b_t[1]), offs)
+    with pytest.raises(ValueError, match="carry must have shape"):
+        wgrad(a_t, b_t, offs, carry=carry[:1])
+    with pytest.raises(TypeError, match="out_dtype"):
+        wgrad(a_t, b_t, offs, out_dtype=torch.float16)
+    with pytest.raises(TypeError, match="a_t must be a"):
+        wgrad(a_t[0], b_t, offs)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="offsets must have shape"):
+        wgrad(a_t, b_t, torch.tensor([0]))
+    with pytest.raises(ValueError, match="r must be a positive multiple of 64"):
+        _, _, a2, b2, o2, _ = make_wgrad([32], 96, 64)
+        wgrad(a2, b2, o2)
+
+
+# ------------------------------------------------------------------ weight gradients, CUDA
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("lengths, R, C", WGRAD_CASES)
+@pytest.mark.parametrize("with_carry", [False, True], ids=["from-zero", "carry"])
+@pytest.mark.parametrize("out_dtype", [BF16, torch.float32], ids=["bf16", "fp32"])
+def test_cuda_wgrad_against_float64(lengths, R, C, with_carry, out_dtype):
+    _, _, a_t, b_t, offs, carry = make_wgrad(lengths, R, C, seed=R + C)
+    cu = lambda t: tuple(x.cuda() for x in t)  # noqa: E731
+    got = wgrad(cu(a_t), cu(b_t), offs.cuda(), carry=carry.cuda() if with_carry else None, out_dtype=out_dtype)
+    want, scale = f64_wgrad(a_t, b_t, offs, carry if with_carry else None)
+    assert_close(got.cpu(), want, scale, out_dtype == torch.float32, "out")
+    cpu = wgrad(a_t, b_t, offs, carry=carry if with_carry else None, out_dtype=torch.float32)
+    rel = ((got.cpu().float() - cpu).norm() / cpu.norm().clamp_min(1e-30)).item()
+    assert rel < 4e-3, f"relative error {rel:.2e} against the CPU's reference arithmetic"
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_cuda_wgrad_bitwise_any_grid_split_carry_and_bf16_rounds_fp32():
+    A, B, a_t, b_t, offs, carry = make_wgrad([352, 0, 64, 96, 32], 192, 256, seed=8)
+    cu = lambda t: tuple(x.cuda() for x in t)  # noqa: E731
+    a, b, o = cu(a_t), cu(b_t), offs.cuda()
+    one = wgrad(a, b, o, out_dtype=torch.float32)
+    for num_sms in (0, 1, 3, 17):
+        assert torch.equal(one, wgrad(a, b, o, out_dtype=torch.float32, num_sms=num_sms)), f"num_sms={num_sms}"
+    for s in (32, 160, 352, 416):  # inside a segment and at segment boundaries
+        assert torch.equal(one, split_wgrad(A, B, offs, s, "cuda")), f"split at {s}"
+    assert torch.equal(wgrad(a, b, o), one.to(BF16)), "bf16 out must be the fp32 sums rounded"
+    inplace = carry.cuda()
+    want = wgrad(a, b, o, carry=carry.cuda(), out_dtype=torch.float32)
+    assert torch.equal(want, wgrad(a, b, o, carry=inplace, out=inplace, out_dtype=torch.float32))
+    empty = wgrad(*(cu(rows_copy(t[:0])) for t in (A, B)), torch.zeros(6, dtype=torch.int64, device="cuda"),
+                  carry=carry.cuda(), out_dtype=torch.float32)  # fmt: skip
+    assert torch.equal(empty, carry.cuda()), "no rows: the carry itself"

@@ -177,6 +177,47 @@ void register_experts(pybind11::module_& m) {
       "the reference arithmetic (32-block partials summed in fp32, in K order); 'cuda': the sm_90a "
       "FP8 GEMM with per-32 scaling (n and k multiples of 64, k_split of 128), deterministic and "
       "batch invariant. Raises ValueError naming a bad argument.");
+  m.def(
+      "grouped_wgrad",
+      [](const std::string& device, std::uintptr_t a_data, std::uintptr_t a_scales,
+         std::int64_t a_row_bytes, std::uintptr_t b_data, std::uintptr_t b_scales,
+         std::int64_t b_row_bytes, std::uintptr_t offsets, std::uintptr_t carry,
+         std::uintptr_t out_f32, std::uintptr_t out_bf16, std::int64_t num_rows, std::int64_t r,
+         std::int64_t c, std::int64_t num_experts, std::int64_t num_sms, std::int64_t num_threads,
+         std::uintptr_t stream) {
+        MxGroupedWgradArgs g;
+        g.a_data = a_data;
+        g.a_scales = a_scales;
+        g.a_row_bytes = a_row_bytes;
+        g.b_data = b_data;
+        g.b_scales = b_scales;
+        g.b_row_bytes = b_row_bytes;
+        g.offsets = offsets;
+        g.carry = carry;
+        g.out_f32 = out_f32;
+        g.out_bf16 = out_bf16;
+        g.num_rows = num_rows;
+        g.r = r;
+        g.c = c;
+        g.num_experts = num_experts;
+        g.num_sms = num_sms;
+        g.num_threads = num_threads;
+        grouped_wgrad(device, g, stream);
+      },
+      py::arg("device"), py::arg("a_data"), py::arg("a_scales"), py::arg("a_row_bytes"),
+      py::arg("b_data"), py::arg("b_scales"), py::arg("b_row_bytes"), py::arg("offsets"),
+      py::arg("carry"), py::arg("out_f32"), py::arg("out_bf16"), py::arg("num_rows"), py::arg("r"),
+      py::arg("c"), py::arg("num_experts"), py::arg("num_sms") = 0, py::arg("num_threads") = 1,
+      py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+      "The MXFP8 weight gradients, rows as the reduction: out_e [R, C] = carry_e + sum over the "
+      "32-row blocks of segment e of Q_rows(A)^T Q_rows(B), from transposed copies quantized "
+      "along the rows: A^T E4M3 [R, M] (scales [M/32, R]), B^T E4M3 [C, M] (scales [M/32, C]), "
+      "rows a_row_bytes / b_row_bytes apart (0: M). Offsets int64 [El + 1], non-decreasing, "
+      "multiples of 32. carry: fp32 [El, R, C] or 0; writes out_f32 (fp32) and/or out_bf16 "
+      "(bf16), [El, R, C] (carry may be out_f32). 'cpu': the reference arithmetic; 'cuda': the "
+      "sm_90a FP8 GEMM with per-32 scaling (R and C multiples of 64, rows 16-byte aligned), "
+      "deterministic, a split of the rows at multiples of 32 carrying the fp32 sums gives the "
+      "bits of one call. Raises ValueError naming a bad argument.");
 }
 
 }  // namespace mok::mxfp8::bindings

@@ -1,12 +1,18 @@
-// One MXFP8 grouped GEMM on the GPU (grouped_gemm, mok/mxfp8/experts.h): out[rows of e] =
-// A[rows of e] @ B_e^T with both operands quantized along K, the orientation of the forward and
-// of the input gradients (g = dy_q @ Q_H(Wd^T)^T; dx = Q_2I([d_a, d_b]) @ [Q_I(Wg^T); Q_I(Wu^T)]^T,
-// K split over the two transposed copies). fp8_gemm.cuh's kernel, 128 output columns per tile.
+// The MXFP8 grouped GEMMs of the backward on the GPU (mok/mxfp8/experts.h):
+//
+// - grouped_gemm: out[rows of e] = A[rows of e] @ B_e^T with both operands quantized along K, the
+//   orientation of the forward and of the input gradients (g = dy_q @ Q_H(Wd^T)^T; dx =
+//   Q_2I([d_a, d_b]) @ [Q_I(Wg^T); Q_I(Wu^T)]^T, K split over the two transposed copies):
+//   fp8_gemm.cuh's kernel, 128 output columns per tile;
+// - grouped_wgrad: the weight gradients, rows as the reduction, from transposed copies quantized
+//   along the rows: fp8_wgrad.cuh's kernel.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "fp8_gemm.cuh"
+#include "fp8_wgrad.cuh"
 #include "launch.cuh"
 #include "mok/core/hopper.cuh"
 #include "mok/mxfp8/experts.h"
@@ -58,6 +64,48 @@ void grouped_gemm_cuda(const MxGroupedGemmArgs& args, std::uintptr_t stream_hand
       kernels::launch<gemm::BLoad::kSingle>(map_a, map_b0, map_b1, p, scales, e, sms, stream);
     }
   }
+}
+
+void grouped_wgrad_cuda(const MxGroupedWgradArgs& args, std::uintptr_t stream_handle) {
+  auto* stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  const int sms = args.num_sms > 0 ? static_cast<int>(args.num_sms) : kernels::device_sms();
+  const std::uint64_t M = static_cast<std::uint64_t>(args.num_rows);
+  const std::uint64_t Rr = static_cast<std::uint64_t>(args.r);
+  const std::uint64_t Cc = static_cast<std::uint64_t>(args.c);
+  const auto ptr = [](std::uintptr_t p) { return reinterpret_cast<const void*>(p); };
+  using hopper::MapType;
+  const gemm::WgradProblem p{reinterpret_cast<const std::int64_t*>(args.offsets), args.num_rows,
+                             static_cast<int>(args.num_experts), static_cast<int>(args.r),
+                             static_cast<int>(args.c)};
+  const gemm::WgradOut out{reinterpret_cast<const float*>(args.carry),
+                           reinterpret_cast<float*>(args.out_f32),
+                           reinterpret_cast<std::uint16_t*>(args.out_bf16)};
+  using R = gemm::Ring<gemm::kStages>;
+  constexpr auto kernel = gemm::fp8_wgrad_kernel<gemm::kStages>;
+  kernels::check(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, R::kSharedBytes),
+      "setting the shared memory size");
+  const std::int64_t tiles = args.num_experts * ((args.r + tiles::kBlockM - 1) / tiles::kBlockM) *
+                             ((args.c + gemm::kBlockN - 1) / gemm::kBlockN);
+  const int grid = static_cast<int>(std::min<std::int64_t>(sms, tiles));
+  if (M == 0) {  // no rows: no copy-engine maps over empty arrays; the kernel writes the carry
+    const CUtensorMap none{};
+    kernel<<<grid, gemm::kThreads, R::kSharedBytes, stream>>>(none, none, p, {nullptr, nullptr},
+                                                              out);
+  } else {
+    const std::uint64_t a_row =
+        args.a_row_bytes != 0 ? static_cast<std::uint64_t>(args.a_row_bytes) : M;
+    const std::uint64_t b_row =
+        args.b_row_bytes != 0 ? static_cast<std::uint64_t>(args.b_row_bytes) : M;
+    const CUtensorMap map_a =
+        hopper::make_tensor_map(ptr(args.a_data), Rr, M, tiles::kBlockM, MapType::kU8, a_row);
+    const CUtensorMap map_b =
+        hopper::make_tensor_map(ptr(args.b_data), Cc, M, gemm::kBlockN, MapType::kU8, b_row);
+    const gemm::WgradScales scales{reinterpret_cast<const std::uint8_t*>(args.a_scales),
+                                   reinterpret_cast<const std::uint8_t*>(args.b_scales)};
+    kernel<<<grid, gemm::kThreads, R::kSharedBytes, stream>>>(map_a, map_b, p, scales, out);
+  }
+  kernels::check(cudaGetLastError(), "launching the FP8 weight-gradient GEMM");
 }
 
 }  // namespace mok::mxfp8

@@ -270,4 +270,66 @@ void grouped_gemm(const std::string& device, const MxGroupedGemmArgs& a, std::ui
   grouped_gemm_cpu(a);
 }
 
+void grouped_wgrad(const std::string& device, const MxGroupedWgradArgs& a, std::uintptr_t stream) {
+  const std::string fn = "grouped_wgrad";
+  check_device(fn, device);
+  const bool cuda = device == "cuda";
+  if (a.num_rows < 0 || a.num_rows % kBlock) {
+    invalid(fn, "num_rows must be a multiple of 32 (>= 0)" + got(a.num_rows));
+  }
+  if (a.r <= 0 || a.r % 64) invalid(fn, "r must be a positive multiple of 64" + got(a.r));
+  if (a.c <= 0 || a.c % 64) invalid(fn, "c must be a positive multiple of 64" + got(a.c));
+  if (a.num_experts < 1 || a.num_experts > 1024) {
+    invalid(fn, "num_experts must be in [1, 1024]" + got(a.num_experts));
+  }
+  constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max() / 16;
+  if (a.r > kMax / a.c || a.num_experts > kMax / (a.r * a.c) ||
+      (a.num_rows > 0 && (a.r > kMax / a.num_rows || a.c > kMax / a.num_rows))) {
+    invalid(fn, "the arrays are too large");
+  }
+  if (a.num_sms < 0) invalid(fn, "num_sms must be >= 0 (0: every SM)" + got(a.num_sms));
+  if (a.num_threads < 1 || a.num_threads > kMaxExpertThreads) {
+    invalid(fn, "num_threads must be in [1, " + std::to_string(kMaxExpertThreads) + "]" +
+                    got(a.num_threads));
+  }
+  const std::int64_t a_row = a.a_row_bytes != 0 ? a.a_row_bytes : a.num_rows;
+  const std::int64_t b_row = a.b_row_bytes != 0 ? a.b_row_bytes : a.num_rows;
+  if (a_row < a.num_rows) invalid(fn, "a_row_bytes must be 0 or >= num_rows" + got(a_row));
+  if (b_row < a.num_rows) invalid(fn, "b_row_bytes must be 0 or >= num_rows" + got(b_row));
+  if (cuda && (a_row % 16 != 0 || b_row % 16 != 0)) {
+    invalid(fn, "on \"cuda\", a_row_bytes and b_row_bytes must be multiples of 16, got " +
+                    std::to_string(a_row) + " and " + std::to_string(b_row));
+  }
+  if (a.out_f32 == 0 && a.out_bf16 == 0) invalid(fn, "out_f32 and out_bf16 must not both be 0");
+  check_pointer(fn, "offsets", a.offsets, 8);
+  if (a.out_f32 != 0) check_pointer(fn, "out_f32", a.out_f32, cuda ? 8 : 4);
+  if (a.out_bf16 != 0) check_pointer(fn, "out_bf16", a.out_bf16, cuda ? 4 : 2);
+  if (a.carry != 0) check_pointer(fn, "carry", a.carry, cuda ? 8 : 4);
+  if (a.num_rows > 0) {
+    const std::uintptr_t al = cuda ? 16 : 1;
+    check_pointer(fn, "a_data", a.a_data, al);
+    check_pointer(fn, "a_scales", a.a_scales, al);
+    check_pointer(fn, "b_data", a.b_data, al);
+    check_pointer(fn, "b_scales", a.b_scales, al);
+  }
+  if (cuda) {
+#if MOK_WITH_CUDA
+    grouped_wgrad_cuda(a, stream);
+    return;
+#else
+    (void)stream;
+    built_without_cuda(fn);
+#endif
+  }
+  check_offsets_on_host(fn, a.offsets, a.num_experts, a.num_rows);
+  const auto* off = reinterpret_cast<const std::int64_t*>(a.offsets);
+  for (std::int64_t e = 0; e <= a.num_experts; ++e) {
+    if (off[e] % kBlock) {
+      invalid(fn,
+              "offsets must be multiples of 32: offsets[" + std::to_string(e) + "]" + got(off[e]));
+    }
+  }
+  grouped_wgrad_cpu(a);
+}
+
 }  // namespace mok::mxfp8

@@ -287,6 +287,42 @@ void grouped_gemm_cpu(const MxGroupedGemmArgs& g) {
   }
 }
 
+void grouped_wgrad_cpu(const MxGroupedWgradArgs& g) {
+  const std::int64_t R = g.r, C = g.c, El = g.num_experts;
+  const std::int64_t a_row = g.a_row_bytes != 0 ? g.a_row_bytes : g.num_rows;
+  const std::int64_t b_row = g.b_row_bytes != 0 ? g.b_row_bytes : g.num_rows;
+  const auto* offsets = reinterpret_cast<const std::int64_t*>(g.offsets);
+  const auto* ad = reinterpret_cast<const u8*>(g.a_data);
+  const auto* as = reinterpret_cast<const u8*>(g.a_scales);
+  const auto* bd = reinterpret_cast<const u8*>(g.b_data);
+  const auto* bs = reinterpret_cast<const u8*>(g.b_scales);
+  const auto* carry = reinterpret_cast<const float*>(g.carry);
+  const Tables& t = tables();
+  // Work items: (expert, output row); each element's blocks in row order.
+  parallel_items(El * R, g.num_threads, [&](std::int64_t item) {
+    const std::int64_t e = item / R, r = item % R, lo = offsets[e], hi = offsets[e + 1];
+    std::vector<float> av(static_cast<std::size_t>(hi - lo));
+    for (std::int64_t m = lo; m < hi; ++m) {
+      av[static_cast<std::size_t>(m - lo)] =
+          t.e4m3[ad[r * a_row + m]] * t.scale[as[(m / kBlock) * R + r]];
+    }
+    for (std::int64_t c = 0; c < C; ++c) {
+      const std::int64_t at = (e * R + r) * C + c;
+      float acc = carry != nullptr ? carry[at] : 0.0f;
+      for (std::int64_t m0 = lo; m0 < hi; m0 += kBlock) {
+        float part = 0.0f;
+        for (std::int64_t m = m0; m < m0 + kBlock; ++m) {
+          const float b = t.e4m3[bd[c * b_row + m]] * t.scale[bs[(m / kBlock) * C + c]];
+          part = mac_rn(part, av[static_cast<std::size_t>(m - lo)], b);
+        }
+        acc = add_rn(acc, part);
+      }
+      if (g.out_f32 != 0) reinterpret_cast<float*>(g.out_f32)[at] = acc;
+      if (g.out_bf16 != 0) reinterpret_cast<u16*>(g.out_bf16)[at] = float_to_bf16(acc);
+    }
+  });
+}
+
 // ------------------------------------------------------------------ backward
 
 void swiglu_backward_cpu(const MxBackwardArgs& args) {

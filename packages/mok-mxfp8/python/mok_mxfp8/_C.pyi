@@ -107,3 +107,23 @@ def grouped_gemm(
     num_threads: int = 1,
     stream: int = 0,
 ) -> None: ...
+def grouped_wgrad(
+    device: str,
+    a_data: int,
+    a_scales: int,
+    a_row_bytes: int,
+    b_data: int,
+    b_scales: int,
+    b_row_bytes: int,
+    offsets: int,
+    carry: int,
+    out_f32: int,
+    out_bf16: int,
+    num_rows: int,
+    r: int,
+    c: int,
+    num_experts: int,
+    num_sms: int = 0,
+    num_threads: int = 1,
+    stream: int = 0,
+) -> None: ...

@@ -9,7 +9,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._C import build_info, grouped_forward, grouped_gemm, quantize, swiglu_backward, swiglu_forward, version
+from ._C import (
+    build_info,
+    grouped_forward,
+    grouped_gemm,
+    grouped_wgrad,
+    quantize,
+    swiglu_backward,
+    swiglu_forward,
+    version,
+)
 
 __version__: str = version()
 
@@ -19,6 +28,7 @@ __all__ = [
     "build_info",
     "grouped_forward",
     "grouped_gemm",
+    "grouped_wgrad",
     "quantize",
     "swiglu_backward",
     "swiglu_forward",

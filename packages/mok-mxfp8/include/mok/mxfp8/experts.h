@@ -132,6 +132,38 @@ struct MxGroupedGemmArgs {
   std::int64_t num_threads = 1;  // CPU threads
 };
 
+// grouped_wgrad: the weight-gradient orientation, rows (tokens) as the reduction:
+//
+//   out_e [R, C] = carry_e + sum over 32-row blocks of segment e of Q_rows(A)^T Q_rows(B)
+//
+//   dWd_e        : A = bf16(w dy) [M, H], B = h [M, I]          (R = H, C = I)
+//   d[Wg; Wu]_e  : A = [d_a, d_b] [M, 2I], B = x [M, H]        (R = 2I, C = H)
+//
+// Both operands as transposed copies quantized along the rows (mok's quantizer's transposed
+// output): A^T E4M3 [R, M] with scales [M/32, R], B^T E4M3 [C, M] with scales [M/32, C].
+// Offsets as in grouped_forward, each a multiple of 32 (a 32-row block holds one expert's rows).
+// Each output element is the fp32 sum, from the carry (or +0), of its blocks' partials in row
+// order: a split of the rows at multiples of 32 into calls that carry the fp32 sums gives the
+// bits of one call. Written: out_f32 and/or out_bf16 ([El, R, C]; carry may be out_f32).
+struct MxGroupedWgradArgs {
+  std::uintptr_t a_data = 0;    // uint8 E4M3 [R, M] (rows a_row_bytes apart; 0: M)
+  std::uintptr_t a_scales = 0;  // uint8 E8M0 [M/32, R]
+  std::int64_t a_row_bytes = 0;
+  std::uintptr_t b_data = 0;    // uint8 E4M3 [C, M]
+  std::uintptr_t b_scales = 0;  // uint8 E8M0 [M/32, C]
+  std::int64_t b_row_bytes = 0;
+  std::uintptr_t offsets = 0;   // int64 [El + 1]
+  std::uintptr_t carry = 0;     // fp32 [El, R, C] added to, or 0
+  std::uintptr_t out_f32 = 0;   // fp32 [El, R, C] or 0
+  std::uintptr_t out_bf16 = 0;  // bf16 [El, R, C] or 0
+  std::int64_t num_rows = 0;    // M, a multiple of 32
+  std::int64_t r = 0;           // R, a multiple of 64
+  std::int64_t c = 0;           // C, a multiple of 64
+  std::int64_t num_experts = 0;
+  std::int64_t num_sms = 0;
+  std::int64_t num_threads = 1;
+};
+
 inline constexpr std::int64_t kMaxExpertThreads = 1024;
 
 // device "cpu" (or "cuda": not implemented yet, raises std::runtime_error). Bad arguments raise
@@ -143,11 +175,15 @@ void grouped_forward(const std::string& device, const MxGroupedForwardArgs& args
                      std::uintptr_t stream);
 
 void grouped_gemm(const std::string& device, const MxGroupedGemmArgs& args, std::uintptr_t stream);
+void grouped_wgrad(const std::string& device, const MxGroupedWgradArgs& args,
+                   std::uintptr_t stream);
 
 void swiglu_forward_cpu(const MxForwardArgs& args);
 void grouped_forward_cpu(const MxGroupedForwardArgs& args);
 void grouped_gemm_cpu(const MxGroupedGemmArgs& args);
+void grouped_wgrad_cpu(const MxGroupedWgradArgs& args);
 #if MOK_WITH_CUDA
+void grouped_wgrad_cuda(const MxGroupedWgradArgs& args, std::uintptr_t stream);
 void grouped_forward_cuda(const MxGroupedForwardArgs& args, std::uintptr_t stream);
 void grouped_gemm_cuda(const MxGroupedGemmArgs& args, std::uintptr_t stream);
 #endif

@@ -20,9 +20,14 @@ expert, as `mok bench-experts` makes them), the same inputs for every provider:
   dx = Q_2I(d_ab) @ [Q_I(Wg^T); Q_I(Wu^T)]^T (bf16 out, K split over the two transposed copies);
   `torch-scaled-dgrad`: the same two products by `torch._scaled_grouped_mm` (rowwise scales,
   bf16 out); `torch-bf16-dgrad`: by `torch._grouped_mm` on the bf16 values;
+- the weight gradients' two GEMMs (rows as the reduction), on random h [M, I] and the operands
+  above: `mok-mxfp8-wgrad`: mok-mxfp8's grouped weight-gradient GEMM for dWd = Q(dy)^T Q(h) and
+  d[Wg; Wu] = Q(d_ab)^T Q(x) from transposed copies quantized along the rows (bf16 out);
+  `torch-bf16-wgrad`: the same two products by `torch._grouped_mm` (offsets along K) on the bf16
+  values;
 
-and reports ms and TFLOP/s (6 * rows * H * I for a forward and for the input gradients' GEMMs,
-4 for gate+up) against the dense
+and reports ms and TFLOP/s (6 * rows * H * I for a forward and for the input or weight
+gradients' GEMMs, 4 for gate+up) against the dense
 BF16 and FP8 matmul rates measured in the same run, the MXFP8 speedups over torch's FP8 and
 over mok's BF16, whether two MXFP8 runs gave the same bits, and the MXFP8 output's relative
 difference from the BF16 kernels'.
@@ -43,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from ..backends.native.grouped import grouped_forward
-from ..backends.native.mxfp8_grouped import mxfp8_grouped_forward, mxfp8_grouped_gemm
+from ..backends.native.mxfp8_grouped import mxfp8_grouped_forward, mxfp8_grouped_gemm, mxfp8_grouped_wgrad
 from ..mxfp8 import mxfp8_quantize, pack_rows
 from . import ceilings as ceilings_mod
 from . import report
@@ -65,6 +70,8 @@ PROVIDERS = (
     "mok-mxfp8-dgrad",
     "torch-scaled-dgrad",
     "torch-bf16-dgrad",
+    "mok-mxfp8-wgrad",
+    "torch-bf16-wgrad",
 )
 
 
@@ -137,6 +144,26 @@ def _case(ranks: Ranks, shape: Shape, El: int, routing: str, ns: argparse.Namesp
         dx = torch._grouped_mm(dab, torch.cat([wg, wu], dim=1), offs=offs32)
         return g_MI, dx
 
+    # The weight gradients' operands: transposed copies quantized along the rows, in 32-row
+    # blocks from each segment start. The bench's segments are multiples of 16 rows, so for these
+    # GEMMs alone the segment bounds are rounded down to 32 and the rows cut to M32.
+    M32 = M // 32 * 32
+    h = torch.randn(M, I, generator=g, device=g.device).to(dev, BF16)
+    dy_t, h_t, dab_t, x_t = (mxfp8_quantize(t[:M32], normal=False).operand(True) for t in (dy, h, dab, x))
+    offsets32 = (offsets // 32 * 32).clamp(max=M32)
+    dyT, dabT, h32, x32 = dy[:M32].t().contiguous(), dab[:M32].t().contiguous(), h[:M32], x[:M32]
+    offs32_k = offsets32[1:].to(torch.int32)
+
+    def mx_wgrad() -> Any:
+        d_down = mxfp8_grouped_wgrad(dy_t, h_t, offsets32)
+        d_gate_up = mxfp8_grouped_wgrad(dab_t, x_t, offsets32)
+        return d_down, d_gate_up
+
+    def bf16_wgrad() -> Any:
+        d_down = torch._grouped_mm(dyT, h32, offs=offs32_k)
+        d_gate_up = torch._grouped_mm(dabT, x32, offs=offs32_k)
+        return d_down, d_gate_up
+
     providers = (
         ("mok-mxfp8", mx, flops),
         ("mok-mxfp8-gate-up", mx_gate_up, 4 * M * H * I),
@@ -148,6 +175,8 @@ def _case(ranks: Ranks, shape: Shape, El: int, routing: str, ns: argparse.Namesp
         ("mok-mxfp8-dgrad", mx_dgrad, 6 * M * H * I),
         ("torch-scaled-dgrad", scaled_dgrad, 6 * M * H * I),
         ("torch-bf16-dgrad", bf16_dgrad, 6 * M * H * I),
+        ("mok-mxfp8-wgrad", mx_wgrad, 6 * M32 * H * I),
+        ("torch-bf16-wgrad", bf16_wgrad, 6 * M32 * H * I),
     )
     row.update(time_providers(ranks, providers, ns))
     ok = lambda n: row[n]["status"] == "ok"  # noqa: E731
@@ -166,6 +195,7 @@ def _case(ranks: Ranks, shape: Shape, El: int, routing: str, ns: argparse.Namesp
         ("mok-mxfp8", "mok-bf16", "forward_speedup_vs_bf16"),
         ("mok-mxfp8-dgrad", "torch-scaled-dgrad", "dgrad_speedup_vs_torch_scaled"),
         ("mok-mxfp8-dgrad", "torch-bf16-dgrad", "dgrad_speedup_vs_torch_bf16"),
+        ("mok-mxfp8-wgrad", "torch-bf16-wgrad", "wgrad_speedup_vs_torch_bf16"),
     ):
         if ok(ours) and ok(theirs):
             row[key] = row[theirs]["ms"] / row[ours]["ms"]
@@ -209,7 +239,8 @@ def _print(doc: dict[str, Any]) -> None:
     print(f"\nmok bench-mxfp8: {doc['device']['name']}, dense bf16 {mm:.0f}, fp8 {mm8:.0f} TFLOP/s (TFLOP/s)")
     print(
         f"{'shape':<20}{'routing':<9}{'rows':>7}{'mx fwd':>7}{'mx g-u':>7}{'bf fwd':>7}{'bf g-u':>7}"
-        f"{'t8 fwd':>7}{'t8 g-u':>7}{'t8fast':>7}{'mx dg':>7}{'t8 dg':>7}{'bf dg':>7}{'xT8':>6}{'xBF':>6}  same bits"
+        f"{'t8 fwd':>7}{'t8 g-u':>7}{'t8fast':>7}{'mx dg':>7}{'t8 dg':>7}{'bf dg':>7}{'mx wg':>7}{'bf wg':>7}"
+        f"{'xT8':>6}{'xBF':>6}  same bits"
     )
     for r in doc["results"]:
         if r.get("status") == "skipped":

@@ -206,3 +206,78 @@ def mxfp8_grouped_gemm(
             M, N, k, El, num_sms, torch.get_num_threads() if dev.type == "cpu" else 1, stream,
         )  # fmt: skip
     return out
+
+
+def _rows_operand(name: str, t: tuple[torch.Tensor, torch.Tensor], M: int | None, dev: torch.device) -> tuple:
+    """(data, scales, R, M) of a transposed copy quantized along the rows: E4M3 [R, M] (rows at a
+    16-byte multiple stride on CUDA), E8M0 [M/32, R]."""
+    if not isinstance(t, tuple) or len(t) != 2 or not isinstance(t[0], torch.Tensor):
+        raise TypeError(f"{name} must be a (data, scales) pair of tensors, got {type(t).__name__}")
+    e4m3, e8m0 = (U8, torch.float8_e4m3fn), (U8, torch.float8_e8m0fnu)
+    rows_M = [("R", None), ("M", M)]
+    data = check_tensor(f"{name}[0] (data)", t[0], dtypes=e4m3, shape=rows_M, device=dev, contiguous=False)
+    R, M = int(data.shape[0]), int(data.shape[1])
+    if data.stride(1) != 1:
+        raise ValueError(f"{name}[0] (data) must be contiguous within a row")
+    if M % 32:
+        raise ValueError(f"{name}'s rows M must be a multiple of 32, got {M}")
+    check_tensor(f"{name}[1] (scales)", t[1], dtypes=e8m0, shape=[("M/32", M // 32), ("R", R)], device=dev)
+    return data, t[1], R, M
+
+
+def mxfp8_grouped_wgrad(
+    a_t: tuple[torch.Tensor, torch.Tensor],
+    b_t: tuple[torch.Tensor, torch.Tensor],
+    offsets_El1: torch.Tensor,
+    *,
+    carry: torch.Tensor | None = None,
+    out_dtype: torch.dtype = BF16,
+    num_sms: int = 0,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The weight gradients of the experts, rows as the reduction, for each local expert e:
+
+        out_e [R, C] = carry_e + sum over the 32-row blocks of segment e of Q_rows(A)^T Q_rows(B)
+
+    a_t, b_t: transposed copies of A [M, R] and B [M, C] quantized along the rows, as
+    `mxfp8_quantize(A, normal=False).operand(transposed=True)` makes them: (E4M3 [R, M], E8M0
+    [M/32, R]). dWd = Q(w dy)^T Q(h) takes A = bf16(w dy), B = h; d[Wg; Wu] = Q([d_a, d_b])^T
+    Q(x) takes A = [d_a, d_b], B = x. offsets int64 [El + 1], non-decreasing, multiples of 32 (on
+    CUDA they stay on the device, clamped to [0, M]). carry: fp32 [El, R, C] the sums start from
+    (None: +0); out_dtype bf16 or float32 (an fp32 out may be the carry itself: the call then
+    accumulates in place). A split of the rows at multiples of 32 into calls that carry the fp32
+    sums gives the bits of one call.
+    """
+    import mok_mxfp8
+
+    if not isinstance(a_t, tuple) or len(a_t) != 2 or not isinstance(a_t[0], torch.Tensor):
+        raise TypeError(f"a_t must be a (data, scales) pair of tensors, got {type(a_t).__name__}")
+    dev = a_t[0].device
+    ad, as_, R, M = _rows_operand("a_t", a_t, None, dev)
+    bd, bs, C, _ = _rows_operand("b_t", b_t, M, dev)
+    if offsets_El1.dim() != 1 or offsets_El1.shape[0] < 2:
+        raise ValueError(f"offsets must have shape [El + 1] with El >= 1, got {list(offsets_El1.shape)}")
+    El = int(offsets_El1.shape[0]) - 1
+    check_tensor("offsets", offsets_El1, dtypes=(torch.int64,), shape=[("El+1", El + 1)], device=dev)
+    if out_dtype not in (BF16, torch.float32):
+        raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
+    if not isinstance(num_sms, int) or num_sms < 0:
+        raise ValueError(f"num_sms must be an int >= 0 (0: every SM), got {num_sms!r}")
+    shape = [("El", El), ("R", R), ("C", C)]
+    if carry is not None:
+        check_tensor("carry", carry, dtypes=(torch.float32,), shape=shape, device=dev)
+    if out is None:
+        out = torch.empty(El, R, C, dtype=out_dtype, device=dev)
+    check_tensor("out", out, dtypes=(out_dtype,), shape=shape, device=dev)
+    fp32 = out_dtype == torch.float32
+    ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+    on_device = torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
+    with on_device:
+        stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
+        mok_mxfp8.grouped_wgrad(
+            dev.type, ad.data_ptr(), as_.data_ptr(), ad.stride(0) if M else 0, bd.data_ptr(), bs.data_ptr(),
+            bd.stride(0) if M else 0,
+            offsets_El1.data_ptr(), ptr(carry), out.data_ptr() if fp32 else 0, 0 if fp32 else out.data_ptr(),
+            M, R, C, El, num_sms, torch.get_num_threads() if dev.type == "cpu" else 1, stream,
+        )  # fmt: skip
+    return out
