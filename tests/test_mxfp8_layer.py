@@ -406,18 +406,46 @@ def _assert_within(ref: dict, got: dict, keys: tuple[str, ...], tol: float = 1e-
         assert rel <= tol, f"{key}: relative L2 error {rel:.2e} against the reference backend"
 
 
+@pytest.mark.parametrize("routing", ["balanced", "skewed"])
+def test_fp8_kernel_path_on_the_cpu_entry_points(routing, monkeypatch):
+    """The native backend's FP8-kernel path (forward and backward a macrobatch per call: grouped
+    forward, input-gradient GEMMs, weight gradients carried in fp32) run on the CPU entry points of
+    the same kernels, so CI walks it: every contract key bitwise the same across the batching
+    configs, and within 1 % of the reference backend (the kernels' CPU loops sum in 32-blocks as
+    the reference does, in their own grouping)."""
+    from mok_torch.backends import native
+
+    monkeypatch.setattr(native, "gpu_mxfp8_forward_kernels", lambda cfg, *a: cfg.precision == "mxfp8")
+    monkeypatch.setattr(native, "_mxfp8_kernels", lambda device_type: None)  # not the per-row entry points
+    calls = {name: _count_calls(monkeypatch, native, name) for name in ("mxfp8_grouped_gemm", "mxfp8_grouped_wgrad")}
+    inp = make_inputs(96, 128, 64, 8, 2, 0, routing, seed=13)
+    ref = run_functional(inp, mok.MoKConfig(precision="mxfp8", backend="reference", expert_alignment=32), device="cpu")
+    first = None
+    for kw in CONFIGS:
+        got = run_functional(inp, mok.MoKConfig(precision="mxfp8", backend="cpu", **kw), device="cpu")
+        if first is None:
+            first = got
+        else:
+            assert_bitwise(first, got, CONTRACT_KEYS, what=f"cpu backend, FP8-kernel path, MXFP8 {kw}: ")
+    assert all(c["n"] for c in calls.values()), f"the FP8 backward did not run: {calls}"
+    assert first is not None
+    _assert_within(ref, first, CONTRACT_KEYS)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")
 @pytest.mark.parametrize("routing", ["balanced", "skewed"])
 def test_cuda_backend_runs_the_fp8_gemms(routing, monkeypatch):
-    """The cuda backend's MXFP8 forward on mok-mxfp8's FP8 tensor-core GEMMs (H and I multiples of
-    64): every contract key bitwise the same across the batching configs (macrobatch splits replay
-    the pre-activations on the same kernels), within 1 % of the reference backend's MXFP8 layer."""
+    """The cuda backend's MXFP8 layer on mok-mxfp8's FP8 tensor-core GEMMs (H and I multiples of
+    64), forward and backward: every contract key bitwise the same across the batching configs
+    (macrobatch splits replay the pre-activations on the same kernels and carry the weight
+    gradients in fp32), within 1 % of the reference backend's MXFP8 layer."""
     from mok_torch.backends import native
 
     H, I = 128, 64
     if not native.gpu_mxfp8_forward_kernels(mok.MoKConfig(precision="mxfp8"), torch.device("cuda"), H, I, 1):
         pytest.skip("mok-mxfp8's FP8 grouped forward needs an sm_90 GPU and a CUDA build of mok-mxfp8")
     calls = _count_calls(monkeypatch, native, "mxfp8_grouped_forward")
+    backward = {name: _count_calls(monkeypatch, native, name) for name in ("mxfp8_grouped_gemm", "mxfp8_grouped_wgrad")}
     inp = make_inputs(96, H, I, 8, 2, 0, routing, seed=13)
     ref = run_functional(inp, mok.MoKConfig(precision="mxfp8", backend="reference", expert_alignment=32), device="cpu")
     first = None
@@ -428,6 +456,7 @@ def test_cuda_backend_runs_the_fp8_gemms(routing, monkeypatch):
         else:
             assert_bitwise(first, got, CONTRACT_KEYS, what=f"cuda backend MXFP8 {kw}: ")
     assert calls["n"], "the FP8 GEMMs did not run"
+    assert all(c["n"] for c in backward.values()), f"the FP8 backward did not run: {backward}"
     assert first is not None
     _assert_within(ref, first, CONTRACT_KEYS)
 

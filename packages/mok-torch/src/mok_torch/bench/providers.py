@@ -146,13 +146,13 @@ class MokProvider(Provider):
         work = shape.tokens * shape.topk * shape.hidden * shape.inner
         # The cuda backend's forward runs mok-bf16's GEMMs (BF16) or mok-mxfp8's FP8 GEMMs (MXFP8)
         # where the shape allows; its BF16 backward too when the expert alignment is a multiple
-        # of 64 (else the reference arithmetic), its MXFP8 backward never (no FP8 backward
-        # kernels yet).
+        # of 64 (else the reference arithmetic), its MXFP8 backward always (FP8 input- and
+        # weight-gradient GEMMs; the alignment is a multiple of 32 in MXFP8).
         from ..backends.native import gpu_backward_kernels
 
         slow = getattr(backend, "reference_experts", False) or self.precision == "mxfp8"
         gpu_forward = self._gpu_forward(backend, shape, ranks)
-        gpu_backward = self.precision == "bf16" and gpu_backward_kernels(self.config)
+        gpu_backward = self.precision == "mxfp8" or gpu_backward_kernels(self.config)
         if gpu_forward and (settings.passes == ("forward",) or gpu_backward):
             slow = False
         if slow and work > REFERENCE_MAX_WORK and not settings.allow_slow:

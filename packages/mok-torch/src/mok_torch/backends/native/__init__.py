@@ -49,6 +49,7 @@ from ...mxfp8 import MXFP8Tensor, mxfp8_quantize, pack_rows, unpack_rows
 from ...structs import ForwardContext, Grads, Schedule
 from ...workspace import Workspace
 from ..reference import expert_weights
+from ..reference.arith import to_bf16_values
 from ..reference.experts import (
     BF16,
     ExpertWeights,
@@ -62,10 +63,11 @@ from ..reference.experts import (
     shared_backward,
     shared_forward,
     swiglu,
+    swiglu_backward_rows,
 )
 from ..reference.ring import Block, replays_in_backward
 from .grouped import GroupedBackward, GroupedForward, grouped_backward, grouped_forward
-from .mxfp8_grouped import MxGroupedForward, mxfp8_grouped_forward
+from .mxfp8_grouped import MxGroupedForward, mxfp8_grouped_forward, mxfp8_grouped_gemm, mxfp8_grouped_wgrad
 from .transport import Transport, raise_transport_error
 
 Weights3 = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -161,6 +163,20 @@ def _mx_weights(routed: Any) -> list[MXFP8Tensor]:
     """The routed weights as the FP8 forward reads them: the user's MXFP8Tensors, or bf16 ones
     quantized here per call (the normal copy only: the forward reads no other)."""
     return [w if isinstance(w, MXFP8Tensor) else mxfp8_quantize(w, transposed=False) for w in routed]
+
+
+def _row_copy(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """t [n, C]'s transposed copy quantized along the rows (n a multiple of 32): the weight
+    gradients' operand (E4M3 [C, n], E8M0 [n/32, C])."""
+    return mxfp8_quantize(t, normal=False).operand(transposed=True)
+
+
+def _mx_packed_rows(t: torch.Tensor) -> torch.Tensor:
+    """t [n, C] (bf16) as MXFP8 rows along C at a 16-byte row stride, for the FP8 kernels."""
+    C = t.shape[1]
+    out = torch.zeros(t.shape[0], (C + C // 32 + 15) // 16 * 16, dtype=torch.uint8, device=t.device)
+    out[:, : C + C // 32] = pack_rows(t)
+    return out
 
 
 def gpu_backward_kernels(cfg: MoKConfig) -> bool:
@@ -669,17 +685,17 @@ class NativeBackend:
 
     def _mx_rows(
         self, cfg: MoKConfig, tr: Transport, sched: Schedule, out: torch.Tensor, lo: int, K: int, nw: int,
-        keep: bool = False,
+        keep: bool = False, field: str = "x",
     ) -> torch.Tensor:  # fmt: skip
-        """MXFP8 x rows [lo, lo + len(out)) for the FP8 kernels (16-byte aligned rows): pulled into
-        `out` ([n, _mx_row_bytes(H)] uint8), or the pushed table rows themselves (2H bytes each;
-        copied into `out` as well when `keep`: the context holds macrobatch 0's rows)."""
+        """MXFP8 x (or dy) rows [lo, lo + len(out)) for the FP8 kernels (16-byte aligned rows):
+        pulled into `out` ([n, _mx_row_bytes(H)] uint8), or the pushed table rows themselves (2H
+        bytes each; copied into `out` as well when `keep`: the context holds macrobatch 0's rows)."""
         if cfg.dispatch == "push":
-            pushed = tr.view["x_recv"][lo : lo + out.shape[0]].view(torch.uint8)
+            pushed = tr.view[f"{field}_recv"][lo : lo + out.shape[0]].view(torch.uint8)
             if keep:
                 out.copy_(pushed[:, : out.shape[1]])
             return pushed
-        return self._receive(cfg, tr, sched, "x", out, lo, K, nw)
+        return self._receive(cfg, tr, sched, field, out, lo, K, nw)
 
     def _shared_forward(
         self, cfg: MoKConfig, x_TH: torch.Tensor, shared: Weights3 | None, *, outputs: bool
@@ -740,6 +756,33 @@ class NativeBackend:
 
     # ------------------------------------------------------------------ backward
 
+    def _mx_macrobatch_backward(
+        self, cfg: MoKConfig, seg: torch.Tensor, ctx: ForwardContext, m: int, xs: torch.Tensor, dys: torch.Tensor,
+        wr: torch.Tensor, mx: list[MXFP8Tensor], d_gate_up: torch.Tensor, d_down: torch.Tensor, tr: Transport,
+        sched: Schedule, lo: int, nw: int,
+    ) -> None:  # fmt: skip
+        """One macrobatch of the MXFP8 routed experts' backward on the FP8 kernels: MXFP8 rows xs
+        and dys ([n, >= H + H/32] at 16-byte strides), router weights wr [n]; adds the weight
+        gradients to the fp32 accumulators and gives dx and d_w to the transport."""
+        n, (_, I, H) = xs.shape[0], mx[0].shape
+        if m == 0:
+            a, b = ctx.a_MI[:n], ctx.b_MI[:n]
+        else:  # replay: the pre-activations recomputed by the forward's GEMMs (the same bits)
+            ab = mxfp8_grouped_forward(xs, H, seg, mx[0], mx[1], None, cfg.swiglu_limit)
+            a, b = ab.a, ab.b
+        g = mxfp8_grouped_gemm(dys, H, seg, mx[2].operand(transposed=True), out_dtype=torch.float32)
+        h, d_w, d_ab = swiglu_backward_rows(g, a, b, wr, cfg.swiglu_limit)
+        dx = mxfp8_grouped_gemm(_mx_packed_rows(d_ab), 2 * I, seg, mx[0].operand(True), mx[1].operand(True))
+        # Weight gradients: dWd += Q(bf16(w dy_q))^T Q(h), d[Wg; Wu] += Q([d_a, d_b])^T Q(x_q), the
+        # operands quantized along the rows (x and dy from their dispatched MXFP8 values).
+        wdy = to_bf16_values(wr[:, None] * unpack_rows(dys[:, : H + H // 32], H)).to(BF16)
+        x_values = unpack_rows(xs[:, : H + H // 32], H).to(BF16)
+        mxfp8_grouped_wgrad(_row_copy(wdy), _row_copy(h), seg, carry=d_down, out=d_down, out_dtype=torch.float32)
+        mxfp8_grouped_wgrad(_row_copy(d_ab), _row_copy(x_values), seg, carry=d_gate_up, out=d_gate_up,
+                            out_dtype=torch.float32)  # fmt: skip
+        self._give(cfg, tr, sched, dx, "rows", "y_send", lo, nw)
+        self._give(cfg, tr, sched, d_w.contiguous(), "d_w", "dw_send", lo, nw)
+
     def _shared_backward(
         self, cfg: MoKConfig, x_TH: torch.Tensor, dy_TH: torch.Tensor, a_TIs: torch.Tensor | None,
         b_TIs: torch.Tensor | None, shared: Weights3 | None, wgrad_dtype: torch.dtype,
@@ -792,6 +835,13 @@ class NativeBackend:
         mx_gate_up: list[MXFP8Tensor] = []  # quantized at the first replay that needs them
         if fp8_cores:
             segments = sched.expert_offsets_El1.to(torch.int64)
+        # The MXFP8 backward on the FP8 kernels, a macrobatch per call (as the forward): g and dx
+        # (mok_mxfp8.grouped_gemm), the weight gradients in 32-row blocks carried in fp32 between
+        # macrobatches (grouped_wgrad). Macrobatch bounds are multiples of the alignment (>= 32 in
+        # MXFP8), so the row blocks are the reference's.
+        fp8_backward = fp8_cores and rows % 32 == 0 and macro % 32 == 0
+        if fp8_backward:
+            mx_all = [w if isinstance(w, MXFP8Tensor) else mxfp8_quantize(w) for w in routed]
         # The GPU backward's weight gradients take 64-row blocks from each segment start: every
         # macrobatch boundary and segment start must be a multiple of 64 for a split to carry
         # exactly (docs/determinism.md "The GPU GEMMs"); otherwise the reference arithmetic.
@@ -815,6 +865,22 @@ class NativeBackend:
             weights = expert_weights(cfg, routed)
         for m, lo in enumerate(range(0, rows, macro)):  # first to last
             hi = min(lo + macro, rows)
+            if fp8_backward:
+                n, nw = hi - lo, self._movers(cfg, ws, backward=True)
+                mx_bytes = (n, _mx_row_bytes(H))
+                if m == 0:
+                    xs = ctx.x_routed_MH[:n]
+                else:
+                    xs = self._mx_rows(cfg, tr, sched, torch.zeros(mx_bytes, dtype=torch.uint8, device=dev), lo, K, nw)
+                dy_buf = torch.zeros(mx_bytes, dtype=torch.uint8, device=dev)
+                dys = self._mx_rows(cfg, tr, sched, dy_buf, lo, K, nw, field="dy")
+                if cfg.dispatch == "push":
+                    wr = self._received(cfg, tr, "w_recv", lo, hi)
+                else:
+                    wr = self._receive(cfg, tr, sched, "w", torch.empty(n, dtype=torch.float32, device=dev), lo, 1, nw)
+                self._mx_macrobatch_backward(cfg, (segments - lo).clamp_(0, n), ctx, m, xs, dys, wr, mx_all,
+                                             d_gate_up, d_down, tr, sched, lo, nw)  # fmt: skip
+                continue
             if gpu_backward:
                 # The whole macrobatch in one call, as in the forward (and every SM moving rows):
                 # its weight gradients read and write each expert's fp32 accumulators once.

@@ -216,6 +216,16 @@ def row_backward(
 ) -> RowGrads:
     """Per-row backward of DESIGN.md §1 (w_nL None means weight 1: the shared expert)."""
     g = w.mm(layout, w.operand(dy_nLH), w.down_EHI)  # unweighted down-projection input gradient
+    h, d_w, d_ab = swiglu_backward_rows(g, a_nLI, b_nLI, w_nL, limit)
+    dx = w.mm(layout, w.operand(d_ab), w.gate_up_E2IH).to(BF16)
+    return RowGrads(h=h, d_w=d_w, d_ab=d_ab, dx=dx)
+
+
+def swiglu_backward_rows(
+    g: torch.Tensor, a_nLI: torch.Tensor, b_nLI: torch.Tensor, w_nL: torch.Tensor | None, limit: float | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(h, d_w, [d_a, d_b]) of rows from g = dy @ Wd (fp32, unweighted), the element math of
+    DESIGN.md §1: h and d_ab in bf16, d_w = <g, h> summed in order, no division by w."""
     af, bf = _clamped(a_nLI, b_nLI, limit)
     s = sigmoid(af)
     silu = af * s
@@ -230,8 +240,7 @@ def row_backward(
         d_a = torch.where(a_nLI.float() <= limit, d_a, torch.zeros_like(d_a))
         d_b = torch.where(b_nLI.float().abs() <= limit, d_b, torch.zeros_like(d_b))
     d_ab = torch.cat([d_a, d_b], dim=-1).to(BF16)
-    dx = w.mm(layout, w.operand(d_ab), w.gate_up_E2IH).to(BF16)
-    return RowGrads(h=h, d_w=d_w, d_ab=d_ab, dx=dx)
+    return h, d_w, d_ab
 
 
 def accumulate_wgrads(
