@@ -839,7 +839,8 @@ class NativeBackend:
         # (mok_mxfp8.grouped_gemm), the weight gradients in 32-row blocks carried in fp32 between
         # macrobatches (grouped_wgrad). Macrobatch bounds are multiples of the alignment (>= 32 in
         # MXFP8), so the row blocks are the reference's.
-        fp8_backward = fp8_cores and rows % 32 == 0 and macro % 32 == 0
+        # (On the GPU dx's K split, at I, must fall on the kernel's 128-deep stages.)
+        fp8_backward = fp8_cores and rows % 32 == 0 and macro % 32 == 0 and (dev.type != "cuda" or inner % 128 == 0)
         if fp8_backward:
             mx_all = [w if isinstance(w, MXFP8Tensor) else mxfp8_quantize(w) for w in routed]
         # The GPU backward's weight gradients take 64-row blocks from each segment start: every
