@@ -90,12 +90,6 @@ void check_common(const std::string& fn, const MxExpertShape& s, SwigluLimit lim
                            "written yet (the CPU implementation runs with device=\"cpu\")");
 }
 
-[[maybe_unused]] [[noreturn]] void built_without_cuda(const std::string& fn) {
-  throw std::runtime_error(fn +
-                           ": device=\"cuda\" but mok-mxfp8 was built without CUDA "
-                           "(MOK_CUDA=OFF, or no nvcc at build time)");
-}
-
 void check_device(const std::string& fn, const std::string& device) {
   if (device != "cpu" && device != "cuda") {
     invalid(fn, "device must be \"cpu\" or \"cuda\", got \"" + device + "\"");
@@ -103,6 +97,26 @@ void check_device(const std::string& fn, const std::string& device) {
 }
 
 }  // namespace
+
+#if !MOK_WITH_CUDA
+// Built without CUDA: the GPU entry points say so by name.
+namespace {
+[[noreturn]] void built_without_cuda(const std::string& fn) {
+  throw std::runtime_error(fn +
+                           ": device=\"cuda\" but mok-mxfp8 was built without CUDA "
+                           "(MOK_CUDA=OFF, or no nvcc at build time)");
+}
+}  // namespace
+void grouped_forward_cuda(const MxGroupedForwardArgs&, std::uintptr_t) {
+  built_without_cuda("grouped_forward");
+}
+void grouped_gemm_cuda(const MxGroupedGemmArgs&, std::uintptr_t) {
+  built_without_cuda("grouped_gemm");
+}
+void grouped_wgrad_cuda(const MxGroupedWgradArgs&, std::uintptr_t) {
+  built_without_cuda("grouped_wgrad");
+}
+#endif
 
 void swiglu_forward(const std::string& device, const MxForwardArgs& args,
                     std::uintptr_t /*stream*/) {
@@ -188,15 +202,7 @@ void grouped_forward(const std::string& device, const MxGroupedForwardArgs& a,
     check_pointer(fn, "down.data", a.down.data, al);
     check_pointer(fn, "down.scales", a.down.scales, al);
   }
-  if (cuda) {
-#if MOK_WITH_CUDA
-    grouped_forward_cuda(a, stream);
-    return;
-#else
-    (void)stream;
-    built_without_cuda(fn);
-#endif
-  }
+  if (cuda) return grouped_forward_cuda(a, stream);
   check_offsets_on_host(fn, a.offsets, s.num_experts, s.num_rows);
   grouped_forward_cpu(a);
 }
@@ -257,15 +263,7 @@ void grouped_gemm(const std::string& device, const MxGroupedGemmArgs& a, std::ui
     check_pointer(fn, "b1_scales", a.b1_scales, al);
   }
   check_pointer(fn, "out", a.out, a.out_fp32 ? (cuda ? 8 : 4) : (cuda ? 4 : 2));
-  if (cuda) {
-#if MOK_WITH_CUDA
-    grouped_gemm_cuda(a, stream);
-    return;
-#else
-    (void)stream;
-    built_without_cuda(fn);
-#endif
-  }
+  if (cuda) return grouped_gemm_cuda(a, stream);
   check_offsets_on_host(fn, a.offsets, a.num_experts, a.num_rows);
   grouped_gemm_cpu(a);
 }
@@ -312,15 +310,7 @@ void grouped_wgrad(const std::string& device, const MxGroupedWgradArgs& a, std::
     check_pointer(fn, "b_data", a.b_data, al);
     check_pointer(fn, "b_scales", a.b_scales, al);
   }
-  if (cuda) {
-#if MOK_WITH_CUDA
-    grouped_wgrad_cuda(a, stream);
-    return;
-#else
-    (void)stream;
-    built_without_cuda(fn);
-#endif
-  }
+  if (cuda) return grouped_wgrad_cuda(a, stream);
   check_offsets_on_host(fn, a.offsets, a.num_experts, a.num_rows);
   const auto* off = reinterpret_cast<const std::int64_t*>(a.offsets);
   for (std::int64_t e = 0; e <= a.num_experts; ++e) {

@@ -182,11 +182,10 @@ void swiglu_forward_cpu(const MxForwardArgs& args);
 void grouped_forward_cpu(const MxGroupedForwardArgs& args);
 void grouped_gemm_cpu(const MxGroupedGemmArgs& args);
 void grouped_wgrad_cpu(const MxGroupedWgradArgs& args);
-#if MOK_WITH_CUDA
-void grouped_wgrad_cuda(const MxGroupedWgradArgs& args, std::uintptr_t stream);
+// The GPU implementations (cuda/*.cu); without CUDA they raise std::runtime_error saying so.
 void grouped_forward_cuda(const MxGroupedForwardArgs& args, std::uintptr_t stream);
 void grouped_gemm_cuda(const MxGroupedGemmArgs& args, std::uintptr_t stream);
-#endif
+void grouped_wgrad_cuda(const MxGroupedWgradArgs& args, std::uintptr_t stream);
 void swiglu_backward_cpu(const MxBackwardArgs& args);
 
 }  // namespace mok::mxfp8
