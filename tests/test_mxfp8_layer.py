@@ -406,6 +406,17 @@ def _assert_within(ref: dict, got: dict, keys: tuple[str, ...], tol: float = 1e-
         assert rel <= tol, f"{key}: relative L2 error {rel:.2e} against the reference backend"
 
 
+def _assert_bitwise_across_configs_and_near_the_reference(inp, backend: str) -> None:
+    """The native `backend`'s MXFP8 layer: every contract key bitwise the same across CONFIGS,
+    and within 1 % of the reference backend's."""
+    ref = run_functional(inp, mok.MoKConfig(precision="mxfp8", backend="reference", expert_alignment=32), device="cpu")
+    first = run_functional(inp, mok.MoKConfig(precision="mxfp8", backend=backend, **CONFIGS[0]), device=backend)
+    for kw in CONFIGS[1:]:
+        got = run_functional(inp, mok.MoKConfig(precision="mxfp8", backend=backend, **kw), device=backend)
+        assert_bitwise(first, got, CONTRACT_KEYS, what=f"{backend} backend MXFP8 {kw}: ")
+    _assert_within(ref, first, CONTRACT_KEYS)
+
+
 @pytest.mark.parametrize("routing", ["balanced", "skewed"])
 def test_fp8_kernel_path_on_the_cpu_entry_points(routing, monkeypatch):
     """The native backend's FP8-kernel path (forward and backward a macrobatch per call: grouped
@@ -418,18 +429,8 @@ def test_fp8_kernel_path_on_the_cpu_entry_points(routing, monkeypatch):
     monkeypatch.setattr(native, "gpu_mxfp8_forward_kernels", lambda cfg, *a: cfg.precision == "mxfp8")
     monkeypatch.setattr(native, "_mxfp8_kernels", lambda device_type: None)  # not the per-row entry points
     calls = {name: _count_calls(monkeypatch, native, name) for name in ("mxfp8_grouped_gemm", "mxfp8_grouped_wgrad")}
-    inp = make_inputs(96, 128, 64, 8, 2, 0, routing, seed=13)
-    ref = run_functional(inp, mok.MoKConfig(precision="mxfp8", backend="reference", expert_alignment=32), device="cpu")
-    first = None
-    for kw in CONFIGS:
-        got = run_functional(inp, mok.MoKConfig(precision="mxfp8", backend="cpu", **kw), device="cpu")
-        if first is None:
-            first = got
-        else:
-            assert_bitwise(first, got, CONTRACT_KEYS, what=f"cpu backend, FP8-kernel path, MXFP8 {kw}: ")
+    _assert_bitwise_across_configs_and_near_the_reference(make_inputs(96, 128, 64, 8, 2, 0, routing, seed=13), "cpu")
     assert all(c["n"] for c in calls.values()), f"the FP8 backward did not run: {calls}"
-    assert first is not None
-    _assert_within(ref, first, CONTRACT_KEYS)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")
@@ -446,19 +447,9 @@ def test_cuda_backend_runs_the_fp8_gemms(routing, monkeypatch):
         pytest.skip("mok-mxfp8's FP8 grouped forward needs an sm_90 GPU and a CUDA build of mok-mxfp8")
     calls = _count_calls(monkeypatch, native, "mxfp8_grouped_forward")
     backward = {name: _count_calls(monkeypatch, native, name) for name in ("mxfp8_grouped_gemm", "mxfp8_grouped_wgrad")}
-    inp = make_inputs(96, H, I, 8, 2, 0, routing, seed=13)
-    ref = run_functional(inp, mok.MoKConfig(precision="mxfp8", backend="reference", expert_alignment=32), device="cpu")
-    first = None
-    for kw in CONFIGS:
-        got = run_functional(inp, mok.MoKConfig(precision="mxfp8", backend="cuda", **kw), device="cuda")
-        if first is None:
-            first = got
-        else:
-            assert_bitwise(first, got, CONTRACT_KEYS, what=f"cuda backend MXFP8 {kw}: ")
+    _assert_bitwise_across_configs_and_near_the_reference(make_inputs(96, H, I, 8, 2, 0, routing, seed=13), "cuda")
     assert calls["n"], "the FP8 GEMMs did not run"
     assert all(c["n"] for c in backward.values()), f"the FP8 backward did not run: {backward}"
-    assert first is not None
-    _assert_within(ref, first, CONTRACT_KEYS)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")

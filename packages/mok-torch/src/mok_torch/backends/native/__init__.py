@@ -67,7 +67,13 @@ from ..reference.experts import (
 )
 from ..reference.ring import Block, replays_in_backward
 from .grouped import GroupedBackward, GroupedForward, grouped_backward, grouped_forward
-from .mxfp8_grouped import MxGroupedForward, mxfp8_grouped_forward, mxfp8_grouped_gemm, mxfp8_grouped_wgrad
+from .mxfp8_grouped import (
+    MxGroupedForward,
+    hq_row_bytes,
+    mxfp8_grouped_forward,
+    mxfp8_grouped_gemm,
+    mxfp8_grouped_wgrad,
+)
 from .transport import Transport, raise_transport_error
 
 Weights3 = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -153,10 +159,10 @@ def gpu_mxfp8_forward_kernels(cfg: MoKConfig, device: torch.device, hidden: int,
     )
 
 
-def _mx_row_bytes(H: int) -> int:
-    """Bytes of a pulled MXFP8 row for the FP8 kernels: H + H/32 rounded up to 16 (the copy engine
-    reads 16-byte aligned rows)."""
-    return (H + H // 32 + 15) // 16 * 16
+def _mx_row_bytes(C: int) -> int:
+    """Bytes of an MXFP8 row of C values for the FP8 kernels: C + C/32 rounded up to 16 (the copy
+    engine reads 16-byte aligned rows), as h_q's rows."""
+    return hq_row_bytes(C)
 
 
 def _mx_weights(routed: Any) -> list[MXFP8Tensor]:
@@ -174,7 +180,7 @@ def _row_copy(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _mx_packed_rows(t: torch.Tensor) -> torch.Tensor:
     """t [n, C] (bf16) as MXFP8 rows along C at a 16-byte row stride, for the FP8 kernels."""
     C = t.shape[1]
-    out = torch.zeros(t.shape[0], (C + C // 32 + 15) // 16 * 16, dtype=torch.uint8, device=t.device)
+    out = torch.zeros(t.shape[0], _mx_row_bytes(C), dtype=torch.uint8, device=t.device)
     out[:, : C + C // 32] = pack_rows(t)
     return out
 
