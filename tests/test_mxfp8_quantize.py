@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import mok_torch as mok
-from mok_torch.mxfp8 import _compiled, dequantize_blocks, fake_quantize, quantize_rows_torch
+from mok_torch.mxfp8 import _compiled, dequantize_blocks, fake_quantize, pack_rows, quantize_rows_torch
 
 # ---------------------------------------------------------------- the spec, in exact arithmetic
 
@@ -334,6 +334,35 @@ def test_compiled_entry_point_rejects_bad_arguments():
         call(device="tpu")
     with pytest.raises(ValueError, match="num_threads"):
         call(num_threads=0)
+    with pytest.raises(ValueError, match="data_row_stride must be 0 or >= cols"):
+        call(data_row_stride=32)
+    with pytest.raises(ValueError, match="needs batch 1"):
+        call(batch=2, rows=2, data_row_stride=80, scale_row_stride=80)
+    with pytest.raises(ValueError, match="scale strides"):  # scales with the rows: stride of the rows
+        call(data_row_stride=80, scale_row_stride=5)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(40, 32), (7, 96), (128, 256), (1, 7168), (0, 64)], ids=str)
+def test_pack_rows_compiled_is_the_torch_quantizer(device, dtype, shape):
+    """MXFP8 rows (the layer's activations) by mok-mxfp8's quantizer, rows with their scales: the
+    pure-PyTorch bytes, on row sizes with and without 8-byte alignment (C + C/32 = 33 at C = 32)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU; this machine has none")
+    compiled_or_skip(device)
+    g = torch.Generator().manual_seed(7)
+    N, C = shape
+    x = torch.randn(N, C, generator=g) * torch.logspace(-30, 30, C, base=2.0)
+    if N * C:
+        bb = boundary_blocks().flatten()
+        n = min(bb.numel(), N * C)
+        x.view(-1)[:n] = bb[:n]
+    x = x.to(dtype)
+    want = pack_rows(x, compiled=False)
+    got = pack_rows(x.to(device))
+    assert got.shape == (N, C + C // 32) and got.dtype == torch.uint8
+    assert torch.equal(got.cpu(), want)
 
 
 @pytest.mark.gpu

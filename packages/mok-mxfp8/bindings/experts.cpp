@@ -218,6 +218,61 @@ void register_experts(pybind11::module_& m) {
       "sm_90a FP8 GEMM with per-32 scaling (R and C multiples of 64, rows 16-byte aligned), "
       "deterministic, a split of the rows at multiples of 32 carrying the fp32 sums gives the "
       "bits of one call. Raises ValueError naming a bad argument.");
+  m.def(
+      "grouped_swiglu_backward",
+      [](const std::string& device, std::uintptr_t g, std::uintptr_t a, std::uintptr_t b,
+         std::uintptr_t router_weights, std::uintptr_t x, std::int64_t x_row_bytes,
+         std::uintptr_t dy, std::int64_t dy_row_bytes, std::uintptr_t out_d_w,
+         std::uintptr_t out_dab, std::int64_t dab_row_bytes, std::uintptr_t dab_t_data,
+         std::uintptr_t dab_t_scales, std::uintptr_t h_t_data, std::uintptr_t h_t_scales,
+         std::uintptr_t x_t_data, std::uintptr_t x_t_scales, std::uintptr_t wdy_t_data,
+         std::uintptr_t wdy_t_scales, std::int64_t num_rows, std::int64_t hidden,
+         std::int64_t inner, std::optional<double> limit, std::int64_t num_threads,
+         std::uintptr_t stream) {
+        MxSwigluBackwardArgs s;
+        s.g = g;
+        s.a = a;
+        s.b = b;
+        s.router_weights = router_weights;
+        s.x = x;
+        s.x_row_bytes = x_row_bytes;
+        s.dy = dy;
+        s.dy_row_bytes = dy_row_bytes;
+        s.out_d_w = out_d_w;
+        s.out_dab = out_dab;
+        s.dab_row_bytes = dab_row_bytes;
+        s.dab_t_data = dab_t_data;
+        s.dab_t_scales = dab_t_scales;
+        s.h_t_data = h_t_data;
+        s.h_t_scales = h_t_scales;
+        s.x_t_data = x_t_data;
+        s.x_t_scales = x_t_scales;
+        s.wdy_t_data = wdy_t_data;
+        s.wdy_t_scales = wdy_t_scales;
+        s.num_rows = num_rows;
+        s.hidden = hidden;
+        s.inner = inner;
+        s.limit = core::swiglu_limit("grouped_swiglu_backward", limit);
+        s.num_threads = num_threads;
+        grouped_swiglu_backward(device, s, stream);
+      },
+      py::arg("device"), py::arg("g"), py::arg("a"), py::arg("b"), py::arg("router_weights"),
+      py::arg("x"), py::arg("x_row_bytes"), py::arg("dy"), py::arg("dy_row_bytes"),
+      py::arg("out_d_w"), py::arg("out_dab"), py::arg("dab_row_bytes"), py::arg("dab_t_data"),
+      py::arg("dab_t_scales"), py::arg("h_t_data"), py::arg("h_t_scales"), py::arg("x_t_data"),
+      py::arg("x_t_scales"), py::arg("wdy_t_data"), py::arg("wdy_t_scales"), py::arg("num_rows"),
+      py::arg("hidden"), py::arg("inner"), py::arg("limit") = py::none(),
+      py::arg("num_threads") = 1, py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+      "The MXFP8 backward's element pass between its GEMMs, on M rows (a multiple of 32). From g "
+      "(fp32 [M, I], unweighted dy_q @ Q(Wd)), a, b (bf16 [M, I]), router_weights (fp32 [M] or 0: "
+      "all ones) and the MXFP8 rows x, dy (H bytes then H/32 scales, *_row_bytes apart, 0: "
+      "packed): out_d_w (fp32 [M], <g, h> summed in ascending order), out_dab (uint8 [M, "
+      "dab_row_bytes]: "
+      "Q_2I([d_a, d_b]) as MXFP8 rows), and the transposed copies quantized along the rows "
+      "(E4M3 [C, M], E8M0 [M/32, C]) of [d_a, d_b] (C = 2I), h (C = I), bf16(x) and bf16(w dy) (C "
+      "= H). h, d_a, d_b: the reference's SwiGLU backward (limit as in grouped_forward). H and I "
+      "multiples of 64; on 'cuda' rows and arrays 16-byte aligned. 'cpu' and 'cuda' give the "
+      "reference's bits (a computed NaN's sign aside). Raises ValueError naming a bad argument.");
 }
 
 }  // namespace mok::mxfp8::bindings

@@ -10,6 +10,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "lanes.cuh"
 #include "mok/mxfp8/quantize.h"
 
 namespace mok::mxfp8 {
@@ -44,7 +45,7 @@ __global__ void quantize_kernel(QuantizeArgs a, bool rows_fastest, std::int64_t 
     }
     const std::int64_t base = b * a.src_batch_stride + r * a.src_row_stride;
     const std::int64_t c0 = j * kBlock;
-    std::uint8_t* out = data + (b * a.rows + r) * a.cols + c0;
+    std::uint8_t* out = data + (b * a.rows + r) * a.data_row_stride + c0;
     std::uint32_t v[kBlock];
     constexpr int kBytes = kType == SourceType::kBf16 ? 2 : 4;
     const auto* run = static_cast<const unsigned char*>(src) + (base + c0) * kBytes;
@@ -122,28 +123,13 @@ __global__ void quantize_rows_kernel(QuantizeArgs a, std::int64_t total) {
         }
       }
     }
-    BlockStats stats;
-#pragma unroll
-    for (int i = 0; i < kPer; ++i) stats.add(v[i]);
-#pragma unroll
-    for (int d = 1; d < kLanes; d <<= 1) {
-      BlockStats other;
-      other.amax = __shfl_xor_sync(0xFFFFFFFFu, stats.amax, d);
-      other.finite = __shfl_xor_sync(0xFFFFFFFFu, stats.finite ? 1 : 0, d) != 0;
-      stats.merge(other);
-    }
+    const BlockStats stats = kernels::lane_block_stats<kLanes>(v);
     if (!valid) continue;
     const int e = stats.exponent(a.rule);
     std::uint32_t packed[kPer / 4];
-#pragma unroll
-    for (int i = 0; i < kPer; i += 4) {
-      packed[i / 4] = static_cast<std::uint32_t>(stats.element(v[i], e)) |
-                      static_cast<std::uint32_t>(stats.element(v[i + 1], e)) << 8 |
-                      static_cast<std::uint32_t>(stats.element(v[i + 2], e)) << 16 |
-                      static_cast<std::uint32_t>(stats.element(v[i + 3], e)) << 24;
-    }
-    auto* out = reinterpret_cast<unsigned char*>(a.data) + (b * a.rows + r) * a.cols + j * kBlock +
-                kPer * part;
+    kernels::lane_block_bytes(stats, e, v, packed);
+    auto* out = reinterpret_cast<unsigned char*>(a.data) + (b * a.rows + r) * a.data_row_stride +
+                j * kBlock + kPer * part;
     if constexpr (kPer == 8) {
       *reinterpret_cast<uint2*>(out) = make_uint2(packed[0], packed[1]);
     } else {
@@ -167,7 +153,9 @@ void check_cuda(cudaError_t status, const char* what) {
 
 }  // namespace
 
-void quantize_cuda(const QuantizeArgs& a, std::uintptr_t stream) {
+void quantize_cuda(const QuantizeArgs& args, std::uintptr_t stream) {
+  QuantizeArgs a = args;
+  if (a.data_row_stride == 0) a.data_row_stride = a.cols;
   const std::int64_t total = a.batch * a.rows * (a.cols / kBlock);
   if (total == 0) return;
   const bool rows_fastest = a.src_col_stride != 1;
@@ -178,7 +166,7 @@ void quantize_cuda(const QuantizeArgs& a, std::uintptr_t stream) {
   const std::int64_t bytes = a.src_type == SourceType::kBf16 ? 2 : 4;
   const bool rows_aligned = a.src % 16 == 0 && (a.src_batch_stride * bytes) % 16 == 0 &&
                             (a.src_row_stride * bytes) % 16 == 0 && a.data % 8 == 0 &&
-                            a.cols % 8 == 0;
+                            a.data_row_stride % 8 == 0;
   if (!rows_fastest && rows_aligned) {
     const std::int64_t warps = (total * bytes * kBlock / 16 + 31) / 32;  // a lane per 16 bytes
     const std::int64_t ctas = (warps + kThreads / 32 - 1) / (kThreads / 32);

@@ -3,6 +3,7 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "mok/mxfp8/experts.h"
 
@@ -115,6 +116,9 @@ void grouped_gemm_cuda(const MxGroupedGemmArgs&, std::uintptr_t) {
 }
 void grouped_wgrad_cuda(const MxGroupedWgradArgs&, std::uintptr_t) {
   built_without_cuda("grouped_wgrad");
+}
+void grouped_swiglu_backward_cuda(const MxSwigluBackwardArgs&, std::uintptr_t) {
+  built_without_cuda("grouped_swiglu_backward");
 }
 #endif
 
@@ -320,6 +324,72 @@ void grouped_wgrad(const std::string& device, const MxGroupedWgradArgs& a, std::
     }
   }
   grouped_wgrad_cpu(a);
+}
+
+void grouped_swiglu_backward(const std::string& device, const MxSwigluBackwardArgs& a,
+                             std::uintptr_t stream) {
+  const std::string fn = "grouped_swiglu_backward";
+  check_device(fn, device);
+  const bool cuda = device == "cuda";
+  if (a.num_rows < 0 || a.num_rows % kBlock) {
+    invalid(fn, "num_rows must be a multiple of 32 (>= 0)" + got(a.num_rows));
+  }
+  if (a.hidden <= 0 || a.hidden % 64) {
+    invalid(fn, "hidden must be a positive multiple of 64" + got(a.hidden));
+  }
+  if (a.inner <= 0 || a.inner % 64)
+    invalid(fn, "inner must be a positive multiple of 64" + got(a.inner));
+  constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max() / 16;
+  const std::int64_t wide = a.hidden > 2 * a.inner ? a.hidden : 2 * a.inner;
+  if (a.num_rows > 0 && wide > kMax / a.num_rows) invalid(fn, "the arrays are too large");
+  if (a.limit.on && !(a.limit.limit >= 0.0f)) invalid(fn, "limit must be None or a number >= 0");
+  if (a.num_threads < 1 || a.num_threads > kMaxExpertThreads) {
+    invalid(fn, "num_threads must be in [1, " + std::to_string(kMaxExpertThreads) + "]" +
+                    got(a.num_threads));
+  }
+  const std::int64_t x_packed = a.hidden + a.hidden / kBlock;
+  const std::int64_t dab_packed = 2 * a.inner + 2 * a.inner / kBlock;
+  const std::pair<const char*, std::int64_t> rows[] = {{"x_row_bytes", a.x_row_bytes},
+                                                       {"dy_row_bytes", a.dy_row_bytes}};
+  for (const auto& [name, bytes] : rows) {
+    if (bytes != 0 && bytes < x_packed) {
+      invalid(fn, std::string(name) + " must be 0 or >= hidden + hidden/32 = " +
+                      std::to_string(x_packed) + got(bytes));
+    }
+    if (cuda && (bytes != 0 ? bytes : x_packed) % 16 != 0) {
+      invalid(fn, std::string("on \"cuda\", ") + name + " must be a multiple of 16" +
+                      got(bytes != 0 ? bytes : x_packed));
+    }
+  }
+  if (a.dab_row_bytes != 0 && a.dab_row_bytes < dab_packed) {
+    invalid(fn, "dab_row_bytes must be 0 or >= 2 inner + inner/16 = " + std::to_string(dab_packed) +
+                    got(a.dab_row_bytes));
+  }
+  if (cuda && (a.dab_row_bytes != 0 ? a.dab_row_bytes : dab_packed) % 16 != 0) {
+    invalid(fn, "on \"cuda\", dab_row_bytes must be a multiple of 16" +
+                    got(a.dab_row_bytes != 0 ? a.dab_row_bytes : dab_packed));
+  }
+  if (a.router_weights % 4 != 0) invalid(fn, "router_weights must be aligned to 4 bytes");
+  if (a.num_rows == 0) return;
+  // The GPU reads and writes 16-byte vectors (the transposed copies' rows are M bytes apart).
+  const std::uintptr_t al = cuda ? 16 : 1;
+  check_pointer(fn, "g", a.g, cuda ? 16 : 4);
+  check_pointer(fn, "a", a.a, cuda ? 16 : 2);
+  check_pointer(fn, "b", a.b, cuda ? 16 : 2);
+  check_pointer(fn, "x", a.x, al);
+  check_pointer(fn, "dy", a.dy, al);
+  check_pointer(fn, "out_d_w", a.out_d_w, 4);
+  check_pointer(fn, "out_dab", a.out_dab, al);
+  check_pointer(fn, "dab_t_data", a.dab_t_data, al);
+  check_pointer(fn, "dab_t_scales", a.dab_t_scales, 1);
+  check_pointer(fn, "h_t_data", a.h_t_data, al);
+  check_pointer(fn, "h_t_scales", a.h_t_scales, 1);
+  check_pointer(fn, "x_t_data", a.x_t_data, al);
+  check_pointer(fn, "x_t_scales", a.x_t_scales, 1);
+  check_pointer(fn, "wdy_t_data", a.wdy_t_data, al);
+  check_pointer(fn, "wdy_t_scales", a.wdy_t_scales, 1);
+  if (cuda) return grouped_swiglu_backward_cuda(a, stream);
+  grouped_swiglu_backward_cpu(a);
 }
 
 }  // namespace mok::mxfp8

@@ -432,4 +432,83 @@ void swiglu_backward_cpu(const MxBackwardArgs& args) {
   });
 }
 
+// The backward's element pass (grouped_swiglu_backward): a 32-row block per work item, the GPU
+// kernel's arithmetic in loops.
+namespace {
+
+// Column c of a block of 32 rows of bf16 values (row-major, `cols` per row) quantized along the
+// rows: 32 bytes at data[c * M + row0], the scale at scales[(row0 / 32) * cols + c].
+void quantize_block_columns(const u16* block, std::int64_t cols, std::int64_t M, std::int64_t row0,
+                            u8* data, u8* scales) {
+  for (std::int64_t c = 0; c < cols; ++c) {
+    u8* out = data + c * M + row0;
+    scales[(row0 / kBlock) * cols + c] = quantize_block(
+        kBlock, ScaleRule::kRceil,
+        [&](int i) { return static_cast<std::uint32_t>(block[i * cols + c]) << 16; },
+        [&](int i, u8 byte) { out[i] = byte; });
+  }
+}
+
+// bf16 values [n] quantized along the row into `out` (n bytes, then n/32 scales).
+void quantize_row(const u16* values, std::int64_t n, u8* out) {
+  for (std::int64_t j = 0; j < n / kBlock; ++j) {
+    out[n + j] = quantize_block(
+        kBlock, ScaleRule::kRceil,
+        [&](int i) { return static_cast<std::uint32_t>(values[j * kBlock + i]) << 16; },
+        [&](int i, u8 byte) { out[j * kBlock + i] = byte; });
+  }
+}
+
+}  // namespace
+
+void grouped_swiglu_backward_cpu(const MxSwigluBackwardArgs& g) {
+  const std::int64_t M = g.num_rows, H = g.hidden, I = g.inner;
+  const std::int64_t x_bytes = g.x_row_bytes != 0 ? g.x_row_bytes : H + H / kBlock;
+  const std::int64_t dy_bytes = g.dy_row_bytes != 0 ? g.dy_row_bytes : H + H / kBlock;
+  const std::int64_t dab_bytes = g.dab_row_bytes != 0 ? g.dab_row_bytes : 2 * I + 2 * I / kBlock;
+  const auto* gv = reinterpret_cast<const float*>(g.g);
+  const auto* a = reinterpret_cast<const u16*>(g.a);
+  const auto* b = reinterpret_cast<const u16*>(g.b);
+  const auto* router_weights = reinterpret_cast<const float*>(g.router_weights);
+  const auto* x = reinterpret_cast<const u8*>(g.x);
+  const auto* dy = reinterpret_cast<const u8*>(g.dy);
+  auto* d_w = reinterpret_cast<float*>(g.out_d_w);
+  auto* dab = reinterpret_cast<u8*>(g.out_dab);
+  const auto out = [](std::uintptr_t p) { return reinterpret_cast<u8*>(p); };
+  const Tables& t = tables();
+  parallel_items(M / kBlock, g.num_threads, [&](std::int64_t blk) {
+    const std::int64_t row0 = blk * kBlock;
+    std::vector<u16> h(static_cast<std::size_t>(kBlock * I)),
+        d_ab(static_cast<std::size_t>(kBlock * 2 * I)), xs(static_cast<std::size_t>(kBlock * H)),
+        w_dy(static_cast<std::size_t>(kBlock * H));
+    for (std::int64_t r = 0; r < kBlock; ++r) {
+      const std::int64_t m = row0 + r;
+      const float w = router_weights != nullptr ? router_weights[m] : 1.0f;
+      float d_w_m = 0.0f;
+      u16* h_r = h.data() + r * I;
+      u16* dab_r = d_ab.data() + r * 2 * I;
+      for (std::int64_t i = 0; i < I; ++i) {
+        const core::SwigluGrad e =
+            core::swiglu_backward(gv[m * I + i], w, a[m * I + i], b[m * I + i], g.limit, kSig);
+        d_w_m = mac_rn(d_w_m, gv[m * I + i], e.h);
+        h_r[i] = float_to_bf16(e.h);
+        dab_r[i] = e.d_a;
+        dab_r[I + i] = e.d_b;
+      }
+      d_w[m] = d_w_m;
+      quantize_row(dab_r, 2 * I, dab + m * dab_bytes);
+      const u8* x_r = x + m * x_bytes;
+      const u8* dy_r = dy + m * dy_bytes;
+      for (std::int64_t c = 0; c < H; ++c) {
+        xs[r * H + c] = float_to_bf16(t.e4m3[x_r[c]] * t.scale[x_r[H + c / kBlock]]);
+        w_dy[r * H + c] = core::weighted_bf16(w, t.e4m3[dy_r[c]] * t.scale[dy_r[H + c / kBlock]]);
+      }
+    }
+    quantize_block_columns(h.data(), I, M, row0, out(g.h_t_data), out(g.h_t_scales));
+    quantize_block_columns(d_ab.data(), 2 * I, M, row0, out(g.dab_t_data), out(g.dab_t_scales));
+    quantize_block_columns(xs.data(), H, M, row0, out(g.x_t_data), out(g.x_t_scales));
+    quantize_block_columns(w_dy.data(), H, M, row0, out(g.wdy_t_data), out(g.wdy_t_scales));
+  });
+}
+
 }  // namespace mok::mxfp8

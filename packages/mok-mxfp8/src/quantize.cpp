@@ -46,12 +46,24 @@ void check(const QuantizeArgs& a) {
   if (a.data == 0) invalid("data must not be 0 (a null pointer)");
   if (a.scales == 0) invalid("scales must not be 0 (a null pointer)");
   const std::int64_t blocks = a.cols / kBlock;
-  // The scale strides must place every (r, j) of a matrix at a distinct index below rows*blocks.
+  const std::int64_t data_rows = a.data_row_stride != 0 ? a.data_row_stride : a.cols;
+  if (data_rows < a.cols) {
+    invalid("data_row_stride must be 0 or >= cols = " + std::to_string(a.cols) +
+            got(a.data_row_stride));
+  }
+  if (data_rows != a.cols && a.batch != 1) {
+    invalid("a data_row_stride other than cols needs batch 1" + got(a.batch));
+  }
+  // The scale strides must place every (r, j) of a matrix at a distinct index below rows*blocks
+  // (or, in rows with their scales, after each row's bytes).
   const bool row_major = a.scale_block_stride == 1 && a.scale_row_stride == blocks;
   const bool block_major = a.scale_row_stride == 1 && a.scale_block_stride == a.rows;
-  if (!row_major && !block_major) {
+  const bool with_rows = data_rows != a.cols && a.scale_block_stride == 1 &&
+                         a.scale_row_stride == data_rows && data_rows >= a.cols + blocks;
+  if (!row_major && !block_major && !with_rows) {
     invalid("scale strides must be row-major (row " + std::to_string(blocks) +
-            ", block 1) or block-major (row 1, block " + std::to_string(a.rows) + "), got (row " +
+            ", block 1), block-major (row 1, block " + std::to_string(a.rows) +
+            ") or with the rows (row data_row_stride, block 1), got (row " +
             std::to_string(a.scale_row_stride) + ", block " + std::to_string(a.scale_block_stride) +
             ")");
   }
@@ -82,7 +94,8 @@ void quantize_range(const QuantizeArgs& a, std::int64_t begin, std::int64_t end)
     const std::int64_t b = flat / (blocks * a.rows);
     const std::int64_t base = b * a.src_batch_stride + r * a.src_row_stride;
     const std::int64_t c0 = j * kBlock;
-    std::uint8_t* out = data + (b * a.rows + r) * a.cols + c0;
+    const std::int64_t data_rows = a.data_row_stride != 0 ? a.data_row_stride : a.cols;
+    std::uint8_t* out = data + (b * a.rows + r) * data_rows + c0;
     const std::uint8_t s = quantize_block(
         kBlock, a.rule, [&](int i) { return load_bits(a, base + (c0 + i) * a.src_col_stride); },
         [&](int i, std::uint8_t v) { out[i] = v; });

@@ -20,6 +20,7 @@ def quantize(
     rule: str = "rceil",
     num_threads: int = 1,
     stream: int = 0,
+    data_row_stride: int = 0,
 ) -> None: ...
 
 _Weight = tuple[int, int, int, int]  # data, scales, data_t, scales_t
@@ -124,6 +125,34 @@ def grouped_wgrad(
     c: int,
     num_experts: int,
     num_sms: int = 0,
+    num_threads: int = 1,
+    stream: int = 0,
+) -> None: ...
+def grouped_swiglu_backward(
+    device: str,
+    g: int,
+    a: int,
+    b: int,
+    router_weights: int,
+    x: int,
+    x_row_bytes: int,
+    dy: int,
+    dy_row_bytes: int,
+    out_d_w: int,
+    out_dab: int,
+    dab_row_bytes: int,
+    dab_t_data: int,
+    dab_t_scales: int,
+    h_t_data: int,
+    h_t_scales: int,
+    x_t_data: int,
+    x_t_scales: int,
+    wdy_t_data: int,
+    wdy_t_scales: int,
+    num_rows: int,
+    hidden: int,
+    inner: int,
+    limit: float | None = None,
     num_threads: int = 1,
     stream: int = 0,
 ) -> None: ...

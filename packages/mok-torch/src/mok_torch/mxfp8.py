@@ -221,14 +221,30 @@ def mxfp8_quantize(
     return MXFP8Tensor(data, scales, data_t, scales_t, rule)
 
 
-def pack_rows(x: torch.Tensor) -> torch.Tensor:
+def pack_rows(x: torch.Tensor, compiled: bool = True) -> torch.Tensor:
     """Rows x [N, C] as MXFP8 rows: uint8 [N, C + C/32], C E4M3 bytes then C/32 E8M0 scales.
 
     The form activations travel in between ranks: a row and its scales move as one unit
-    (RCEIL). A zero row of bytes is the value 0 (scale byte 0 is 2^-127).
+    (RCEIL). A zero row of bytes is the value 0 (scale byte 0 is 2^-127). Runs mok-mxfp8's
+    quantizer when it is installed for x's device (`compiled=False`: the pure-PyTorch one; both
+    give the same bytes).
     """
-    data, scales = quantize_rows_torch(x)
-    return torch.cat([data, scales], dim=-1)
+    mod = _compiled(x.device.type) if compiled and x.dim() == 2 and x.dtype in SOURCE_DTYPES else None
+    if mod is None or x.shape[1] % BLOCK:
+        data, scales = quantize_rows_torch(x)
+        return torch.cat([data, scales], dim=-1)
+    (N, C), row = x.shape, x.shape[1] + x.shape[1] // BLOCK
+    out = torch.empty(N, row, dtype=torch.uint8, device=x.device)
+    if N * C == 0:
+        return out
+    x = x.contiguous()
+    stream = torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0
+    mod.quantize(
+        x.device.type, x.data_ptr(), "bf16" if x.dtype == torch.bfloat16 else "fp32", 1, N, C, 0, C, 1,
+        out.data_ptr(), out.data_ptr() + C, row, 1, "rceil",
+        num_threads=max(1, torch.get_num_threads()) if not x.is_cuda else 1, stream=stream, data_row_stride=row,
+    )  # fmt: skip
+    return out
 
 
 def unpack_rows(packed: torch.Tensor, cols: int) -> torch.Tensor:

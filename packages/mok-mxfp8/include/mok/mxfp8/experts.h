@@ -164,6 +164,46 @@ struct MxGroupedWgradArgs {
   std::int64_t num_threads = 1;
 };
 
+// grouped_swiglu_backward: the element pass of the backward between its GEMMs, on M rows (a
+// multiple of 32; the row blocks of the transposed copies count from the call's first row). From g
+// = dy_q @ Q(Wd_e) (fp32, unweighted; grouped_gemm), the pre-activations a, b and the router
+// weights w:
+//
+//   h, d_a, d_b                  swiglu_backward of expert_math.h (the reference's bits)
+//   d_w = <g, h>                 fp32, the sequential sum of fl(g_i h_i) in ascending i
+//   out_dab                      Q_2I([d_a, d_b]): MXFP8 rows (2I E4M3 bytes, I/16 scales), dx's A
+//   dab_t, h_t                   [d_a, d_b] and h quantized along the rows: dWg/dWu's and dWd's
+//                                operands (E4M3 [2I, M] / [I, M], E8M0 [M/32, 2I] / [M/32, I])
+//   x_t, wdy_t                   bf16(x) and bf16(w dy) of the MXFP8 rows x, dy, quantized along
+//                                the rows (E4M3 [H, M], E8M0 [M/32, H])
+//
+// Every bit is what mok-torch's PyTorch composition gives (swiglu_backward_rows, pack_rows,
+// mxfp8_quantize(..., normal=False)) but a computed NaN's sign; every row is processed (padding
+// rows hold zeros). H and I multiples of 64. "cuda": one CTA per 32-row
+// block; "cpu": the same arithmetic in loops, the same bytes.
+struct MxSwigluBackwardArgs {
+  std::uintptr_t g = 0;               // fp32 [M, I]
+  std::uintptr_t a = 0;               // bf16 [M, I]
+  std::uintptr_t b = 0;               // bf16 [M, I]
+  std::uintptr_t router_weights = 0;  // fp32 [M] or 0 (all ones)
+  std::uintptr_t x = 0;               // uint8 MXFP8 rows, x_row_bytes apart (0: H + H/32)
+  std::int64_t x_row_bytes = 0;
+  std::uintptr_t dy = 0;  // uint8 MXFP8 rows, dy_row_bytes apart (0: H + H/32)
+  std::int64_t dy_row_bytes = 0;
+  std::uintptr_t out_d_w = 0;      // fp32 [M]
+  std::uintptr_t out_dab = 0;      // uint8 [M, dab_row_bytes]
+  std::int64_t dab_row_bytes = 0;  // 0: 2I + I/16
+  std::uintptr_t dab_t_data = 0, dab_t_scales = 0;
+  std::uintptr_t h_t_data = 0, h_t_scales = 0;
+  std::uintptr_t x_t_data = 0, x_t_scales = 0;
+  std::uintptr_t wdy_t_data = 0, wdy_t_scales = 0;
+  std::int64_t num_rows = 0;  // M
+  std::int64_t hidden = 0;    // H
+  std::int64_t inner = 0;     // I
+  SwigluLimit limit;
+  std::int64_t num_threads = 1;  // CPU threads
+};
+
 inline constexpr std::int64_t kMaxExpertThreads = 1024;
 
 // device "cpu" (or "cuda": not implemented yet, raises std::runtime_error). Bad arguments raise
@@ -177,15 +217,19 @@ void grouped_forward(const std::string& device, const MxGroupedForwardArgs& args
 void grouped_gemm(const std::string& device, const MxGroupedGemmArgs& args, std::uintptr_t stream);
 void grouped_wgrad(const std::string& device, const MxGroupedWgradArgs& args,
                    std::uintptr_t stream);
+void grouped_swiglu_backward(const std::string& device, const MxSwigluBackwardArgs& args,
+                             std::uintptr_t stream);
 
 void swiglu_forward_cpu(const MxForwardArgs& args);
 void grouped_forward_cpu(const MxGroupedForwardArgs& args);
 void grouped_gemm_cpu(const MxGroupedGemmArgs& args);
 void grouped_wgrad_cpu(const MxGroupedWgradArgs& args);
+void grouped_swiglu_backward_cpu(const MxSwigluBackwardArgs& args);
 // The GPU implementations (cuda/*.cu); without CUDA they raise std::runtime_error saying so.
 void grouped_forward_cuda(const MxGroupedForwardArgs& args, std::uintptr_t stream);
 void grouped_gemm_cuda(const MxGroupedGemmArgs& args, std::uintptr_t stream);
 void grouped_wgrad_cuda(const MxGroupedWgradArgs& args, std::uintptr_t stream);
+void grouped_swiglu_backward_cuda(const MxSwigluBackwardArgs& args, std::uintptr_t stream);
 void swiglu_backward_cpu(const MxBackwardArgs& args);
 
 }  // namespace mok::mxfp8

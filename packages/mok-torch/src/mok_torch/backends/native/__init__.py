@@ -49,7 +49,6 @@ from ...mxfp8 import MXFP8Tensor, mxfp8_quantize, pack_rows, unpack_rows
 from ...structs import ForwardContext, Grads, Schedule
 from ...workspace import Workspace
 from ..reference import expert_weights
-from ..reference.arith import to_bf16_values
 from ..reference.experts import (
     BF16,
     ExpertWeights,
@@ -63,7 +62,6 @@ from ..reference.experts import (
     shared_backward,
     shared_forward,
     swiglu,
-    swiglu_backward_rows,
 )
 from ..reference.ring import Block, replays_in_backward
 from .grouped import GroupedBackward, GroupedForward, grouped_backward, grouped_forward
@@ -73,6 +71,7 @@ from .mxfp8_grouped import (
     mxfp8_grouped_forward,
     mxfp8_grouped_gemm,
     mxfp8_grouped_wgrad,
+    mxfp8_swiglu_backward,
 )
 from .transport import Transport, raise_transport_error
 
@@ -169,20 +168,6 @@ def _mx_weights(routed: Any) -> list[MXFP8Tensor]:
     """The routed weights as the FP8 forward reads them: the user's MXFP8Tensors, or bf16 ones
     quantized here per call (the normal copy only: the forward reads no other)."""
     return [w if isinstance(w, MXFP8Tensor) else mxfp8_quantize(w, transposed=False) for w in routed]
-
-
-def _row_copy(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """t [n, C]'s transposed copy quantized along the rows (n a multiple of 32): the weight
-    gradients' operand (E4M3 [C, n], E8M0 [n/32, C])."""
-    return mxfp8_quantize(t, normal=False).operand(transposed=True)
-
-
-def _mx_packed_rows(t: torch.Tensor) -> torch.Tensor:
-    """t [n, C] (bf16) as MXFP8 rows along C at a 16-byte row stride, for the FP8 kernels."""
-    C = t.shape[1]
-    out = torch.zeros(t.shape[0], _mx_row_bytes(C), dtype=torch.uint8, device=t.device)
-    out[:, : C + C // 32] = pack_rows(t)
-    return out
 
 
 def gpu_backward_kernels(cfg: MoKConfig) -> bool:
@@ -777,15 +762,14 @@ class NativeBackend:
             ab = mxfp8_grouped_forward(xs, H, seg, mx[0], mx[1], None, cfg.swiglu_limit)
             a, b = ab.a, ab.b
         g = mxfp8_grouped_gemm(dys, H, seg, mx[2].operand(transposed=True), out_dtype=torch.float32)
-        h, d_w, d_ab = swiglu_backward_rows(g, a, b, wr, cfg.swiglu_limit)
-        dx = mxfp8_grouped_gemm(_mx_packed_rows(d_ab), 2 * I, seg, mx[0].operand(True), mx[1].operand(True))
-        # Weight gradients: dWd += Q(bf16(w dy_q))^T Q(h), d[Wg; Wu] += Q([d_a, d_b])^T Q(x_q), the
-        # operands quantized along the rows (x and dy from their dispatched MXFP8 values).
-        wdy = to_bf16_values(wr[:, None] * unpack_rows(dys[:, : H + H // 32], H)).to(BF16)
-        x_values = unpack_rows(xs[:, : H + H // 32], H).to(BF16)
-        mxfp8_grouped_wgrad(_row_copy(wdy), _row_copy(h), seg, carry=d_down, out=d_down, out_dtype=torch.float32)
-        mxfp8_grouped_wgrad(_row_copy(d_ab), _row_copy(x_values), seg, carry=d_gate_up, out=d_gate_up,
-                            out_dtype=torch.float32)  # fmt: skip
+        # The element pass: the SwiGLU backward, dx's A quantized along 2I, and the weight
+        # gradients' four operands quantized along the rows (x and dy from their dispatched values).
+        bw = mxfp8_swiglu_backward(g, a, b, wr, xs, dys, H, cfg.swiglu_limit)
+        dx = mxfp8_grouped_gemm(bw.dab_rows, 2 * I, seg, mx[0].operand(True), mx[1].operand(True))
+        # dWd += Q(bf16(w dy))^T Q(h), d[Wg; Wu] += Q([d_a, d_b])^T Q(x_q).
+        mxfp8_grouped_wgrad(bw.wdy_t, bw.h_t, seg, carry=d_down, out=d_down, out_dtype=torch.float32)
+        mxfp8_grouped_wgrad(bw.dab_t, bw.x_t, seg, carry=d_gate_up, out=d_gate_up, out_dtype=torch.float32)
+        d_w = bw.d_w
         self._give(cfg, tr, sched, dx, "rows", "y_send", lo, nw)
         self._give(cfg, tr, sched, d_w.contiguous(), "d_w", "dw_send", lo, nw)
 
@@ -868,7 +852,7 @@ class NativeBackend:
             d_down = torch.zeros(El, H, inner, dtype=torch.float32, device=dev)
         if experts is not None:
             experts_R = _row_experts(sched, rows)
-        elif not gpu_backward:
+        elif not (gpu_backward or fp8_backward):  # the rows' loop below: the reference's weights
             weights = expert_weights(cfg, routed)
         for m, lo in enumerate(range(0, rows, macro)):  # first to last
             hi = min(lo + macro, rows)

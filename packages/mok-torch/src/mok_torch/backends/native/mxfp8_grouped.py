@@ -281,3 +281,83 @@ def mxfp8_grouped_wgrad(
             M, R, C, El, num_sms, torch.get_num_threads() if dev.type == "cpu" else 1, stream,
         )  # fmt: skip
     return out
+
+
+class MxSwigluBackward(NamedTuple):
+    d_w: torch.Tensor  # [M] fp32: <g, h>, summed in ascending order
+    dab_rows: torch.Tensor  # uint8 [M, hq_row_bytes(2I)]: Q_2I([d_a, d_b]) as MXFP8 rows, dx's A
+    dab_t: tuple[torch.Tensor, torch.Tensor]  # [d_a, d_b] along the rows: E4M3 [2I, M], E8M0 [M/32, 2I]
+    h_t: tuple[torch.Tensor, torch.Tensor]  # h along the rows: [I, M], [M/32, I]
+    x_t: tuple[torch.Tensor, torch.Tensor]  # bf16(x) along the rows: [H, M], [M/32, H]
+    wdy_t: tuple[torch.Tensor, torch.Tensor]  # bf16(w dy) along the rows: [H, M], [M/32, H]
+
+
+def _mx_rows_arg(name: str, t: torch.Tensor, M: int, cols: int, dev: torch.device) -> torch.Tensor:
+    t = check_tensor(name, t, dtypes=(U8,), shape=[("M", M), ("row_bytes", None)], device=dev, contiguous=False)
+    if t.shape[1] < cols + cols // 32:
+        raise ValueError(f"{name} has {t.shape[1]} bytes per row, fewer than H + H/32 = {cols + cols // 32}")
+    if t.stride(1) != 1:
+        raise ValueError(f"{name}'s bytes must be contiguous within a row")
+    return t
+
+
+def mxfp8_swiglu_backward(
+    g: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    router_weights: torch.Tensor | None,
+    x_rows: torch.Tensor,
+    dy_rows: torch.Tensor,
+    hidden: int,
+    limit: float | None = None,
+) -> MxSwigluBackward:
+    """The MXFP8 backward's element pass between its GEMMs (`mok_mxfp8.grouped_swiglu_backward`),
+    on M rows (a multiple of 32):
+
+        h, d_a, d_b, d_w = the SwiGLU backward of g (fp32 [M, I], dy_q @ Q(Wd), unweighted), a, b
+        (bf16 [M, I]) and the router weights w (fp32 [M], None: all ones)
+        dab_rows = Q_2I([d_a, d_b])                  the input gradients' A (MXFP8 rows)
+        dab_t, h_t, x_t, wdy_t                        [d_a, d_b], h, bf16(x), bf16(w dy) quantized
+                                                      along the rows: the weight gradients' operands
+
+    x_rows, dy_rows: uint8 MXFP8 rows [M, >= H + H/32] (H bytes then H/32 scales). The bits are
+    those of `swiglu_backward_rows`, `pack_rows` and `mxfp8_quantize(..., normal=False)` (a computed
+    NaN's sign aside), on the CPU and the GPU alike. H and I multiples of 64.
+    """
+    import mok_mxfp8
+
+    g = check_tensor("g", g, dtypes=(torch.float32,), shape=[("M", None), ("I", None)])
+    dev, (M, I) = g.device, g.shape
+    H = hidden
+    if M % 32:
+        raise ValueError(f"g's rows M must be a multiple of 32, got {M}")
+    a = check_tensor("a", a, dtypes=(BF16,), shape=[("M", M), ("I", I)], device=dev)
+    b = check_tensor("b", b, dtypes=(BF16,), shape=[("M", M), ("I", I)], device=dev)
+    if router_weights is not None:
+        router_weights = check_tensor(
+            "router_weights", router_weights, dtypes=(torch.float32,), shape=[("M", M)], device=dev
+        )
+    if not isinstance(H, int) or isinstance(H, bool) or H <= 0 or H % 64:
+        raise ValueError(f"hidden must be a positive multiple of 64, got {H!r}")
+    x_rows = _mx_rows_arg("x_rows", x_rows, M, H, dev)
+    dy_rows = _mx_rows_arg("dy_rows", dy_rows, M, H, dev)
+
+    def rows_copy(C: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.empty(C, M, dtype=U8, device=dev), torch.empty(M // 32, C, dtype=U8, device=dev)
+
+    d_w = torch.empty(M, dtype=torch.float32, device=dev)
+    dab_rows = torch.zeros(M, hq_row_bytes(2 * I), dtype=U8, device=dev)
+    dab_t, h_t, x_t, wdy_t = rows_copy(2 * I), rows_copy(I), rows_copy(H), rows_copy(H)
+    ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+    on_device = torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
+    with on_device:
+        stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
+        mok_mxfp8.grouped_swiglu_backward(
+            dev.type, g.data_ptr(), a.data_ptr(), b.data_ptr(), ptr(router_weights), x_rows.data_ptr(),
+            x_rows.stride(0), dy_rows.data_ptr(), dy_rows.stride(0), d_w.data_ptr(), dab_rows.data_ptr(),
+            dab_rows.stride(0), dab_t[0].data_ptr(), dab_t[1].data_ptr(), h_t[0].data_ptr(), h_t[1].data_ptr(),
+            x_t[0].data_ptr(), x_t[1].data_ptr(), wdy_t[0].data_ptr(), wdy_t[1].data_ptr(), M, H, I, limit,
+            torch.get_num_threads() if dev.type == "cpu" else 1, stream,
+        )  # fmt: skip
+    view = lambda t: (t[0].view(torch.float8_e4m3fn), t[1].view(torch.float8_e8m0fnu))  # noqa: E731
+    return MxSwigluBackward(d_w, dab_rows, view(dab_t), view(h_t), view(x_t), view(wdy_t))

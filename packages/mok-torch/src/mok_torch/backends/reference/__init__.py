@@ -47,7 +47,7 @@ def pull_activations(cfg: MoKConfig, sched: Schedule, rows_TH: torch.Tensor) -> 
     """x or dy rows gathered onto the table [C, ...]: bf16, or MXFP8 rows quantized before they
     travel (half the bytes)."""
     if cfg.precision == "mxfp8":
-        return transport.pull(sched, pack_rows(rows_TH))
+        return transport.pull(sched, pack_rows(rows_TH, compiled=False))
     return transport.pull(sched, rows_TH)
 
 
