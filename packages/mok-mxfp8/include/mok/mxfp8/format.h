@@ -18,6 +18,11 @@
 #include "mok/core/bf16.h"
 #include "mok/core/hd.h"
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#include <cuda_fp8.h>
+#define MOK_MXFP8_HW_E4M3 1  // the FP8 conversion instruction (sm_89 and later)
+#endif
+
 namespace mok::mxfp8 {
 
 inline constexpr int kBlock = 32;                // elements per scale
@@ -28,14 +33,22 @@ inline constexpr int kMinScaleExponent = -127;
 
 enum class ScaleRule : int { kRceil = 0, kFloor = 1 };
 
-// Position of the highest set bit plus one (0 for 0).
+// Position of the highest set bit plus one (0 for 0), by counting leading zeros: one
+// instruction, where a loop made the encoder (and every kernel that quantizes) bound by integer
+// issue (NOTES.md, session 10).
 MOK_HD inline int bit_length(std::uint32_t v) {
+#if defined(__CUDA_ARCH__)
+  return 32 - __clz(static_cast<int>(v));
+#elif defined(__GNUC__) || defined(__clang__)
+  return v == 0 ? 0 : 32 - __builtin_clz(v);
+#else
   int n = 0;
   while (v != 0) {
     v >>= 1;
     ++n;
   }
   return n;
+#endif
 }
 
 // |x| = magnitude * 2^exponent with an integer magnitude (< 2^24), for a finite fp32 bit pattern.
@@ -88,7 +101,19 @@ MOK_HD inline std::uint32_t shift_round_even(std::uint32_t m, int shift) {
 }
 
 // E4M3 byte of x / 2^e for a finite fp32 bit pattern x: nearest even, saturating at 448.
+// On sm_89+ devices the conversion instruction (cvt.rn.satfinite.e4m3x2.f32) gives the same byte:
+// x * 2^-e is exact in fp32 (a power of two) wherever it can round to a nonzero E4M3 (below
+// 2^-126, where it may round or flush, every E4M3 rounding is a zero of x's sign), and the
+// instruction rounds to nearest even onto the same grid, subnormals included, saturating at 448.
+// tests/test_mxfp8_quantize.py holds the GPU's bytes to an exact-arithmetic reading of the spec.
 MOK_HD inline std::uint8_t encode_e4m3(std::uint32_t x_bits, int e) {
+#if defined(MOK_MXFP8_HW_E4M3)
+  // 2^-e for e in [-127, 127]: a normal fp32, or 2^-127 (a subnormal) at e = 127.
+  const float inv = e < 127 ? __uint_as_float(static_cast<std::uint32_t>(127 - e) << 23)
+                            : __uint_as_float(0x00400000u);
+  const float scaled = __fmul_rn(__uint_as_float(x_bits), inv);
+  return static_cast<std::uint8_t>(__nv_cvt_float_to_fp8(scaled, __NV_SATFINITE, __NV_E4M3));
+#else
   const std::uint8_t sign = static_cast<std::uint8_t>((x_bits >> 24) & 0x80u);
   const Magnitude a = magnitude_of(x_bits);
   if (a.m == 0) return sign;
@@ -111,6 +136,7 @@ MOK_HD inline std::uint8_t encode_e4m3(std::uint32_t x_bits, int e) {
   const int field = kk + 10;                              // E4M3 exponent field, bias 7
   if (field > 15 || (field == 15 && n - 8 == 7)) return static_cast<std::uint8_t>(sign | kE4M3Max);
   return static_cast<std::uint8_t>(sign | (field << 3) | (n - 8));
+#endif
 }
 
 // fp32 value of an E4M3 byte (exact); 0x7F and 0xFF -> NaN.
