@@ -173,6 +173,74 @@ __device__ inline void add_slice(float (&acc)[64], const float (&t)[64], const S
   }
 }
 
+// The ring's barriers: `full` (the copy engine's bytes and the copying lanes' scale bytes),
+// `ready` (a converting warp's fp32 scales), `empty` (a lane of each of the 8 consumer warps).
+template <int kStagesT>
+__device__ inline void init_barriers(std::uint64_t (&full)[kStagesT],
+                                     std::uint64_t (&ready)[kStagesT],
+                                     std::uint64_t (&empty)[kStagesT]) {
+  if (threadIdx.x == 32) {
+    for (int s = 0; s < kStagesT; ++s) {
+      hopper::mbar_init(&full[s], 1 + 32);
+      hopper::mbar_init(&ready[s], 1);
+      hopper::mbar_init(&empty[s], 8);
+    }
+    hopper::fence_barrier_init();
+  }
+  __syncthreads();
+}
+
+// A converting warp's B scales of a stage: lane l turns slice l / 8's 16 bytes of B rows
+// 16 (l % 8) .. into fp32 at their b_index places.
+template <class R>
+__device__ inline void convert_b_scales(const R& ring, int stage, int lane) {
+  const uint4 rb = reinterpret_cast<const uint4*>(ring.raw_b(stage))[lane];
+  const std::uint32_t bw[4] = {rb.x, rb.y, rb.z, rb.w};
+  float* dst = ring.b_scale(stage, lane / 8);
+#pragma unroll
+  for (int c = 0; c < 16; c += 2) {  // B rows r, r + 1: adjacent in b_index order
+    const int r = 16 * (lane % 8) + c;
+    const auto f = [&](int e) {
+      return scale_value(static_cast<std::uint8_t>(bw[e / 4] >> (8 * (e % 4))));
+    };
+    *reinterpret_cast<float2*>(dst + R::b_index(r)) = make_float2(f(c), f(c + 1));
+  }
+}
+
+// A consumer warpgroup's work on one landed stage: each of its `slices` 32-deep slices one wgmma
+// into the partial t (the slice's scales read meanwhile), then added to acc, scaled.
+template <class R>
+__device__ inline void consume_stage(const R& ring, int stage, int slices, int consumer,
+                                     float (&acc)[64], float (&t)[64]) {
+  const std::uint32_t a = hopper::smem_addr(ring.a(stage)) + consumer * 64 * 128;
+  const std::uint32_t b = hopper::smem_addr(ring.b(stage));
+#pragma unroll
+  for (int i = 0; i < kSlices; ++i) {
+    if (i < slices) {
+      hopper::wgmma_fence();
+      hopper::wgmma_e4m3_n128(t, hopper::smem_desc(a + 32 * i), hopper::smem_desc(b + 32 * i), 0);
+      hopper::wgmma_commit();
+      const SliceScales scales = load_scales(ring, stage, i, consumer);
+      hopper::wgmma_wait<0>();
+      hopper::fence_regs(t);
+      add_slice(acc, t, scales);
+    }
+  }
+}
+
+// The stage given back (a lane of each consumer warp, after the warp's lanes have read its
+// scales) and the ring advanced.
+template <int kStagesT>
+__device__ inline void release_stage(std::uint64_t (&empty)[kStagesT], int& stage,
+                                     std::uint32_t& phase, int lane) {
+  __syncwarp();
+  if (lane == 0) hopper::mbar_arrive(&empty[stage]);
+  if (++stage == kStagesT) {
+    stage = 0;
+    phase ^= 1;
+  }
+}
+
 // The persistent kernel. map_a: A's E4M3 rows (boxes 128 x 128 bytes); map_b0 / map_b1: the
 // weights' E4M3 [El * N, K'] (boxes of 64 rows when paired, else 128). Epilogue:
 // `void operator()(const Tile&, int consumer, const Accumulators&) const` on the consumer
@@ -204,15 +272,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (warp == 0) list.build(p, kTileN, lane);
   list.n_tiles = (p.n + kTileN - 1) / kTileN;
-  if (threadIdx.x == 32) {
-    for (int s = 0; s < kStagesT; ++s) {
-      hopper::mbar_init(&full[s], 1 + 32);  // the copy engine's arrival + the copying lanes
-      hopper::mbar_init(&ready[s], 1);
-      hopper::mbar_init(&empty[s], 8);  // a lane of each consumer warp
-    }
-    hopper::fence_barrier_init();
-  }
-  __syncthreads();
+  init_barriers(full, ready, empty);
   const int total = list.total(p);
   const int blocks = k_blocks(p);
 
@@ -282,17 +342,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                     scale_value(static_cast<std::uint8_t>(aw[r] >> (8 * s)));
               }
             }
-            const uint4 rb = reinterpret_cast<const uint4*>(ring.raw_b(stage))[lane];
-            const std::uint32_t bw[4] = {rb.x, rb.y, rb.z, rb.w};  // slice lane / 8, 16 B rows
-            float* dst = ring.b_scale(stage, lane / 8);
-#pragma unroll
-            for (int c = 0; c < 16; c += 2) {  // B rows r, r + 1: adjacent in b_index order
-              const int r = 16 * (lane % 8) + c;
-              const auto f = [&](int e) {
-                return scale_value(static_cast<std::uint8_t>(bw[e / 4] >> (8 * (e % 4))));
-              };
-              *reinterpret_cast<float2*>(dst + R::b_index(r)) = make_float2(f(c), f(c + 1));
-            }
+            convert_b_scales(ring, stage, lane);
           }
           __syncwarp();
           if (lane == 0) hopper::mbar_arrive(&ready[stage]);
@@ -350,7 +400,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         hopper::wgmma_wait<0>();
         hopper::fence_regs(t);
         add_slice(acc.d, t, scales);
-      } else {
+      } else if constexpr (kProbe == 1 || kProbe == 4) {
 #pragma unroll
         for (int i = 0; i < kSlices; ++i) {
           if (i < slices) {
@@ -371,13 +421,12 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
           }
         }
+      } else {
+        (void)a;
+        (void)b;
+        consume_stage(ring, stage, slices, consumer, acc.d, t);
       }
-      __syncwarp();  // the warp's lanes have read the stage's scales
-      if (lane == 0) hopper::mbar_arrive(&empty[stage]);
-      if (++stage == kStagesT) {
-        stage = 0;
-        phase ^= 1;
-      }
+      release_stage(empty, stage, phase, lane);
     }
     epilogue(tile, consumer, acc);
   }

@@ -99,15 +99,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const R ring{reinterpret_cast<unsigned char*>(
       (reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) & ~std::uintptr_t{1023})};
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (threadIdx.x == 32) {
-    for (int s = 0; s < kStagesT; ++s) {
-      hopper::mbar_init(&full[s], 1 + 32);  // the copy engine's arrival + the copying lanes
-      hopper::mbar_init(&ready[s], 1);
-      hopper::mbar_init(&empty[s], 8);  // a lane of each consumer warp
-    }
-    hopper::fence_barrier_init();
-  }
-  __syncthreads();
+  init_barriers(full, ready, empty);
   const int total = p.num_experts * wgrad_row_tiles(p) * wgrad_col_tiles(p);
 
   if (threadIdx.x < 128) {  // ---------------------------------------------- producer
@@ -161,17 +153,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                   scale_value(static_cast<std::uint8_t>(w >> (8 * r)));
             }
           }
-          const uint4 rb = reinterpret_cast<const uint4*>(ring.raw_b(stage))[lane];
-          const std::uint32_t bw[4] = {rb.x, rb.y, rb.z, rb.w};  // slice lane / 8, 16 B^T rows
-          float* dst = ring.b_scale(stage, lane / 8);
-#pragma unroll
-          for (int c = 0; c < 16; c += 2) {  // rows r, r + 1: adjacent in b_index order
-            const int r = 16 * (lane % 8) + c;
-            const auto f = [&](int e) {
-              return scale_value(static_cast<std::uint8_t>(bw[e / 4] >> (8 * (e % 4))));
-            };
-            *reinterpret_cast<float2*>(dst + R::b_index(r)) = make_float2(f(c), f(c + 1));
-          }
+          convert_b_scales(ring, stage, lane);  // B^T's, as the forward's B
           __syncwarp();
           if (lane == 0) hopper::mbar_arrive(&ready[stage]);
         }
@@ -208,27 +190,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int slices = wgrad_block(rows, kb).slices;
       hopper::mbar_wait(&full[stage], phase);
       hopper::mbar_wait(&ready[stage], phase);
-      const std::uint32_t a = hopper::smem_addr(ring.a(stage)) + consumer * 64 * 128;
-      const std::uint32_t b = hopper::smem_addr(ring.b(stage));
-#pragma unroll
-      for (int i = 0; i < kSlices; ++i) {
-        if (i < slices) {
-          hopper::wgmma_fence();
-          hopper::wgmma_e4m3_n128(t, hopper::smem_desc(a + 32 * i), hopper::smem_desc(b + 32 * i),
-                                  0);
-          hopper::wgmma_commit();
-          const SliceScales scales = load_scales(ring, stage, i, consumer);
-          hopper::wgmma_wait<0>();
-          hopper::fence_regs(t);
-          add_slice(acc.d, t, scales);
-        }
-      }
-      __syncwarp();  // the warp's lanes have read the stage's scales
-      if (lane == 0) hopper::mbar_arrive(&empty[stage]);
-      if (++stage == kStagesT) {
-        stage = 0;
-        phase ^= 1;
-      }
+      consume_stage(ring, stage, slices, consumer, acc.d, t);
+      release_stage(empty, stage, phase, lane);
     }
     for_each_pair<kBlockN>(tile, consumer, p.c, [&](std::int64_t row, int col, int q) {
       const std::int64_t at = row * p.c + col;
