@@ -28,6 +28,7 @@ if not hasattr(mok_mxfp8, "grouped_swiglu_backward"):
 BF16 = torch.bfloat16
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")
 DEVICES = ["cpu", pytest.param("cuda", marks=needs_gpu)]
+COPIES = ("da_t", "db_t", "h_t", "x_t", "wdy_t")
 
 # (M, H, I, limit, weighted)
 CASES = [
@@ -79,7 +80,9 @@ def expected(g, a, b, w, x_rows, dy_rows, H: int, limit: float | None, weighted:
     dy_values = unpack_rows(dy_rows[:, : H + H // 32], H)
     wdy = to_bf16_values(w[:, None] * dy_values) if weighted else dy_values
     out = {"d_w": d_w, "dab_rows": pack_rows(d_ab)}
-    for name, t in (("dab_t", d_ab), ("h_t", h), ("x_t", x_values.to(BF16)), ("wdy_t", wdy.to(BF16))):
+    I = h.shape[1]
+    copies = {"da_t": d_ab[:, :I], "db_t": d_ab[:, I:], "h_t": h, "x_t": x_values.to(BF16), "wdy_t": wdy.to(BF16)}
+    for name, t in copies.items():
         out[name], out[name + "_scales"] = rows_copy(t)
     return out
 
@@ -90,7 +93,8 @@ def run(device: str, g, a, b, w, x_rows, dy_rows, H, limit, weighted) -> dict[st
         g.to(dev), a.to(dev), b.to(dev), w.to(dev) if weighted else None, x_rows.to(dev), dy_rows.to(dev), H, limit
     )
     got = {"d_w": out.d_w.cpu(), "dab_rows": out.dab_rows.cpu()}
-    for name in ("dab_t", "h_t", "x_t", "wdy_t"):
+    assert out.db_t[0].data_ptr() == out.da_t[0].data_ptr() + out.da_t[0].numel(), "one [2I, M] array"
+    for name in COPIES:
         data, scales = getattr(out, name)
         got[name], got[name + "_scales"] = data.view(torch.uint8).cpu(), scales.view(torch.uint8).cpu()
     return got
@@ -105,7 +109,7 @@ def test_bytes_of_the_pytorch_composition(device: str, M: int, H: int, I: int, l
     packed = 2 * I + 2 * I // 32
     assert got["dab_rows"].shape == (M, hq_row_bytes(2 * I))
     assert torch.equal(got["dab_rows"][:, :packed], want["dab_rows"]), "dx's operand Q_2I([d_a, d_b])"
-    for name in ("dab_t", "h_t", "x_t", "wdy_t"):
+    for name in COPIES:
         assert torch.equal(got[name], want[name]), f"{name}: E4M3 bytes"
         assert torch.equal(got[name + "_scales"], want[name + "_scales"]), f"{name}: scales"
     assert torch.equal(got["d_w"].view(torch.int32), want["d_w"].view(torch.int32)), "d_w"
@@ -133,7 +137,7 @@ def test_nans_poison_their_blocks_only(device: str) -> None:
     # 0xFF both mean NaN, compared as one.
     nan_free = lambda t: torch.where(t & 0x7F == 0x7F, 0x7F, t)  # noqa: E731
     assert torch.equal(nan_free(got["dab_rows"][:, : 2 * I + 2 * I // 32]), nan_free(want["dab_rows"]))
-    for name in ("dab_t", "x_t", "wdy_t"):
+    for name in ("da_t", "db_t", "x_t", "wdy_t"):
         assert torch.equal(nan_free(got[name]), nan_free(want[name])), name
         assert torch.equal(got[name + "_scales"], want[name + "_scales"]), name
     assert torch.isnan(got["d_w"][3]) and not torch.isnan(got["d_w"][torch.arange(M) != 3]).any()

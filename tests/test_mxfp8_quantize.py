@@ -387,6 +387,25 @@ def test_cuda_quantizer_matches_cpu(rule, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(3, 64, 520), (96, 264), (2, 32, 36), (1, 160, 1024)], ids=str)
+def test_cuda_transposed_copies_over_tiles(dtype, shape):
+    """Transposed copies across several 256-row tiles, a partial last tile, and a row count that
+    is not a multiple of 8 (one thread per block): the CPU's bytes."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU; this machine has none")
+    compiled_or_skip("cuda")
+    g = torch.Generator().manual_seed(11)
+    w = (torch.randn(shape, generator=g) * torch.logspace(-20, 20, shape[-1], base=2.0)).to(dtype)
+    w.view(-1)[:64] = boundary_blocks().flatten()[:64].to(dtype)
+    cpu = mok.mxfp8_quantize(w, normal=False, compiled=True)
+    gpu = mok.mxfp8_quantize(w.cuda(), normal=False)
+    for field in ("data_t", "scales_t"):
+        want = getattr(cpu, field).view(torch.uint8)
+        assert torch.equal(getattr(gpu, field).view(torch.uint8).cpu(), want), field
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("offset", [0, 4, 8], ids=["aligned", "8-byte-offset", "16-byte-offset"])
 def test_cuda_quantizer_on_strided_views(offset):
     """Row views at any offset (the lane-shared kernel for 16-byte aligned rows, one thread per

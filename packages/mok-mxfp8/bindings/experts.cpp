@@ -269,8 +269,10 @@ void register_experts(pybind11::module_& m) {
       "packed): out_d_w (fp32 [M], <g, h> summed in ascending order), out_dab (uint8 [M, "
       "dab_row_bytes]: "
       "Q_2I([d_a, d_b]) as MXFP8 rows), and the transposed copies quantized along the rows "
-      "(E4M3 [C, M], E8M0 [M/32, C]) of [d_a, d_b] (C = 2I), h (C = I), bf16(x) and bf16(w dy) (C "
-      "= H). h, d_a, d_b: the reference's SwiGLU backward (limit as in grouped_forward). H and I "
+      "(E4M3 [C, M], E8M0 [M/32, C]) of d_a and d_b (dab_t: d_a's C = I rows then d_b's, the "
+      "scales "
+      "[2, M/32, I]), h (C = I), bf16(x) and bf16(w dy) (C = H). h, d_a, d_b: the reference's "
+      "SwiGLU backward (limit as in grouped_forward). H and I "
       "multiples of 64; on 'cuda' rows and arrays 16-byte aligned. 'cpu' and 'cuda' give the "
       "reference's bits (a computed NaN's sign aside). Raises ValueError naming a bad argument.");
 }

@@ -130,7 +130,11 @@ __device__ void swiglu_part(const Params& p, Shared& sh, std::int64_t blk) {
   const int I = p.inner;
   const auto sig = core::TableSigmoid::of(p.limit);  // sigmoid_table.cuh: the reference's bits
   const float w = p.router_weights == nullptr ? 1.0f : p.router_weights[row];
-  const Transposed h_t{p.h_t, p.h_t_scales, I}, dab_t{p.dab_t, p.dab_t_scales, 2 * I};
+  const Transposed h_t{p.h_t, p.h_t_scales, I};
+  // d_a's copy then d_b's: rows [0, I) and [I, 2I) of dab_t, scales [2][M/32][I].
+  const Transposed da_t{p.dab_t, p.dab_t_scales, I};
+  const Transposed db_t{p.dab_t + static_cast<std::int64_t>(I) * M, p.dab_t_scales + M / kBlock * I,
+                        I};
   std::uint8_t* dab_row = p.dab + row * p.dab_bytes;
   constexpr int kSummer = 3 * kStep;  // the first thread of the warp that sums d_w
   float d_w = 0.0f;                   // row t - kSummer's sum (in that warp)
@@ -169,7 +173,7 @@ __device__ void swiglu_part(const Params& p, Shared& sh, std::int64_t blk) {
       if (which == 0) {
         quantize_column(sh.tiles[0], c, h_t, c0 + c, blk, M);
       } else {
-        quantize_column(sh.tiles[which], c, dab_t, (which == 1 ? 0 : I) + c0 + c, blk, M);
+        quantize_column(sh.tiles[which], c, which == 1 ? da_t : db_t, c0 + c, blk, M);
       }
     } else if (t < kSummer + kBlock) {
       for (int i = 0; i < kStep; ++i) d_w = core::add_rn(d_w, sh.products.v[t - kSummer][i]);

@@ -1,5 +1,6 @@
 // The quantizer on the GPU, the arithmetic of format.h. A normal copy of 16-byte aligned rows
-// runs quantize_rows_kernel (lanes share a block); any other layout one thread per block.
+// runs quantize_rows_kernel (lanes share a block); a transposed copy of an aligned source
+// quantize_tiled_kernel (a tile through shared memory); any other layout one thread per block.
 //
 // Threads walk the blocks so that neighbouring threads read neighbouring memory: when the
 // source's columns are contiguous (a normal copy) a thread reads its 32 elements as one 64- or
@@ -9,6 +10,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "lanes.cuh"
 #include "mok/mxfp8/quantize.h"
@@ -143,6 +145,67 @@ __global__ void quantize_rows_kernel(QuantizeArgs a, std::int64_t total) {
   }
 }
 
+// A transposed copy (blocks along the source's rows) of a source whose other dimension is
+// contiguous and 16-byte aligned: a CTA stages a tile of 32 source rows (one block of every
+// output row it takes) x kTileRows output rows in shared memory, read as 16-byte vectors along
+// the contiguous dimension; then a thread per output row quantizes its 32 elements (a column of
+// the tile) and stores them as two 16-byte vectors. quantize_kernel reads the same blocks with a
+// 2- or 4-byte load per element.
+constexpr int kTileRows = 256;  // output rows per CTA (= threads)
+
+template <SourceType kType>
+__global__ void __launch_bounds__(kTileRows)
+    quantize_tiled_kernel(QuantizeArgs a, std::int64_t row_tiles, std::int64_t tiles) {
+  constexpr int kBytes = kType == SourceType::kBf16 ? 2 : 4;
+  constexpr int kPerVec = 16 / kBytes;  // elements per 16-byte load
+  using Bits = std::conditional_t<kType == SourceType::kBf16, std::uint16_t, std::uint32_t>;
+  __shared__ alignas(16) Bits tile[kBlock][kTileRows];
+  const std::int64_t blocks = a.cols / kBlock;
+  const auto* src = reinterpret_cast<const unsigned char*>(a.src);
+  for (std::int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const std::int64_t rt = t % row_tiles, j = (t / row_tiles) % blocks,
+                       b = t / (row_tiles * blocks);
+    const std::int64_t r0 = rt * kTileRows;
+    const int valid = static_cast<int>(a.rows - r0 < kTileRows ? a.rows - r0 : kTileRows);
+    // Element (r, c) of matrix b is at src[b * sbs + r * 1 + c * scs]: for block j the 32
+    // columns c = 32 j + i are 32 runs of `valid` contiguous elements.
+    constexpr int kVecs = kBlock * kTileRows / kPerVec;
+    for (int v = threadIdx.x; v < kVecs; v += kTileRows) {
+      const int i = v / (kTileRows / kPerVec), e = (v % (kTileRows / kPerVec)) * kPerVec;
+      if (e < valid) {  // valid is a multiple of 8 (rows % 8 == 0 is checked at launch)
+        const std::int64_t at =
+            b * a.src_batch_stride + r0 + e + (j * kBlock + i) * a.src_col_stride;
+        *reinterpret_cast<uint4*>(&tile[i][e]) = *reinterpret_cast<const uint4*>(src + at * kBytes);
+      }
+    }
+    __syncthreads();
+    const int r = threadIdx.x;
+    if (r < valid) {
+      std::uint32_t q[kBlock / 4] = {};
+      const std::uint8_t s = quantize_block(
+          kBlock, a.rule,
+          [&](int i) {
+            if constexpr (kType == SourceType::kBf16) {
+              return static_cast<std::uint32_t>(tile[i][r]) << 16;
+            } else {
+              return static_cast<std::uint32_t>(tile[i][r]);
+            }
+          },
+          [&](int i, std::uint8_t x) {
+            q[i / 4] |= static_cast<std::uint32_t>(x) << (8 * (i % 4));
+          });
+      auto* out = reinterpret_cast<uint4*>(reinterpret_cast<std::uint8_t*>(a.data) +
+                                           (b * a.rows + r0 + r) * a.data_row_stride + j * kBlock);
+      out[0] = make_uint4(q[0], q[1], q[2], q[3]);
+      out[1] = make_uint4(q[4], q[5], q[6], q[7]);
+      reinterpret_cast<std::uint8_t*>(
+          a.scales)[b * a.rows * blocks + (r0 + r) * a.scale_row_stride +
+                    j * a.scale_block_stride] = s;
+    }
+    __syncthreads();  // the tile is refilled for the next one
+  }
+}
+
 void check_cuda(cudaError_t status, const char* what) {
   if (status != cudaSuccess) {
     cudaGetLastError();
@@ -177,6 +240,24 @@ void quantize_cuda(const QuantizeArgs& args, std::uintptr_t stream) {
       quantize_rows_kernel<SourceType::kFp32><<<g, kThreads, 0, s>>>(a, total);
     }
     check_cuda(cudaGetLastError(), "quantize_rows_kernel launch");
+    return;
+  }
+  // A transposed copy whose source rows are contiguous (output rows run along them) and whose
+  // vectors and output rows are 16-byte aligned: the tiled kernel.
+  const bool tiled = rows_fastest && a.src_row_stride == 1 && a.src % 16 == 0 &&
+                     (a.src_batch_stride * bytes) % 16 == 0 &&
+                     (a.src_col_stride * bytes) % 16 == 0 && a.rows % 8 == 0 && a.data % 16 == 0 &&
+                     a.data_row_stride % 16 == 0;
+  if (tiled) {
+    const std::int64_t row_tiles = (a.rows + kTileRows - 1) / kTileRows;
+    const std::int64_t tiles = a.batch * row_tiles * (a.cols / kBlock);
+    const unsigned g = static_cast<unsigned>(tiles < 65535 * 16 ? tiles : 65535 * 16);
+    if (a.src_type == SourceType::kBf16) {
+      quantize_tiled_kernel<SourceType::kBf16><<<g, kTileRows, 0, s>>>(a, row_tiles, tiles);
+    } else {
+      quantize_tiled_kernel<SourceType::kFp32><<<g, kTileRows, 0, s>>>(a, row_tiles, tiles);
+    }
+    check_cuda(cudaGetLastError(), "quantize_tiled_kernel launch");
     return;
   }
   if (a.src_type == SourceType::kBf16) {

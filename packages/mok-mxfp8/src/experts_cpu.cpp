@@ -436,15 +436,15 @@ void swiglu_backward_cpu(const MxBackwardArgs& args) {
 // kernel's arithmetic in loops.
 namespace {
 
-// Column c of a block of 32 rows of bf16 values (row-major, `cols` per row) quantized along the
-// rows: 32 bytes at data[c * M + row0], the scale at scales[(row0 / 32) * cols + c].
-void quantize_block_columns(const u16* block, std::int64_t cols, std::int64_t M, std::int64_t row0,
-                            u8* data, u8* scales) {
+// Column c < cols of a block of 32 rows of bf16 values (row-major, `stride` apart) quantized
+// along the rows: 32 bytes at data[c * M + row0], the scale at scales[(row0 / 32) * cols + c].
+void quantize_block_columns(const u16* block, std::int64_t stride, std::int64_t cols,
+                            std::int64_t M, std::int64_t row0, u8* data, u8* scales) {
   for (std::int64_t c = 0; c < cols; ++c) {
     u8* out = data + c * M + row0;
     scales[(row0 / kBlock) * cols + c] = quantize_block(
         kBlock, ScaleRule::kRceil,
-        [&](int i) { return static_cast<std::uint32_t>(block[i * cols + c]) << 16; },
+        [&](int i) { return static_cast<std::uint32_t>(block[i * stride + c]) << 16; },
         [&](int i, u8 byte) { out[i] = byte; });
   }
 }
@@ -504,10 +504,13 @@ void grouped_swiglu_backward_cpu(const MxSwigluBackwardArgs& g) {
         w_dy[r * H + c] = core::weighted_bf16(w, t.e4m3[dy_r[c]] * t.scale[dy_r[H + c / kBlock]]);
       }
     }
-    quantize_block_columns(h.data(), I, M, row0, out(g.h_t_data), out(g.h_t_scales));
-    quantize_block_columns(d_ab.data(), 2 * I, M, row0, out(g.dab_t_data), out(g.dab_t_scales));
-    quantize_block_columns(xs.data(), H, M, row0, out(g.x_t_data), out(g.x_t_scales));
-    quantize_block_columns(w_dy.data(), H, M, row0, out(g.wdy_t_data), out(g.wdy_t_scales));
+    quantize_block_columns(h.data(), I, I, M, row0, out(g.h_t_data), out(g.h_t_scales));
+    // d_a's copy, then d_b's: rows I * M bytes on, scales (M/32) * I on.
+    quantize_block_columns(d_ab.data(), 2 * I, I, M, row0, out(g.dab_t_data), out(g.dab_t_scales));
+    quantize_block_columns(d_ab.data() + I, 2 * I, I, M, row0, out(g.dab_t_data) + I * M,
+                           out(g.dab_t_scales) + M / kBlock * I);
+    quantize_block_columns(xs.data(), H, H, M, row0, out(g.x_t_data), out(g.x_t_scales));
+    quantize_block_columns(w_dy.data(), H, H, M, row0, out(g.wdy_t_data), out(g.wdy_t_scales));
   });
 }
 

@@ -172,8 +172,9 @@ struct MxGroupedWgradArgs {
 //   h, d_a, d_b                  swiglu_backward of expert_math.h (the reference's bits)
 //   d_w = <g, h>                 fp32, the sequential sum of fl(g_i h_i) in ascending i
 //   out_dab                      Q_2I([d_a, d_b]): MXFP8 rows (2I E4M3 bytes, I/16 scales), dx's A
-//   dab_t, h_t                   [d_a, d_b] and h quantized along the rows: dWg/dWu's and dWd's
-//                                operands (E4M3 [2I, M] / [I, M], E8M0 [M/32, 2I] / [M/32, I])
+//   dab_t, h_t                   d_a, d_b and h quantized along the rows: dWg's, dWu's and dWd's
+//                                operands (E4M3 [2I, M]: d_a's rows then d_b's, E8M0 [2, M/32, I]:
+//                                d_a's then d_b's; h: [I, M], [M/32, I])
 //   x_t, wdy_t                   bf16(x) and bf16(w dy) of the MXFP8 rows x, dy, quantized along
 //                                the rows (E4M3 [H, M], E8M0 [M/32, H])
 //

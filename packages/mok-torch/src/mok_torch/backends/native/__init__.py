@@ -749,12 +749,14 @@ class NativeBackend:
 
     def _mx_macrobatch_backward(
         self, cfg: MoKConfig, seg: torch.Tensor, ctx: ForwardContext, m: int, xs: torch.Tensor, dys: torch.Tensor,
-        wr: torch.Tensor, mx: list[MXFP8Tensor], d_gate_up: torch.Tensor, d_down: torch.Tensor, tr: Transport,
-        sched: Schedule, lo: int, nw: int,
+        wr: torch.Tensor, mx: list[MXFP8Tensor], acc: Weights3 | None, final: Weights3, last: bool,
+        tr: Transport, sched: Schedule, lo: int, nw: int,
     ) -> None:  # fmt: skip
         """One macrobatch of the MXFP8 routed experts' backward on the FP8 kernels: MXFP8 rows xs
-        and dys ([n, >= H + H/32] at 16-byte strides), router weights wr [n]; adds the weight
-        gradients to the fp32 accumulators and gives dx and d_w to the transport."""
+        and dys ([n, >= H + H/32] at 16-byte strides), router weights wr [n]; the weight gradients
+        (dWg, dWu, dWd) start from +0 in macrobatch 0, are carried in the fp32 `acc` between
+        macrobatches, and the last macrobatch writes `final` (bf16, or `acc` itself in fp32); dx
+        and d_w go to the transport."""
         n, (_, I, H) = xs.shape[0], mx[0].shape
         if m == 0:
             a, b = ctx.a_MI[:n], ctx.b_MI[:n]
@@ -766,9 +768,11 @@ class NativeBackend:
         # gradients' four operands quantized along the rows (x and dy from their dispatched values).
         bw = mxfp8_swiglu_backward(g, a, b, wr, xs, dys, H, cfg.swiglu_limit)
         dx = mxfp8_grouped_gemm(bw.dab_rows, 2 * I, seg, mx[0].operand(True), mx[1].operand(True))
-        # dWd += Q(bf16(w dy))^T Q(h), d[Wg; Wu] += Q([d_a, d_b])^T Q(x_q).
-        mxfp8_grouped_wgrad(bw.wdy_t, bw.h_t, seg, carry=d_down, out=d_down, out_dtype=torch.float32)
-        mxfp8_grouped_wgrad(bw.dab_t, bw.x_t, seg, carry=d_gate_up, out=d_gate_up, out_dtype=torch.float32)
+        # dWg += Q(d_a)^T Q(x_q), dWu += Q(d_b)^T Q(x_q), dWd += Q(bf16(w dy))^T Q(h).
+        for i, (a_t, b_t) in enumerate(((bw.da_t, bw.x_t), (bw.db_t, bw.x_t), (bw.wdy_t, bw.h_t))):
+            carry = None if m == 0 or acc is None else acc[i]  # acc is None: one macrobatch
+            out = final[i] if last or acc is None else acc[i]
+            mxfp8_grouped_wgrad(a_t, b_t, seg, carry=carry, out=out, out_dtype=out.dtype)
         d_w = bw.d_w
         self._give(cfg, tr, sched, dx, "rows", "y_send", lo, nw)
         self._give(cfg, tr, sched, d_w.contiguous(), "d_w", "dw_send", lo, nw)
@@ -840,13 +844,13 @@ class NativeBackend:
         if tensor_cores:
             wg_k, wu_k, wd_k = (w.contiguous() for w in routed)
             segments = sched.expert_offsets_El1.to(torch.int64)
-        if gpu_backward:
+        if gpu_backward or fp8_backward:
             # The weight gradients: fp32 accumulators carried between macrobatches (or handed
             # out, for fp32 parameters), the last macrobatch writing the bf16 gradients itself.
             fp32 = wgrad_dtype == torch.float32
             num_macro = -(-rows // macro)
             acc = _wgrad_tensors(El, H, inner, torch.float32, dev) if fp32 or num_macro > 1 else None
-            final = acc if fp32 else _wgrad_tensors(El, H, inner, BF16, dev)
+            final = acc if fp32 and acc is not None else _wgrad_tensors(El, H, inner, BF16, dev)
         else:
             d_gate_up = torch.zeros(El, 2 * inner, H, dtype=torch.float32, device=dev)
             d_down = torch.zeros(El, H, inner, dtype=torch.float32, device=dev)
@@ -870,7 +874,7 @@ class NativeBackend:
                 else:
                     wr = self._receive(cfg, tr, sched, "w", torch.empty(n, dtype=torch.float32, device=dev), lo, 1, nw)
                 self._mx_macrobatch_backward(cfg, (segments - lo).clamp_(0, n), ctx, m, xs, dys, wr, mx_all,
-                                             d_gate_up, d_down, tr, sched, lo, nw)  # fmt: skip
+                                             acc, final, hi == rows, tr, sched, lo, nw)  # fmt: skip
                 continue
             if gpu_backward:
                 # The whole macrobatch in one call, as in the forward (and every SM moving rows):
@@ -961,7 +965,6 @@ class NativeBackend:
         dx = self._combine(tr, dxs, tr.view["rows"][: T * K], None, T, K, H)
         d_router = tr.view["d_w"][: T * K].clone().view(T, K).to(router_weights_TK.dtype)
         self._after_call(tr)
-        if gpu_backward:
-            assert final is not None
+        if gpu_backward or fp8_backward:
             return Grads(dx, d_router, final, d_shared)
         return Grads(dx, d_router, routed_wgrads(d_gate_up, d_down, wgrad_dtype), d_shared)

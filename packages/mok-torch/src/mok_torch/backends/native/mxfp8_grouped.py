@@ -286,7 +286,8 @@ def mxfp8_grouped_wgrad(
 class MxSwigluBackward(NamedTuple):
     d_w: torch.Tensor  # [M] fp32: <g, h>, summed in ascending order
     dab_rows: torch.Tensor  # uint8 [M, hq_row_bytes(2I)]: Q_2I([d_a, d_b]) as MXFP8 rows, dx's A
-    dab_t: tuple[torch.Tensor, torch.Tensor]  # [d_a, d_b] along the rows: E4M3 [2I, M], E8M0 [M/32, 2I]
+    da_t: tuple[torch.Tensor, torch.Tensor]  # d_a along the rows: E4M3 [I, M], E8M0 [M/32, I]
+    db_t: tuple[torch.Tensor, torch.Tensor]  # d_b along the rows: [I, M], [M/32, I]
     h_t: tuple[torch.Tensor, torch.Tensor]  # h along the rows: [I, M], [M/32, I]
     x_t: tuple[torch.Tensor, torch.Tensor]  # bf16(x) along the rows: [H, M], [M/32, H]
     wdy_t: tuple[torch.Tensor, torch.Tensor]  # bf16(w dy) along the rows: [H, M], [M/32, H]
@@ -317,7 +318,7 @@ def mxfp8_swiglu_backward(
         h, d_a, d_b, d_w = the SwiGLU backward of g (fp32 [M, I], dy_q @ Q(Wd), unweighted), a, b
         (bf16 [M, I]) and the router weights w (fp32 [M], None: all ones)
         dab_rows = Q_2I([d_a, d_b])                  the input gradients' A (MXFP8 rows)
-        dab_t, h_t, x_t, wdy_t                        [d_a, d_b], h, bf16(x), bf16(w dy) quantized
+        da_t, db_t, h_t, x_t, wdy_t                   d_a, d_b, h, bf16(x), bf16(w dy) quantized
                                                       along the rows: the weight gradients' operands
 
     x_rows, dy_rows: uint8 MXFP8 rows [M, >= H + H/32] (H bytes then H/32 scales). The bits are
@@ -347,7 +348,8 @@ def mxfp8_swiglu_backward(
 
     d_w = torch.empty(M, dtype=torch.float32, device=dev)
     dab_rows = torch.zeros(M, hq_row_bytes(2 * I), dtype=U8, device=dev)
-    dab_t, h_t, x_t, wdy_t = rows_copy(2 * I), rows_copy(I), rows_copy(H), rows_copy(H)
+    h_t, x_t, wdy_t = rows_copy(I), rows_copy(H), rows_copy(H)
+    dab_t = torch.empty(2 * I, M, dtype=U8, device=dev), torch.empty(2, M // 32, I, dtype=U8, device=dev)
     ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
     on_device = torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
     with on_device:
@@ -360,4 +362,5 @@ def mxfp8_swiglu_backward(
             torch.get_num_threads() if dev.type == "cpu" else 1, stream,
         )  # fmt: skip
     view = lambda t: (t[0].view(torch.float8_e4m3fn), t[1].view(torch.float8_e8m0fnu))  # noqa: E731
-    return MxSwigluBackward(d_w, dab_rows, view(dab_t), view(h_t), view(x_t), view(wdy_t))
+    da_t, db_t = (dab_t[0][:I], dab_t[1][0]), (dab_t[0][I:], dab_t[1][1])
+    return MxSwigluBackward(d_w, dab_rows, view(da_t), view(db_t), view(h_t), view(x_t), view(wdy_t))
