@@ -749,19 +749,20 @@ class NativeBackend:
 
     def _mx_macrobatch_backward(
         self, cfg: MoKConfig, seg: torch.Tensor, ctx: ForwardContext, m: int, xs: torch.Tensor, dys: torch.Tensor,
-        wr: torch.Tensor, mx: list[MXFP8Tensor], acc: Weights3 | None, final: Weights3, last: bool,
-        tr: Transport, sched: Schedule, lo: int, nw: int,
+        wr: torch.Tensor, mx: list[MXFP8Tensor], gate_up: list[MXFP8Tensor], acc: Weights3 | None,
+        final: Weights3, last: bool, tr: Transport, sched: Schedule, lo: int, nw: int,
     ) -> None:  # fmt: skip
         """One macrobatch of the MXFP8 routed experts' backward on the FP8 kernels: MXFP8 rows xs
-        and dys ([n, >= H + H/32] at 16-byte strides), router weights wr [n]; the weight gradients
-        (dWg, dWu, dWd) start from +0 in macrobatch 0, are carried in the fp32 `acc` between
-        macrobatches, and the last macrobatch writes `final` (bf16, or `acc` itself in fp32); dx
-        and d_w go to the transport."""
+        and dys ([n, >= H + H/32] at 16-byte strides), router weights wr [n]; `mx` the weights
+        with their transposed copies, `gate_up` Wg and Wu with their normal copies (for a replay).
+        The weight gradients (dWg, dWu, dWd) start from +0 in macrobatch 0, are carried in the
+        fp32 `acc` between macrobatches, and the last macrobatch writes `final` (bf16, or `acc`
+        itself in fp32); dx and d_w go to the transport."""
         n, (_, I, H) = xs.shape[0], mx[0].shape
         if m == 0:
             a, b = ctx.a_MI[:n], ctx.b_MI[:n]
         else:  # replay: the pre-activations recomputed by the forward's GEMMs (the same bits)
-            ab = mxfp8_grouped_forward(xs, H, seg, mx[0], mx[1], None, cfg.swiglu_limit)
+            ab = mxfp8_grouped_forward(xs, H, seg, gate_up[0], gate_up[1], None, cfg.swiglu_limit)
             a, b = ab.a, ab.b
         g = mxfp8_grouped_gemm(dys, H, seg, mx[2].operand(transposed=True), out_dtype=torch.float32)
         # The element pass: the SwiGLU backward, dx's A quantized along 2I, and the weight
@@ -836,7 +837,9 @@ class NativeBackend:
         # (On the GPU dx's K split, at I, must fall on the kernel's 128-deep stages.)
         fp8_backward = fp8_cores and rows % 32 == 0 and macro % 32 == 0 and (dev.type != "cuda" or inner % 128 == 0)
         if fp8_backward:
-            mx_all = [w if isinstance(w, MXFP8Tensor) else mxfp8_quantize(w) for w in routed]
+            # Its GEMMs read the transposed copies; a replay (macrobatch > 0) also Wg's and Wu's normal
+            # copies, quantized when first needed.
+            mx_t = [w if isinstance(w, MXFP8Tensor) else mxfp8_quantize(w, normal=False) for w in routed]
         # The GPU backward's weight gradients take 64-row blocks from each segment start: every
         # macrobatch boundary and segment start must be a multiple of 64 for a split to carry
         # exactly (docs/determinism.md "The GPU GEMMs"); otherwise the reference arithmetic.
@@ -873,8 +876,9 @@ class NativeBackend:
                     wr = self._received(cfg, tr, "w_recv", lo, hi)
                 else:
                     wr = self._receive(cfg, tr, sched, "w", torch.empty(n, dtype=torch.float32, device=dev), lo, 1, nw)
-                self._mx_macrobatch_backward(cfg, (segments - lo).clamp_(0, n), ctx, m, xs, dys, wr, mx_all,
-                                             acc, final, hi == rows, tr, sched, lo, nw)  # fmt: skip
+                mx_gate_up = mx_gate_up or (_mx_weights(routed[:2]) if m > 0 else [])
+                self._mx_macrobatch_backward(cfg, (segments - lo).clamp_(0, n), ctx, m, xs, dys, wr, mx_t,
+                                             mx_gate_up, acc, final, hi == rows, tr, sched, lo, nw)  # fmt: skip
                 continue
             if gpu_backward:
                 # The whole macrobatch in one call, as in the forward (and every SM moving rows):
