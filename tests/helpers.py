@@ -68,8 +68,11 @@ def run_functional(
     max_tokens: int | None = None,
     device: str | torch.device = DEVICE,
     wgrad_dtype: torch.dtype = torch.bfloat16,
+    saved: Any = None,
 ) -> dict[str, torch.Tensor]:
-    """forward + backward through the functional API for this rank's token slice; CPU results."""
+    """forward + backward through the functional API for this rank's token slice; CPU results.
+    `saved`: a function of the ForwardContext giving the one the backward gets (as the autograd
+    op saves it), or None."""
     dev = torch.device(device)
     x = inp.x_TH[tokens].contiguous().to(dev)
     top = inp.top_experts_TK[tokens].contiguous().to(dev)
@@ -83,6 +86,7 @@ def run_functional(
     )
     sched = mok.build_schedule(ws, cfg, top)
     y, ctx = mok.forward(cfg, ws, sched, x, w, routed, shared)
+    ctx = ctx if saved is None else saved(ctx)
     asked = BACKEND if cfg.backend == "auto" else cfg.backend
     assert ctx.backend == asked, f"asked for backend {asked!r}, ran {ctx.backend!r}"
     g = mok.backward(cfg, ws, sched, ctx, dy, x, w, routed, shared, wgrad_dtype=wgrad_dtype)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mok_torch.backends.native.mxfp8_grouped import mxfp8_grouped_gemm
+from mok_torch.backends.native.mxfp8_grouped import hq_row_bytes, mxfp8_grouped_gemm, split_a_cols
 from mok_torch.mxfp8 import mxfp8_quantize, pack_rows, unpack_rows
 
 mok_mxfp8 = pytest.importorskip("mok_mxfp8", reason="mok-mxfp8 is not installed")
@@ -39,6 +39,10 @@ CASES = [
     pytest.param([300, 77, 0, 200], 640, 1024, 0, id="g-long-K"),
     pytest.param([517], 320, 1280, 640, id="dx-one-expert"),
     pytest.param([40, 9], 128, 192, 0, id="K-192"),  # a last stage of 2 slices
+    # K splits off the 128-deep stages (gpt-oss's I = 2880 is 64 mod 128): A holds the second
+    # part from K0 rounded up to 128 on
+    pytest.param([64, 100, 0, 37], 192, 128, 64, id="dx-split-64"),
+    pytest.param([300, 5, 77], 320, 640, 320, id="dx-split-320"),
 ]
 
 
@@ -49,8 +53,7 @@ def make(lengths: list[int], N: int, K: int, k_split: int, seed: int = 0) -> tup
     El, M = len(lengths), sum(lengths)
     offsets = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
     a = (torch.randn(M, K, generator=g) * 2).to(BF16)
-    rows = torch.zeros(M, (K + K // 32 + 15) // 16 * 16 + 16, dtype=torch.uint8)  # 16-byte rows
-    rows[:, : K + K // 32] = pack_rows(a)
+    rows = split_layout(pack_rows(a), K, k_split, g)
     parts = [k_split, K - k_split] if k_split else [K]
     # W^T [El, K', N] quantized along K' (its transposed copy): the layout of Wd^T, Wg^T, Wu^T
     bs = []
@@ -60,6 +63,36 @@ def make(lengths: list[int], N: int, K: int, k_split: int, seed: int = 0) -> tup
     return rows, offsets, bs
 
 
+def split_layout(packed: torch.Tensor, K: int, k_split: int, g: torch.Generator) -> torch.Tensor:
+    """MXFP8 rows [M, K + K/32] in `mxfp8_grouped_gemm`'s A layout (the part past k_split from
+    k_split rounded up to 128 on), in wider 16-byte rows; the gap holds random bytes and NaN
+    scales, so a kernel that read it would fail the test."""
+    M, KA = packed.shape[0], split_a_cols(K, k_split)
+    rows = torch.zeros(M, hq_row_bytes(KA) + 16, dtype=torch.uint8)
+    K0 = k_split or K
+    K0a = KA - (K - K0)  # the second part's first column
+    rows[:, K0:K0a] = torch.randint(0, 256, (M, K0a - K0), generator=g, dtype=torch.uint8)
+    rows[:, KA + K0 // 32 : KA + K0a // 32] = 0xFF
+    rows[:, :K0], rows[:, K0a:KA] = packed[:, :K0], packed[:, K0:K]
+    rows[:, KA : KA + K0 // 32] = packed[:, K : K + K0 // 32]
+    rows[:, KA + K0a // 32 : KA + KA // 32] = packed[:, K + K0 // 32 :]
+    return rows
+
+
+def packed_of(rows: torch.Tensor, K: int, k_split: int) -> torch.Tensor:
+    """The MXFP8 rows [M, K + K/32] (`pack_rows`'s form) of rows in the split layout."""
+    KA, K0 = split_a_cols(K, k_split), k_split or K
+    K0a = KA - (K - K0)
+    data = torch.cat([rows[:, :K0], rows[:, K0a:KA]], dim=1)
+    scales = torch.cat([rows[:, KA : KA + K0 // 32], rows[:, KA + K0a // 32 : KA + KA // 32]], dim=1)
+    return torch.cat([data, scales], dim=1)
+
+
+def a_values(rows: torch.Tensor, K: int, k_split: int) -> torch.Tensor:
+    """float32 A [M, K] of rows in the split layout."""
+    return unpack_rows(packed_of(rows, K, k_split), K)
+
+
 def dequantized(b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """float64 B_e [El, N, K'] of a (data [El, N, K'], scales [El, K'/32, N]) pair."""
     data, scales = b
@@ -67,9 +100,9 @@ def dequantized(b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     return (values * scales.view(torch.float8_e8m0fnu).double().transpose(1, 2)[..., None]).flatten(-2)
 
 
-def f64(rows, offsets, bs, K) -> tuple[torch.Tensor, torch.Tensor]:
+def f64(rows, offsets, bs, K, k_split) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 product per segment, and the scale of its sums (sum of |products|)."""
-    a = unpack_rows(rows[:, : K + K // 32], K).double()
+    a = a_values(rows, K, k_split).double()
     b = torch.cat([dequantized(x) for x in bs], dim=2)
     M, N = a.shape[0], b.shape[1]
     out, scale = torch.zeros(M, N, dtype=torch.float64), torch.zeros(M, N, dtype=torch.float64)
@@ -109,15 +142,17 @@ def concatenated(bs) -> tuple[torch.Tensor, torch.Tensor]:
 def test_cpu_against_float64(lengths, N, K, k_split, out_dtype):
     rows, offs, bs = make(lengths, N, K, k_split, seed=N + K)
     got = call(rows, K, offs, bs, out_dtype=out_dtype)
-    want, scale = f64(rows, offs, bs, K)
+    want, scale = f64(rows, offs, bs, K, k_split)
     assert got.dtype == out_dtype and got.shape == (rows.shape[0], N)
     assert_close(got, want, scale, out_dtype == torch.float32, "out")
 
 
-def test_cpu_split_is_one_weight_holding_both_and_bf16_rounds_fp32():
-    rows, offs, bs = make([50, 0, 31], 128, 256, 128, seed=2)
+@pytest.mark.parametrize("k_split", [128, 64, 192])
+def test_cpu_split_is_one_weight_holding_both_and_bf16_rounds_fp32(k_split):
+    rows, offs, bs = make([50, 0, 31], 128, 256, k_split, seed=2)
     split = call(rows, 256, offs, bs, out_dtype=torch.float32)
-    assert torch.equal(split, call(rows, 256, offs, [concatenated(bs)], out_dtype=torch.float32))
+    whole = split_layout(packed_of(rows, 256, k_split), 256, 0, torch.Generator())
+    assert torch.equal(split, call(whole, 256, offs, [concatenated(bs)], out_dtype=torch.float32))
     assert torch.equal(call(rows, 256, offs, bs), split.to(BF16))
 
 
@@ -146,7 +181,7 @@ def test_bad_arguments_raise_naming_them():
         mxfp8_grouped_gemm(rows, 256, offs, bs[0], (bs[1][0][:, :32], bs[1][1]))
     with pytest.raises(ValueError, match="offsets must have shape"):
         call(rows, 256, offs[:2], bs)
-    with pytest.raises(ValueError, match="fewer than k"):
+    with pytest.raises(ValueError, match="bytes per row, fewer than"):
         call(rows[:, :100].contiguous(), 256, offs, bs)
     with pytest.raises(ValueError, match="num_sms"):
         call(rows, 256, offs, bs, num_sms=-1)
@@ -158,7 +193,7 @@ def test_bad_arguments_raise_naming_them():
 
 @pytest.mark.parametrize(
     "N, K, k_split, match",
-    [(96, 128, 0, "n and k must be multiples of 64"), (128, 384, 192, "k_split must be a multiple of 128")],
+    [(96, 128, 0, "n and k must be multiples of 64"), (128, 384, 160, "k_split must be a multiple of 64")],
 )
 def test_cuda_limits_raise_before_any_launch(N, K, k_split, match):
     """The GPU's limits are checked by the entry point before it touches the device."""
@@ -186,7 +221,7 @@ def test_cuda_against_float64(lengths, N, K, k_split, out_dtype):
     rows, offs, bs = make(lengths, N, K, k_split, seed=N + K)
     r, o, b = to_cuda(rows, offs, bs)
     got = call(r, K, o, b, out_dtype=out_dtype)
-    want, scale = f64(rows, offs, bs, K)
+    want, scale = f64(rows, offs, bs, K, k_split)
     assert_close(got.cpu(), want, scale, out_dtype == torch.float32, "out")
     cpu = call(rows, K, offs, bs, out_dtype=torch.float32)
     if cpu.numel():
@@ -204,6 +239,12 @@ def test_cuda_bitwise_run_to_run_any_grid_and_split_is_one_weight():
         assert torch.equal(first, call(r, K, o, b, out_dtype=torch.float32, num_sms=num_sms)), f"num_sms={num_sms}"
     assert torch.equal(first, call(r, K, o, [concatenated(b)], out_dtype=torch.float32)), "K split vs one weight"
     assert torch.equal(call(r, K, o, b), first.to(BF16)), "bf16 out must be the fp32 sums rounded"
+    # A split off the stages (A's second part from 320 on): the same blocks in the same order
+    rows, offs, bs = make([700, 5, 0, 333, 64], 256, K, 192, seed=5)
+    r2, o2, b2 = to_cuda(rows, offs, bs)
+    whole = split_layout(packed_of(rows, K, 192), K, 0, torch.Generator()).cuda()
+    one = call(whole, K, o2, [concatenated(b2)], out_dtype=torch.float32)
+    assert torch.equal(call(r2, K, o2, b2, out_dtype=torch.float32), one), "K split at 192 vs one weight"
 
 
 @pytest.mark.gpu

@@ -435,14 +435,16 @@ def test_fp8_kernel_path_on_the_cpu_entry_points(routing, monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")
 @pytest.mark.parametrize("routing", ["balanced", "skewed"])
-def test_cuda_backend_runs_the_fp8_gemms(routing, monkeypatch):
+@pytest.mark.parametrize("I", [128, 64], ids=["I128", "I64"])
+def test_cuda_backend_runs_the_fp8_gemms(routing, I, monkeypatch):
     """The cuda backend's MXFP8 layer on mok-mxfp8's FP8 tensor-core GEMMs (H and I multiples of
     64), forward and backward: every contract key bitwise the same across the batching configs
     (macrobatch splits replay the pre-activations on the same kernels and carry the weight
-    gradients in fp32), within 1 % of the reference backend's MXFP8 layer."""
+    gradients in fp32), within 1 % of the reference backend's MXFP8 layer. I = 64 splits dx's K
+    off the kernel's 128-deep stages (the split A layout)."""
     from mok_torch.backends import native
 
-    H, I = 128, 128  # I a multiple of 128: the GPU's dx splits K at I on a stage boundary
+    H = 128
     if not native.gpu_mxfp8_forward_kernels(mok.MoKConfig(precision="mxfp8"), torch.device("cuda"), H, I, 1):
         pytest.skip("mok-mxfp8's FP8 grouped forward needs an sm_90 GPU and a CUDA build of mok-mxfp8")
     calls = _count_calls(monkeypatch, native, "mxfp8_grouped_forward")
@@ -450,6 +452,34 @@ def test_cuda_backend_runs_the_fp8_gemms(routing, monkeypatch):
     _assert_bitwise_across_configs_and_near_the_reference(make_inputs(96, H, I, 8, 2, 0, routing, seed=13), "cuda")
     assert calls["n"], "the FP8 GEMMs did not run"
     assert all(c["n"] for c in backward.values()), f"the FP8 backward did not run: {backward}"
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_fp8_backward_from_a_saved_copy_of_packed_rows(device, monkeypatch):
+    """The autograd op saves the context's MXFP8 x rows as a clone: packed, H + H/32 bytes a row
+    (198 at H = 192, not the 16-byte stride the GPU's element pass reads). The FP8 backward
+    realigns them: every gradient bitwise that of the context as the forward left it."""
+    import dataclasses
+
+    from mok_torch.backends import native
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU; this machine has none")
+    H, I = 192, 64
+    if device == "cpu":  # the FP8 path on the kernels' CPU loops, as in the test above
+        monkeypatch.setattr(native, "gpu_mxfp8_forward_kernels", lambda cfg, *a: cfg.precision == "mxfp8")
+        monkeypatch.setattr(native, "_mxfp8_kernels", lambda device_type: None)
+    elif not native.gpu_mxfp8_forward_kernels(mok.MoKConfig(precision="mxfp8"), torch.device("cuda"), H, I, 1):
+        pytest.skip("mok-mxfp8's FP8 grouped forward needs an sm_90 GPU and a CUDA build of mok-mxfp8")
+    calls = _count_calls(monkeypatch, native, "mxfp8_swiglu_backward")
+    inp = make_inputs(96, H, I, 8, 2, 0, "skewed", seed=15)
+    cfg = mok.MoKConfig(precision="mxfp8", backend=device, expert_alignment=32)
+    view = run_functional(inp, cfg, device=device)
+    cloned = run_functional(
+        inp, cfg, device=device, saved=lambda c: dataclasses.replace(c, x_routed_MH=c.x_routed_MH.clone())
+    )
+    assert calls["n"], "the FP8 backward did not run"
+    assert_bitwise(view, cloned, CONTRACT_KEYS, what=f"{device}: saved clone vs view: ")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")

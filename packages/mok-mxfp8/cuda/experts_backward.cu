@@ -49,6 +49,7 @@ struct Params {
   const std::uint8_t* x;
   const std::uint8_t* dy;
   std::int64_t x_bytes, dy_bytes, dab_bytes;
+  int dab_d_b, dab_cols;  // dx's A (grouped_gemm's split layout): d_b's first column, K_A
   float* d_w;
   std::uint8_t* dab;
   std::uint8_t *dab_t, *dab_t_scales, *h_t, *h_t_scales;
@@ -160,10 +161,11 @@ __device__ void swiglu_part(const Params& p, Shared& sh, std::int64_t blk) {
       d_a[i] = e.d_a;
       d_b[i] = e.d_b;
     }
-    // dx's A: [d_a, d_b] as MXFP8 rows (2I bytes, then the 2I/32 scales).
+    // dx's A: [d_a, d_b] as MXFP8 rows in grouped_gemm's split layout (d_b from dab_d_b on).
     const bool first = j % kBlockLanes == 0;
-    quantize_row_piece(d_a, dab_row + col, dab_row + 2 * I + col / kBlock, first);
-    quantize_row_piece(d_b, dab_row + I + col, dab_row + 2 * I + (I + col) / kBlock, first);
+    quantize_row_piece(d_a, dab_row + col, dab_row + p.dab_cols + col / kBlock, first);
+    quantize_row_piece(d_b, dab_row + p.dab_d_b + col,
+                       dab_row + p.dab_cols + (p.dab_d_b + col) / kBlock, first);
     store_tile_row(sh.tiles[0], r, j, h);
     store_tile_row(sh.tiles[1], r, j, d_a);
     store_tile_row(sh.tiles[2], r, j, d_b);
@@ -247,7 +249,9 @@ void grouped_swiglu_backward_cuda(const MxSwigluBackwardArgs& a, std::uintptr_t 
   p.dy = u8(a.dy);
   p.x_bytes = a.x_row_bytes != 0 ? a.x_row_bytes : H + H / kBlock;
   p.dy_bytes = a.dy_row_bytes != 0 ? a.dy_row_bytes : H + H / kBlock;
-  p.dab_bytes = a.dab_row_bytes != 0 ? a.dab_row_bytes : 2 * I + 2 * I / kBlock;
+  p.dab_d_b = static_cast<int>(split_a_offset(I));
+  p.dab_cols = static_cast<int>(split_a_cols(2 * I, I));
+  p.dab_bytes = a.dab_row_bytes != 0 ? a.dab_row_bytes : p.dab_cols + p.dab_cols / kBlock;
   p.d_w = reinterpret_cast<float*>(a.out_d_w);
   p.dab = u8(a.out_dab);
   p.dab_t = u8(a.dab_t_data);

@@ -29,13 +29,15 @@ void grouped_gemm_cuda(const MxGroupedGemmArgs& args, std::uintptr_t stream_hand
   const std::uint64_t El = static_cast<std::uint64_t>(args.num_experts);
   const bool split = args.k_split != 0;
   const std::uint64_t K0 = split ? static_cast<std::uint64_t>(args.k_split) : K;
+  // A's columns: K, or with a split the second weight's part from split_a_offset(K0) on.
+  const std::uint64_t KA = static_cast<std::uint64_t>(split_a_cols(args.k, args.k_split));
   const std::uint64_t row_bytes =
-      args.a_row_bytes != 0 ? static_cast<std::uint64_t>(args.a_row_bytes) : K + K / kBlock;
+      args.a_row_bytes != 0 ? static_cast<std::uint64_t>(args.a_row_bytes) : KA + KA / kBlock;
   const auto ptr = [](std::uintptr_t p) { return reinterpret_cast<const void*>(p); };
   using hopper::MapType;
 
   const CUtensorMap map_a =
-      hopper::make_tensor_map(ptr(args.a), M, K, tiles::kBlockM, MapType::kU8, row_bytes);
+      hopper::make_tensor_map(ptr(args.a), M, KA, tiles::kBlockM, MapType::kU8, row_bytes);
   const CUtensorMap map_b0 =
       hopper::make_tensor_map(ptr(args.b0_data), El * N, K0, gemm::kBlockN, MapType::kU8);
   const CUtensorMap map_b1 = split ? hopper::make_tensor_map(ptr(args.b1_data), El * N, K - K0,
@@ -44,7 +46,7 @@ void grouped_gemm_cuda(const MxGroupedGemmArgs& args, std::uintptr_t stream_hand
   tiles::Problem p{reinterpret_cast<const std::int64_t*>(args.offsets), args.num_rows,
                    static_cast<int>(El), static_cast<int>(N), static_cast<int>(K)};
   p.k_split = static_cast<int>(split ? K0 : 0);
-  const gemm::Scales scales{reinterpret_cast<const std::uint8_t*>(args.a) + K,
+  const gemm::Scales scales{reinterpret_cast<const std::uint8_t*>(args.a) + KA,
                             static_cast<std::int64_t>(row_bytes),
                             reinterpret_cast<const std::uint8_t*>(args.b0_scales),
                             reinterpret_cast<const std::uint8_t*>(args.b1_scales)};

@@ -56,7 +56,9 @@ inline constexpr int kStages = 5;
 // holding the same columns of both (fragment blocks j < 8 the first's, j >= 8 the second's).
 // kSplitK: K split over two weights, K' = k_split from the first then k - k_split from the
 // second (dx = [d_a, d_b] @ [Wg; Wu] reads the transposed copies of Wg and Wu one after the
-// other), 128 output columns per tile; k_split a multiple of 128 (stages never straddle it).
+// other), 128 output columns per tile; k_split a multiple of 64: the first weight's last stage
+// may have 2 slices, and A holds the second weight's part from k_split rounded up to 128 on
+// (experts.h split_a_offset), so every stage of A starts at a multiple of 128.
 enum class BLoad { kSingle, kPaired, kSplitK };
 
 // The operands' scales (E8M0 bytes). A's are read 4 bytes (a stage's 4 slices of a row) at a
@@ -128,8 +130,8 @@ __device__ inline KBlock k_block(const Problem& p, int kb) {
   const int b_k0 = (weight == 0 ? kb : kb - first) * kBlockK;
   const int b_k = p.k_split > 0 ? (weight == 0 ? p.k_split : p.k - p.k_split) : p.k;
   const int left = (b_k - b_k0) / kSliceK;
-  return {weight == 0 ? b_k0 : p.k_split + b_k0, left < kSlices ? left : kSlices, weight, b_k0,
-          b_k};
+  const int a_k1 = (p.k_split + kBlockK - 1) / kBlockK * kBlockK;  // the second weight's start in A
+  return {weight == 0 ? b_k0 : a_k1 + b_k0, left < kSlices ? left : kSlices, weight, b_k0, b_k};
 }
 
 // The accumulators of one consumer warpgroup: 64 rows x 128 columns.

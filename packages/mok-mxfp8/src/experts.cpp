@@ -233,9 +233,8 @@ void grouped_gemm(const std::string& device, const MxGroupedGemmArgs& a, std::ui
     invalid(fn, "on \"cuda\", n and k must be multiples of 64, got n " + std::to_string(a.n) +
                     ", k " + std::to_string(a.k));
   }
-  if (cuda && split && a.k_split % 128 != 0) {
-    invalid(fn, "on \"cuda\", k_split must be a multiple of 128 (the kernel's stages)" +
-                    got(a.k_split));
+  if (cuda && split && a.k_split % 64 != 0) {
+    invalid(fn, "on \"cuda\", k_split must be a multiple of 64" + got(a.k_split));
   }
   if (cuda && a.num_experts > 1024) {
     invalid(fn, "on \"cuda\", num_experts must be <= 1024" + got(a.num_experts));
@@ -245,10 +244,11 @@ void grouped_gemm(const std::string& device, const MxGroupedGemmArgs& a, std::ui
     invalid(fn, "num_threads must be in [1, " + std::to_string(kMaxExpertThreads) + "]" +
                     got(a.num_threads));
   }
-  const std::int64_t packed = a.k + a.k / kBlock;
+  const std::int64_t a_cols = split_a_cols(a.k, a.k_split);
+  const std::int64_t packed = a_cols + a_cols / kBlock;
   if (a.a_row_bytes != 0 && a.a_row_bytes < packed) {
-    invalid(fn, "a_row_bytes must be 0 or >= k + k/32 = " + std::to_string(packed) +
-                    got(a.a_row_bytes));
+    invalid(fn, "a_row_bytes must be 0 or >= K_A + K_A/32 = " + std::to_string(packed) +
+                    " (K_A = split_a_cols(k, k_split))" + got(a.a_row_bytes));
   }
   const std::int64_t row_bytes = a.a_row_bytes != 0 ? a.a_row_bytes : packed;
   if (cuda && row_bytes % 16 != 0) {
@@ -348,7 +348,8 @@ void grouped_swiglu_backward(const std::string& device, const MxSwigluBackwardAr
                     got(a.num_threads));
   }
   const std::int64_t x_packed = a.hidden + a.hidden / kBlock;
-  const std::int64_t dab_packed = 2 * a.inner + 2 * a.inner / kBlock;
+  const std::int64_t dab_cols = split_a_cols(2 * a.inner, a.inner);
+  const std::int64_t dab_packed = dab_cols + dab_cols / kBlock;
   const std::pair<const char*, std::int64_t> rows[] = {{"x_row_bytes", a.x_row_bytes},
                                                        {"dy_row_bytes", a.dy_row_bytes}};
   for (const auto& [name, bytes] : rows) {
@@ -362,8 +363,8 @@ void grouped_swiglu_backward(const std::string& device, const MxSwigluBackwardAr
     }
   }
   if (a.dab_row_bytes != 0 && a.dab_row_bytes < dab_packed) {
-    invalid(fn, "dab_row_bytes must be 0 or >= 2 inner + inner/16 = " + std::to_string(dab_packed) +
-                    got(a.dab_row_bytes));
+    invalid(fn, "dab_row_bytes must be 0 or >= K_A + K_A/32 = " + std::to_string(dab_packed) +
+                    " (K_A = split_a_cols(2 inner, inner))" + got(a.dab_row_bytes));
   }
   if (cuda && (a.dab_row_bytes != 0 ? a.dab_row_bytes : dab_packed) % 16 != 0) {
     invalid(fn, "on \"cuda\", dab_row_bytes must be a multiple of 16" +

@@ -250,7 +250,9 @@ void grouped_forward_cpu(const MxGroupedForwardArgs& g) {
 void grouped_gemm_cpu(const MxGroupedGemmArgs& g) {
   const std::int64_t M = g.num_rows, N = g.n, K = g.k, El = g.num_experts;
   const std::int64_t K0 = g.k_split != 0 ? g.k_split : K;
-  const std::int64_t row_bytes = g.a_row_bytes != 0 ? g.a_row_bytes : K + K / kBlock;
+  // A's columns: with a split the second weight's part from split_a_offset(K0) on.
+  const std::int64_t KA = split_a_cols(K, g.k_split), gap = KA - K;
+  const std::int64_t row_bytes = g.a_row_bytes != 0 ? g.a_row_bytes : KA + KA / kBlock;
   const auto* offsets = reinterpret_cast<const std::int64_t*>(g.offsets);
   const auto* a = reinterpret_cast<const u8*>(g.a);
   // B_e[n, k] quantized along K: the first weight for k < K0, the second after.
@@ -270,9 +272,11 @@ void grouped_gemm_cpu(const MxGroupedGemmArgs& g) {
   for (std::int64_t e = 0; e < El; ++e) {
     const std::int64_t lo = offsets[e], hi = offsets[e + 1];
     parallel_ranges(hi - lo, g.num_threads, [&](std::int64_t begin, std::int64_t end) {
-      std::vector<float> av(static_cast<std::size_t>(K));
+      std::vector<float> av(static_cast<std::size_t>(KA));
       for (std::int64_t r = lo + begin; r < lo + end; ++r) {
-        row_values(a + r * row_bytes, K, av.data());
+        row_values(a + r * row_bytes, KA, av.data());
+        // The K values in order: the gap's columns are not A's.
+        std::copy(av.begin() + K0 + gap, av.end(), av.begin() + K0);
         for (std::int64_t n = 0; n < N; ++n) {
           const float v =
               blocked_dot(av.data(), K, [&](std::int64_t k) { return b_value(e, n, k); });
@@ -449,13 +453,13 @@ void quantize_block_columns(const u16* block, std::int64_t stride, std::int64_t 
   }
 }
 
-// bf16 values [n] quantized along the row into `out` (n bytes, then n/32 scales).
-void quantize_row(const u16* values, std::int64_t n, u8* out) {
+// bf16 values [n] quantized along the row: n E4M3 bytes at `data`, n/32 scales at `scales`.
+void quantize_row(const u16* values, std::int64_t n, u8* data, u8* scales) {
   for (std::int64_t j = 0; j < n / kBlock; ++j) {
-    out[n + j] = quantize_block(
+    scales[j] = quantize_block(
         kBlock, ScaleRule::kRceil,
         [&](int i) { return static_cast<std::uint32_t>(values[j * kBlock + i]) << 16; },
-        [&](int i, u8 byte) { out[j * kBlock + i] = byte; });
+        [&](int i, u8 byte) { data[j * kBlock + i] = byte; });
   }
 }
 
@@ -465,7 +469,9 @@ void grouped_swiglu_backward_cpu(const MxSwigluBackwardArgs& g) {
   const std::int64_t M = g.num_rows, H = g.hidden, I = g.inner;
   const std::int64_t x_bytes = g.x_row_bytes != 0 ? g.x_row_bytes : H + H / kBlock;
   const std::int64_t dy_bytes = g.dy_row_bytes != 0 ? g.dy_row_bytes : H + H / kBlock;
-  const std::int64_t dab_bytes = g.dab_row_bytes != 0 ? g.dab_row_bytes : 2 * I + 2 * I / kBlock;
+  const std::int64_t I1 = split_a_offset(I), dab_cols = split_a_cols(2 * I, I);
+  const std::int64_t dab_bytes =
+      g.dab_row_bytes != 0 ? g.dab_row_bytes : dab_cols + dab_cols / kBlock;
   const auto* gv = reinterpret_cast<const float*>(g.g);
   const auto* a = reinterpret_cast<const u16*>(g.a);
   const auto* b = reinterpret_cast<const u16*>(g.b);
@@ -496,7 +502,10 @@ void grouped_swiglu_backward_cpu(const MxSwigluBackwardArgs& g) {
         dab_r[I + i] = e.d_b;
       }
       d_w[m] = d_w_m;
-      quantize_row(dab_r, 2 * I, dab + m * dab_bytes);
+      // dx's A in grouped_gemm's split layout: d_b from column I1 on, the scales after K_A.
+      u8* dab_m = dab + m * dab_bytes;
+      quantize_row(dab_r, I, dab_m, dab_m + dab_cols);
+      quantize_row(dab_r + I, I, dab_m + I1, dab_m + dab_cols + I1 / kBlock);
       const u8* x_r = x + m * x_bytes;
       const u8* dy_r = dy + m * dy_bytes;
       for (std::int64_t c = 0; c < H; ++c) {

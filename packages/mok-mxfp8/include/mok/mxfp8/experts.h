@@ -113,15 +113,28 @@ struct MxGroupedForwardArgs {
 // Each output element is the fp32 sum of its 32-blocks' partials in ascending K (docs/mxfp8.md
 // "Arithmetic"), rounded to bf16 or stored as fp32. Devices, offsets and rows outside every
 // segment as in grouped_forward.
+//
+// With a K split, A's rows hold the first K0 elements at columns [0, K0) and the other K - K0
+// from column split_a_offset(K0) = K0 rounded up to 128 on (the GPU's stages are 128 deep, so
+// the second weight's start in A), the columns between unread: split_a_cols(K, K0) data bytes,
+// then that many over 32 scale bytes (those of the unread columns unread too). K0 a multiple of
+// 128 leaves no gap.
+inline std::int64_t split_a_offset(std::int64_t k_split) { return (k_split + 127) / 128 * 128; }
+inline std::int64_t split_a_cols(std::int64_t k, std::int64_t k_split) {
+  return k_split == 0 ? k : split_a_offset(k_split) + (k - k_split);
+}
+
 struct MxGroupedGemmArgs {
-  std::uintptr_t a = 0;          // uint8 MXFP8 rows: K E4M3 bytes then K/32 E8M0 scales per row
-  std::int64_t a_row_bytes = 0;  // bytes between A's rows (0: K + K/32); on "cuda" a multiple of 16
+  std::uintptr_t a = 0;          // uint8 MXFP8 rows: K_A E4M3 bytes then K_A/32 E8M0 scales per
+                                 // row, K_A = split_a_cols(K, k_split) (K without a split)
+  std::int64_t a_row_bytes = 0;  // bytes between A's rows (0: K_A + K_A/32); on "cuda" a multiple
+                                 // of 16
   std::uintptr_t offsets = 0;    // int64 [El + 1]
   std::uintptr_t b0_data = 0;    // uint8 E4M3 [El, N, K0]: B's first (or only) weight
   std::uintptr_t b0_scales = 0;  // uint8 E8M0 [El, K0/32, N]
   std::uintptr_t b1_data = 0;    // with k_split: the second weight, [El, N, K - K0]
   std::uintptr_t b1_scales = 0;  // [El, (K - K0)/32, N]
-  std::int64_t k_split = 0;      // K0 (0: one weight, K0 = K); on "cuda" a multiple of 128
+  std::int64_t k_split = 0;      // K0 (0: one weight, K0 = K); on "cuda" a multiple of 64
   std::uintptr_t out = 0;        // [M, N]: bf16, or fp32 with out_fp32
   bool out_fp32 = false;
   std::int64_t num_rows = 0;     // M
@@ -171,7 +184,8 @@ struct MxGroupedWgradArgs {
 //
 //   h, d_a, d_b                  swiglu_backward of expert_math.h (the reference's bits)
 //   d_w = <g, h>                 fp32, the sequential sum of fl(g_i h_i) in ascending i
-//   out_dab                      Q_2I([d_a, d_b]): MXFP8 rows (2I E4M3 bytes, I/16 scales), dx's A
+//   out_dab                      Q_2I([d_a, d_b]): dx's A, MXFP8 rows in grouped_gemm's split
+//                                layout with k_split = I (d_b from column split_a_offset(I) on)
 //   dab_t, h_t                   d_a, d_b and h quantized along the rows: dWg's, dWu's and dWd's
 //                                operands (E4M3 [2I, M]: d_a's rows then d_b's, E8M0 [2, M/32, I]:
 //                                d_a's then d_b's; h: [I, M], [M/32, I])
@@ -193,7 +207,7 @@ struct MxSwigluBackwardArgs {
   std::int64_t dy_row_bytes = 0;
   std::uintptr_t out_d_w = 0;      // fp32 [M]
   std::uintptr_t out_dab = 0;      // uint8 [M, dab_row_bytes]
-  std::int64_t dab_row_bytes = 0;  // 0: 2I + I/16
+  std::int64_t dab_row_bytes = 0;  // 0: K_A + K_A/32, K_A = split_a_cols(2I, I)
   std::uintptr_t dab_t_data = 0, dab_t_scales = 0;
   std::uintptr_t h_t_data = 0, h_t_scales = 0;
   std::uintptr_t x_t_data = 0, x_t_scales = 0;

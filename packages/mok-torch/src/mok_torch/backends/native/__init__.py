@@ -834,8 +834,7 @@ class NativeBackend:
         # (mok_mxfp8.grouped_gemm), the weight gradients in 32-row blocks carried in fp32 between
         # macrobatches (grouped_wgrad). Macrobatch bounds are multiples of the alignment (>= 32 in
         # MXFP8), so the row blocks are the reference's.
-        # (On the GPU dx's K split, at I, must fall on the kernel's 128-deep stages.)
-        fp8_backward = fp8_cores and rows % 32 == 0 and macro % 32 == 0 and (dev.type != "cuda" or inner % 128 == 0)
+        fp8_backward = fp8_cores and rows % 32 == 0 and macro % 32 == 0
         if fp8_backward:
             # Its GEMMs read the transposed copies; a replay (macrobatch > 0) also Wg's and Wu's normal
             # copies, quantized when first needed.
@@ -868,6 +867,9 @@ class NativeBackend:
                 mx_bytes = (n, _mx_row_bytes(H))
                 if m == 0:
                     xs = ctx.x_routed_MH[:n]
+                    if xs.stride(0) % 16:  # a saved copy of packed rows (the autograd op clones them)
+                        xs = torch.zeros(mx_bytes, dtype=torch.uint8, device=dev)
+                        xs[:, : H + H // 32] = ctx.x_routed_MH[:n, : H + H // 32]
                 else:
                     xs = self._mx_rows(cfg, tr, sched, torch.zeros(mx_bytes, dtype=torch.uint8, device=dev), lo, K, nw)
                 dy_buf = torch.zeros(mx_bytes, dtype=torch.uint8, device=dev)

@@ -38,6 +38,13 @@ def hq_row_bytes(inner: int) -> int:
     return (inner + inner // 32 + 15) // 16 * 16
 
 
+def split_a_cols(k: int, k_split: int) -> int:
+    """Columns of `mxfp8_grouped_gemm`'s A rows with a K split at k_split (0: none): the second
+    weight's part starts at k_split rounded up to 128 (the GPU's 128-deep stages), the columns
+    between unread."""
+    return k if k_split == 0 else (k_split + 127) // 128 * 128 + (k - k_split)
+
+
 def _weight(name: str, w: MXFP8Tensor, shape: tuple[int, int, int], dev: torch.device) -> tuple[int, int, int, int]:
     """The (data, scales, data_t, scales_t) addresses of an MXFP8 weight's normal copy (0 for the
     transposed copy's when it has none: the forward does not read them)."""
@@ -152,6 +159,8 @@ def mxfp8_grouped_gemm(
     """out[rows of e] = A[rows of e] @ B_e^T for each local expert e, both quantized along K.
 
     a_rows: uint8 [M, row_bytes], each row K E4M3 bytes then K/32 E8M0 scales (`pack_rows`);
+    with b2, the part of b2 starts at column K0 rounded up to 128 instead (`split_a_cols`: K_A
+    data bytes, then K_A/32 scales; the gap unread), as `mxfp8_swiglu_backward` writes dx's A.
     offsets int64 [El + 1] as in `mxfp8_grouped_forward`. b: (data [El, N, K0], scales
     [El, K0/32, N]) of a weight quantized along K — `w.operand()` of an MXFP8Tensor of W
     [El, N, K], or `w.operand(transposed=True)` of one of W^T [El, K, N]; b2: a second such weight
@@ -169,8 +178,6 @@ def mxfp8_grouped_gemm(
     M, row_bytes = a_rows.shape
     if not isinstance(k, int) or isinstance(k, bool) or k <= 0 or k % 32:
         raise ValueError(f"k must be a positive multiple of 32, got {k!r}")
-    if row_bytes < k + k // 32:
-        raise ValueError(f"a_rows has {row_bytes} bytes per row, fewer than k + k/32 = {k + k // 32}")
     if a_rows.stride(1) != 1:
         raise ValueError("a_rows' bytes must be contiguous within a row")
     if out_dtype not in (BF16, torch.float32):
@@ -188,6 +195,10 @@ def mxfp8_grouped_gemm(
         d1, s1, _, K1 = _operand("b2", b2, El, N, dev)
         if K0 + K1 != k:
             raise ValueError(f"b's and b2's K ({K0} + {K1}) must add up to k ({k})")
+    ka = split_a_cols(k, 0 if b2 is None else K0)
+    if row_bytes < ka + ka // 32:
+        what = "k + k/32" if b2 is None else "K_A + K_A/32 (K_A = split_a_cols(k, K0))"
+        raise ValueError(f"a_rows has {row_bytes} bytes per row, fewer than {what} = {ka + ka // 32}")
     for name, t in (("b[0]", d0), ("b[1]", s0), ("b2[0]", d1), ("b2[1]", s1)):
         if t is not None and not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
@@ -285,7 +296,7 @@ def mxfp8_grouped_wgrad(
 
 class MxSwigluBackward(NamedTuple):
     d_w: torch.Tensor  # [M] fp32: <g, h>, summed in ascending order
-    dab_rows: torch.Tensor  # uint8 [M, hq_row_bytes(2I)]: Q_2I([d_a, d_b]) as MXFP8 rows, dx's A
+    dab_rows: torch.Tensor  # uint8 [M, hq_row_bytes(K_A)]: Q_2I([d_a, d_b]), dx's A (split_a_cols(2I, I))
     da_t: tuple[torch.Tensor, torch.Tensor]  # d_a along the rows: E4M3 [I, M], E8M0 [M/32, I]
     db_t: tuple[torch.Tensor, torch.Tensor]  # d_b along the rows: [I, M], [M/32, I]
     h_t: tuple[torch.Tensor, torch.Tensor]  # h along the rows: [I, M], [M/32, I]
@@ -317,7 +328,8 @@ def mxfp8_swiglu_backward(
 
         h, d_a, d_b, d_w = the SwiGLU backward of g (fp32 [M, I], dy_q @ Q(Wd), unweighted), a, b
         (bf16 [M, I]) and the router weights w (fp32 [M], None: all ones)
-        dab_rows = Q_2I([d_a, d_b])                  the input gradients' A (MXFP8 rows)
+        dab_rows = Q_2I([d_a, d_b])                  the input gradients' A (MXFP8 rows, d_b from
+                                                      column I rounded up to 128: `split_a_cols`)
         da_t, db_t, h_t, x_t, wdy_t                   d_a, d_b, h, bf16(x), bf16(w dy) quantized
                                                       along the rows: the weight gradients' operands
 
@@ -347,7 +359,7 @@ def mxfp8_swiglu_backward(
         return torch.empty(C, M, dtype=U8, device=dev), torch.empty(M // 32, C, dtype=U8, device=dev)
 
     d_w = torch.empty(M, dtype=torch.float32, device=dev)
-    dab_rows = torch.zeros(M, hq_row_bytes(2 * I), dtype=U8, device=dev)
+    dab_rows = torch.zeros(M, hq_row_bytes(split_a_cols(2 * I, I)), dtype=U8, device=dev)
     h_t, x_t, wdy_t = rows_copy(I), rows_copy(H), rows_copy(H)
     dab_t = torch.empty(2 * I, M, dtype=U8, device=dev), torch.empty(2, M // 32, I, dtype=U8, device=dev)
     ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
