@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mok_torch.backends.native.mxfp8_grouped import hq_row_bytes, mxfp8_grouped_gemm, split_a_cols
+from mok_torch.backends.native.mxfp8_grouped import hq_row_bytes, mxfp8_grouped_gemm, pack_split_rows, split_a_cols
 from mok_torch.mxfp8 import mxfp8_quantize, pack_rows, unpack_rows
 
 mok_mxfp8 = pytest.importorskip("mok_mxfp8", reason="mok-mxfp8 is not installed")
@@ -154,6 +154,28 @@ def test_cpu_split_is_one_weight_holding_both_and_bf16_rounds_fp32(k_split):
     whole = split_layout(packed_of(rows, 256, k_split), 256, 0, torch.Generator())
     assert torch.equal(split, call(whole, 256, offs, [concatenated(bs)], out_dtype=torch.float32))
     assert torch.equal(call(rows, 256, offs, bs), split.to(BF16))
+
+
+@pytest.mark.parametrize("K, k_split", [(128, 64), (640, 320), (256, 128)])
+def test_pack_split_rows_is_the_split_layout(K, k_split):
+    """`pack_split_rows` lays out pack_rows' bytes for a K split: the same values, zeros in the
+    gap, and the GEMM on it equal to the one on the test's own layout (random bytes in the gap)."""
+    g = torch.Generator().manual_seed(K)
+    a = (torch.randn(40, K, generator=g) * 3).to(BF16)
+    rows = pack_split_rows(a, k_split)
+    assert rows.shape == (40, hq_row_bytes(split_a_cols(K, k_split)))
+    assert torch.equal(packed_of(rows, K, k_split), pack_rows(a))
+    KA = split_a_cols(K, k_split)
+    gap = KA - K
+    assert (
+        not rows[:, k_split : k_split + gap].any()
+        and not rows[:, KA + k_split // 32 : KA + (k_split + gap) // 32].any()
+    )
+    _, offs, bs = make([25, 15], 128, K, k_split, seed=1)
+    ours = split_layout(pack_rows(a), K, k_split, g)
+    assert torch.equal(call(rows, K, offs, bs), call(ours, K, offs, bs))
+    with pytest.raises(ValueError, match="k_split must be a multiple of 32"):
+        pack_split_rows(a, 48)
 
 
 def test_cpu_rows_outside_segments_untouched_and_bad_offsets_raise():

@@ -48,7 +48,12 @@ import torch
 import torch.nn.functional as F
 
 from ..backends.native.grouped import grouped_forward
-from ..backends.native.mxfp8_grouped import mxfp8_grouped_forward, mxfp8_grouped_gemm, mxfp8_grouped_wgrad
+from ..backends.native.mxfp8_grouped import (
+    mxfp8_grouped_forward,
+    mxfp8_grouped_gemm,
+    mxfp8_grouped_wgrad,
+    pack_split_rows,
+)
 from ..mxfp8 import mxfp8_quantize, pack_rows
 from . import ceilings as ceilings_mod
 from . import report
@@ -123,7 +128,7 @@ def _case(ranks: Ranks, shape: Shape, El: int, routing: str, ns: argparse.Namesp
     # The input gradients' operands: dy and d_ab as MXFP8 rows, the weights' transposed copies.
     dy = torch.randn(M, H, generator=g, device=g.device).to(dev, BF16)
     dab = (torch.randn(M, 2 * I, generator=g, device=g.device) / 8).to(dev, BF16)
-    dy_rows, dab_rows = pack_rows(dy), pack_rows(dab)
+    dy_rows, dab_rows = pack_rows(dy), pack_split_rows(dab, I)  # dx's A: the split layout
     dy8, sdy = rowwise_fp8(dy)
     dab8, sdab = rowwise_fp8(dab)
     wdt8, swdt = rowwise_fp8(wd.transpose(1, 2).contiguous())  # [El, I, H]: rows of Wd^T, reduced along H

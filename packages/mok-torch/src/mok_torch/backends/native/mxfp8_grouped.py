@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from ...mxfp8 import MXFP8Tensor
+from ...mxfp8 import MXFP8Tensor, pack_rows
 from ...validation import check_tensor
 
 BF16 = torch.bfloat16
@@ -43,6 +43,24 @@ def split_a_cols(k: int, k_split: int) -> int:
     weight's part starts at k_split rounded up to 128 (the GPU's 128-deep stages), the columns
     between unread."""
     return k if k_split == 0 else (k_split + 127) // 128 * 128 + (k - k_split)
+
+
+def pack_split_rows(t: torch.Tensor, k_split: int) -> torch.Tensor:
+    """t [M, K] (bf16 or fp32) as `mxfp8_grouped_gemm`'s A with a K split at k_split (a multiple
+    of 32): uint8 [M, hq_row_bytes(K_A)], the first k_split elements at columns [0, k_split), the
+    rest from k_split rounded up to 128 on, then the scales of the K_A = `split_a_cols(K,
+    k_split)` columns; zeros in the gap and the padding. The bytes of `pack_rows(t)` (no block
+    straddles the split), laid out for the GPU's stages."""
+    M, K = t.shape
+    if k_split <= 0 or k_split >= K or k_split % 32 or K % 32:
+        raise ValueError(f"k_split must be a multiple of 32 in (0, K = {K}), and K of 32; got {k_split}")
+    ka = split_a_cols(K, k_split)
+    k1 = ka - (K - k_split)  # the second part's first column
+    out = torch.zeros(M, hq_row_bytes(ka), dtype=U8, device=t.device)
+    first, rest = pack_rows(t[:, :k_split]), pack_rows(t[:, k_split:])
+    out[:, :k_split], out[:, k1:ka] = first[:, :k_split], rest[:, : K - k_split]
+    out[:, ka : ka + k_split // 32], out[:, ka + k1 // 32 : ka + ka // 32] = first[:, k_split:], rest[:, K - k_split :]
+    return out
 
 
 def _weight(name: str, w: MXFP8Tensor, shape: tuple[int, int, int], dev: torch.device) -> tuple[int, int, int, int]:
