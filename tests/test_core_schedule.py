@@ -29,19 +29,31 @@ def _cuda_skip_reason() -> str | None:
 
 
 CUDA_SKIP = _cuda_skip_reason()
-DEVICES = [
-    "cpu",
-    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(CUDA_SKIP is not None, reason=str(CUDA_SKIP))]),
-]
+_GPU_MARKS = [pytest.mark.gpu, pytest.mark.skipif(CUDA_SKIP is not None, reason=str(CUDA_SKIP))]
+# "cuda-multi": the CUDA build on many CTAs (a scratch buffer given), else the one-CTA build.
+DEVICES = ["cpu", pytest.param("cuda", marks=_GPU_MARKS)]
+SORT_DEVICES = [*DEVICES, pytest.param("cuda-multi", marks=_GPU_MARKS)]
+
+
+def _torch_device(device: str) -> str:
+    return "cuda" if device.startswith("cuda") else "cpu"
 
 
 def _stream(device: str) -> int:
-    return torch.cuda.current_stream().cuda_stream if device == "cuda" else 0
+    return torch.cuda.current_stream().cuda_stream if device.startswith("cuda") else 0
 
 
 def _sync(device: str) -> None:
-    if device == "cuda":
+    if device.startswith("cuda"):
         torch.cuda.synchronize()
+
+
+def _scratch(device: str, nbytes: int) -> tuple[torch.Tensor | None, int]:
+    """(buffer, address) of the multi-CTA build's scratch, poisoned; (None, 0) for the others."""
+    if device != "cuda-multi":
+        return None, 0
+    buf = torch.full((max(nbytes, 4),), 0x5A, dtype=torch.uint8, device="cuda")
+    return buf, buf.data_ptr()
 
 
 def _ptr_array(tensors: list[torch.Tensor], device: str) -> torch.Tensor:
@@ -66,13 +78,18 @@ def core_table(
     """mok_core.build_table on per-rank tensors (as the all-gather leaves them); CPU results."""
     R, Tmax, K = routes_RTK.shape
     El = num_local_experts
-    routes = [routes_RTK[s].to(device=device, dtype=torch.int32).contiguous() for s in range(R)]
-    tokens = [torch.tensor([int(tokens_R[s])], dtype=torch.int64, device=device) for s in range(R)]
-    routes_ptrs, tokens_ptrs = _ptr_array(routes, device), _ptr_array(tokens, device)
+    dev = _torch_device(device)
+    routes = [routes_RTK[s].to(device=dev, dtype=torch.int32).contiguous() for s in range(R)]
+    tokens = [torch.tensor([int(tokens_R[s])], dtype=torch.int64, device=dev) for s in range(R)]
+    routes_ptrs, tokens_ptrs = _ptr_array(routes, dev), _ptr_array(tokens, dev)
+    # Each source's route rows: written for its routes to this rank, the rest keep the poison.
+    route_rows = [torch.full((Tmax * K,), -7, dtype=torch.int32, device=dev) for _ in range(R)]
+    route_row_ptrs = _ptr_array(route_rows, dev)
+    _, scratch = _scratch(device, mok_core.schedule_scratch_bytes(R, Tmax, K, El))
 
     # Poisoned outputs: every element must be written.
     def poisoned(n: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.full((n,), 12345, dtype=dtype, device=device)
+        return torch.full((n,), 12345, dtype=dtype, device=dev)
 
     out = {
         "row_src_rank": poisoned(capacity, torch.int32),
@@ -83,7 +100,7 @@ def core_table(
         "tokens_per_rank": poisoned(R, torch.int64),
     }
     mok_core.build_table(
-        device,
+        dev,
         routes_ptrs.data_ptr(),
         tokens_ptrs.data_ptr(),
         R,
@@ -95,9 +112,13 @@ def core_table(
         capacity,
         *(t.data_ptr() for t in out.values()),
         stream=_stream(device),
+        route_row_ptrs=route_row_ptrs.data_ptr(),
+        scratch=scratch,
     )
     _sync(device)
-    return {k: v.cpu() for k, v in out.items()}
+    got = {k: v.cpu() for k, v in out.items()}
+    got["route_rows"] = torch.stack([r.cpu() for r in route_rows]) if R else torch.empty(0)
+    return got
 
 
 def assert_table_matches_reference(
@@ -119,6 +140,12 @@ def assert_table_matches_reference(
             assert got[name].dtype == want_t.dtype, f"{case}: {name} dtype"
             assert torch.equal(got[name], want_t), f"{case}: {name}\n got {got[name]}\nwant {want_t}"
         assert torch.equal(got["tokens_per_rank"], tokens_R.to(torch.int64)), case
+        # Each table row's route got the row's index in its source's route rows; nothing else did.
+        want_rows = torch.full((R, Tmax * K), -7, dtype=torch.int32)
+        src, route = want[0], want[1]
+        used = src >= 0
+        want_rows[src[used].long(), route[used].long()] = torch.nonzero(used).flatten().to(torch.int32)
+        assert torch.equal(got["route_rows"], want_rows), f"{case}: route rows"
 
 
 def random_routes(
@@ -149,7 +176,7 @@ def random_routes(
     return routes.to(torch.int32), tokens
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", SORT_DEVICES)
 @pytest.mark.parametrize("pattern", ["distinct", "duplicates", "one_expert", "one_rank"])
 @pytest.mark.parametrize("R", [1, 2, 3, 4])
 def test_table_matches_reference_random(device: str, pattern: str, R: int) -> None:
@@ -166,7 +193,7 @@ def test_table_matches_reference_random(device: str, pattern: str, R: int) -> No
         assert_table_matches_reference(routes, tokens, El, align, device, extra_rows=rng.choice([0, 5]))
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", SORT_DEVICES)
 @pytest.mark.parametrize(("R", "Tmax", "K", "El"), [(1, 3000, 4, 16), (2, 2500, 8, 5), (4, 700, 6, 3)])
 def test_table_matches_reference_large(device: str, R: int, Tmax: int, K: int, El: int) -> None:
     """Several ranking chunks per rank (the CUDA build ranks 8 routes per thread per chunk)."""
@@ -177,7 +204,7 @@ def test_table_matches_reference_large(device: str, R: int, Tmax: int, K: int, E
         assert_table_matches_reference(routes, tokens, El, align, device)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", SORT_DEVICES)
 def test_table_many_local_experts(device: str) -> None:
     """More local experts than lanes in a warp, and most experts empty."""
     g = torch.Generator().manual_seed(7)
@@ -188,7 +215,7 @@ def test_table_many_local_experts(device: str) -> None:
         assert_table_matches_reference(routes, tokens, El, 1, device)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", SORT_DEVICES)
 def test_table_out_of_range_tokens_and_ids(device: str) -> None:
     """Token counts outside [0, Tmax] read as clamped; ids outside [0, E) route nowhere."""
     routes = torch.tensor([[[0, 5], [1, -7]], [[2, 3], [99, 1]]], dtype=torch.int32)  # R=2, Tmax=2, K=2, El=2
@@ -220,17 +247,19 @@ def test_capacity_matches_workspace(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def core_send_side(top_TK: torch.Tensor, El: int, R: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     T, K = top_TK.shape
-    top = top_TK.to(device=device, dtype=torch.int32).contiguous()
-    order = torch.full((T * K,), -5, dtype=torch.int64, device=device)
-    counts = torch.full((R,), -5, dtype=torch.int64, device=device)
+    dev = _torch_device(device)
+    top = top_TK.to(device=dev, dtype=torch.int32).contiguous()
+    order = torch.full((T * K,), -5, dtype=torch.int64, device=dev)
+    counts = torch.full((R,), -5, dtype=torch.int64, device=dev)
+    _, scratch = _scratch(device, mok_core.schedule_scratch_bytes(R, max(T, 1), K, El))
     mok_core.build_send_side(
-        device, top.data_ptr(), T, K, El, R, order.data_ptr(), counts.data_ptr(), stream=_stream(device)
+        dev, top.data_ptr(), T, K, El, R, order.data_ptr(), counts.data_ptr(), stream=_stream(device), scratch=scratch
     )
     _sync(device)
     return order.cpu(), counts.cpu()
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", SORT_DEVICES)
 def test_send_side_matches_reference(device: str) -> None:
     g = torch.Generator().manual_seed(3)
     rng = random.Random(3)
@@ -250,7 +279,7 @@ def test_send_side_matches_reference(device: str) -> None:
             assert torch.equal(got_counts, want_counts), case
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", SORT_DEVICES)
 def test_send_side_invalid_ids(device: str) -> None:
     """Ids < 0 sort first and ids >= E last, each group in route order, counted for no rank."""
     top = torch.tensor([[3, -1], [7, 0], [-4, 3], [9, 1]], dtype=torch.int32)  # E = 4 (El=2, R=2)

@@ -151,12 +151,14 @@ struct TableParams {
   int num_local_experts;
   int alignment;
   int stride;  // of warp_rows, odd so that step 2's column reads hit 32 banks
+  std::int64_t capacity;
   std::int32_t* row_src_rank;
   std::int32_t* row_route;
   std::int32_t* expert_offsets;
   std::int32_t* expert_counts;
   std::int64_t* recv_counts;
   std::int64_t* tokens_per_rank;
+  const std::int64_t* route_row_ptrs;  // or null
 };
 
 // The schedule table of one rank, one CTA of W warps (W <= 32, from the shared memory the
@@ -223,6 +225,9 @@ __global__ void __launch_bounds__(1024) schedule_table_kernel(TableParams p) {
         [&](std::int64_t i, int /*e*/, int row) {
           p.row_src_rank[row] = s;
           p.row_route[row] = static_cast<std::int32_t>(i);
+          if (p.route_row_ptrs != nullptr) {
+            reinterpret_cast<std::int32_t*>(p.route_row_ptrs[s])[i] = row;
+          }
         });
   }
 }
@@ -263,6 +268,175 @@ __global__ void __launch_bounds__(1024) send_side_kernel(SendParams p) {
   }
   rank_and_emit(p.num_routes, num_buckets, warp_rows, p.stride, next, key_of,
                 [&](std::int64_t i, int /*b*/, int position) { p.send_order[position] = i; });
+}
+
+// ------------------------------------------------------------------ the multi-CTA build
+//
+// The same stable counting sorts with one CTA per chunk of kSortChunkRoutes routes of a source
+// (chunk c of source s is CTA s * chunks + c), in two kernels:
+//   sort_count_kernel: the chunk's keys counted per bucket (count_buckets) into
+//     scratch[chunk][bucket];
+//   sort_emit_kernel: every CTA reads the whole count matrix: per bucket the total (the bucket
+//     starts, scanned by warp 0 as bucket_starts does) and the counts of the chunks before its own,
+//     which is where its routes of that bucket begin; rank_and_emit then places its chunk's routes
+//     in order. A route's position is the same integer sum the one-CTA build computes, so the
+//     outputs are the same bits. The emit kernel also writes what the one-CTA build leaves to a
+//     memset (the table's padding rows) and the per-bucket outputs (CTA 0).
+constexpr int kSortThreads = 256;
+constexpr int kSortWarps = kSortThreads / 32;
+static_assert(kSortThreads * kRounds == kSortChunkRoutes, "one rank_and_emit pass per chunk");
+
+// The table's sort: local experts as buckets; sources are the ranks.
+struct TableSort {
+  TableParams p;
+  int chunks;  // per source
+
+  __device__ int num_buckets() const { return p.num_local_experts; }
+  __device__ int num_sources() const { return p.world_size; }
+  __device__ std::int64_t num_routes(int s) const {
+    return clamp_tokens(*reinterpret_cast<const std::int64_t*>(p.tokens_ptrs[s]), p.max_tokens) *
+           p.topk;
+  }
+  __device__ int key(int s, std::int64_t i) const {
+    return local_expert(reinterpret_cast<const std::int32_t*>(p.routes_ptrs[s])[i], p.rank,
+                        p.num_local_experts);
+  }
+  __device__ int weight(int count) const { return static_cast<int>(align_up(count, p.alignment)); }
+  __device__ void emit(int s, std::int64_t i, int row) const {
+    p.row_src_rank[row] = s;
+    p.row_route[row] = static_cast<std::int32_t>(i);
+    if (p.route_row_ptrs != nullptr) reinterpret_cast<std::int32_t*>(p.route_row_ptrs[s])[i] = row;
+  }
+  // start[b], total[b]: the bucket's first row and its routes; rows in use: `rows`.
+  __device__ void finish(const int* start, const int* total, int rows, const int* counts) const {
+    const int El = p.num_local_experts;
+    // Padding rows (each segment's tail and the capacity's) are -1: spread over every CTA.
+    for (int e = blockIdx.x; e < El; e += gridDim.x) {
+      const int end = e + 1 < El ? start[e + 1] : rows;
+      for (int r = start[e] + total[e] + static_cast<int>(threadIdx.x); r < end; r += blockDim.x) {
+        p.row_src_rank[r] = -1;
+        p.row_route[r] = -1;
+      }
+    }
+    for (std::int64_t r = rows + static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+         r < p.capacity; r += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+      p.row_src_rank[r] = -1;
+      p.row_route[r] = -1;
+    }
+    if (blockIdx.x != 0) return;
+    for (int e = threadIdx.x; e < El; e += blockDim.x) {
+      p.expert_offsets[e] = start[e];
+      p.expert_counts[e] = total[e];
+    }
+    if (threadIdx.x == 0) p.expert_offsets[El] = rows;
+    // recv_counts[s]: the routes of source s to this rank, summed over its chunks (one warp each).
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int s = warp; s < p.world_size; s += blockDim.x / 32) {
+      std::int64_t sum = 0;
+      for (std::int64_t i = lane; i < static_cast<std::int64_t>(chunks) * El; i += 32) {
+        sum += counts[(static_cast<std::int64_t>(s) * chunks) * El + i];
+      }
+#pragma unroll
+      for (int d = 16; d > 0; d >>= 1) sum += __shfl_xor_sync(kFullMask, sum, d);
+      if (lane == 0) {
+        p.recv_counts[s] = sum;
+        p.tokens_per_rank[s] = *reinterpret_cast<const std::int64_t*>(p.tokens_ptrs[s]);
+      }
+    }
+  }
+};
+
+// The send side's sort: one source (this rank), the send buckets of schedule.h.
+struct SendSort {
+  SendParams p;
+  int chunks;
+
+  __device__ int num_buckets() const { return p.num_local_experts * p.world_size + 2; }
+  __device__ int num_sources() const { return 1; }
+  __device__ std::int64_t num_routes(int) const { return p.num_routes; }
+  __device__ int key(int, std::int64_t i) const {
+    return send_bucket(p.top_experts[i], p.num_local_experts * p.world_size);
+  }
+  __device__ int weight(int count) const { return count; }
+  __device__ void emit(int, std::int64_t i, int position) const { p.send_order[position] = i; }
+  __device__ void finish(const int* start, const int*, int, const int*) const {
+    if (blockIdx.x != 0) return;
+    for (int r = threadIdx.x; r < p.world_size; r += blockDim.x) {
+      p.send_counts[r] =
+          start[1 + (r + 1) * p.num_local_experts] - start[1 + r * p.num_local_experts];
+    }
+  }
+};
+
+template <class Sort>
+__global__ void __launch_bounds__(kSortThreads)
+    sort_count_kernel(Sort sort, int chunks, int* counts) {
+  extern __shared__ int hist[];
+  const int B = sort.num_buckets();
+  const int s = blockIdx.x / chunks;
+  const std::int64_t lo = static_cast<std::int64_t>(blockIdx.x % chunks) * kSortChunkRoutes;
+  const std::int64_t n = sort.num_routes(s);
+  const std::int64_t m = lo < n ? (n - lo < kSortChunkRoutes ? n - lo : kSortChunkRoutes) : 0;
+  for (int b = threadIdx.x; b < B; b += blockDim.x) hist[b] = 0;
+  __syncthreads();
+  count_buckets(m, B, hist, [&](std::int64_t i) { return sort.key(s, lo + i); });
+  __syncthreads();
+  for (int b = threadIdx.x; b < B; b += blockDim.x) {
+    counts[static_cast<std::int64_t>(blockIdx.x) * B + b] = hist[b];
+  }
+}
+
+// Shared memory: warp_rows [kSortWarps][stride], next [B], start [B], total [B].
+template <class Sort>
+__global__ void __launch_bounds__(kSortThreads)
+    sort_emit_kernel(Sort sort, int chunks, int stride, const int* counts) {
+  extern __shared__ int smem[];
+  const int B = sort.num_buckets();
+  int* warp_rows = smem;
+  int* next = warp_rows + kSortWarps * stride;
+  int* start = next + B;
+  int* total = start + B;
+  const int me = blockIdx.x;
+  const int s = me / chunks;
+  const std::int64_t lo = static_cast<std::int64_t>(me % chunks) * kSortChunkRoutes;
+  const std::int64_t n = sort.num_routes(s);
+  const std::int64_t m = lo < n ? (n - lo < kSortChunkRoutes ? n - lo : kSortChunkRoutes) : 0;
+  for (int i = threadIdx.x; i < kSortWarps * stride; i += blockDim.x) warp_rows[i] = 0;
+  // Per bucket: every chunk's count (the total) and the earlier chunks' (where ours begin).
+  const int all = sort.num_sources() * chunks;
+  for (int b = threadIdx.x; b < B; b += blockDim.x) {
+    int sum = 0, before = 0;
+    constexpr int kUnroll = 8;
+    for (int c0 = 0; c0 < all; c0 += kUnroll) {
+      int v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        v[u] = c0 + u < all ? counts[static_cast<std::int64_t>(c0 + u) * B + b] : 0;
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        sum += v[u];
+        if (c0 + u < me) before += v[u];
+      }
+    }
+    total[b] = sum;
+    start[b] = sum;
+    next[b] = before;
+  }
+  __syncthreads();
+  __shared__ int rows;
+  if (threadIdx.x < 32) {
+    const int used = bucket_starts(
+        start, B, [&](int count) { return sort.weight(count); }, [](int, int, int) {});
+    if (threadIdx.x == 0) rows = used;
+  }
+  __syncthreads();
+  for (int b = threadIdx.x; b < B; b += blockDim.x) next[b] += start[b];
+  __syncthreads();
+  rank_and_emit(
+      m, B, warp_rows, stride, next, [&](std::int64_t i) { return sort.key(s, lo + i); },
+      [&](std::int64_t i, int, int position) { sort.emit(s, lo + i, position); });
+  sort.finish(start, total, rows, counts);
 }
 
 void check_cuda(cudaError_t status, const char* what) {
@@ -315,20 +489,36 @@ void set_smem(Kernel kernel, std::size_t bytes) {
   }
 }
 
+// The two kernels of the multi-CTA sort on `stream`; false (nothing launched) when the emit
+// kernel's shared memory exceeds what a CTA of this device may have.
+template <class Sort>
+bool launch_multi_cta_sort(const Sort& sort, int num_sources, int chunks, int num_buckets,
+                           int* scratch, cudaStream_t stream) {
+  const int stride = num_buckets | 1;
+  const std::size_t count_smem = static_cast<std::size_t>(num_buckets) * 4;
+  const std::size_t emit_smem =
+      (static_cast<std::size_t>(kSortWarps) * stride + 3 * static_cast<std::size_t>(num_buckets)) *
+      4;
+  int device = 0, optin = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  check_cuda(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+             "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin)");
+  if (emit_smem + 64 > static_cast<std::size_t>(optin)) return false;
+  const int grid = num_sources * chunks;
+  if (grid == 0) return false;
+  set_smem(sort_count_kernel<Sort>, count_smem);
+  set_smem(sort_emit_kernel<Sort>, emit_smem);
+  sort_count_kernel<Sort><<<grid, kSortThreads, count_smem, stream>>>(sort, chunks, scratch);
+  check_cuda(cudaGetLastError(), "sort_count_kernel launch");
+  sort_emit_kernel<Sort><<<grid, kSortThreads, emit_smem, stream>>>(sort, chunks, stride, scratch);
+  check_cuda(cudaGetLastError(), "sort_emit_kernel launch");
+  return true;
+}
+
 }  // namespace
 
 void build_table_cuda(const TableArgs& a, std::uintptr_t stream_handle) {
-  const SortLaunch launch =
-      sort_launch("build_table", "num_local_experts", a.num_local_experts, /*extra_ints=*/1);
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
-  if (a.capacity > 0) {
-    // 0xFF bytes: every row -1 (padding) until the kernel writes the routes.
-    const std::size_t bytes = static_cast<std::size_t>(a.capacity) * sizeof(std::int32_t);
-    check_cuda(cudaMemsetAsync(reinterpret_cast<void*>(a.row_src_rank), 0xFF, bytes, stream),
-               "cudaMemsetAsync(row_src_rank)");
-    check_cuda(cudaMemsetAsync(reinterpret_cast<void*>(a.row_route), 0xFF, bytes, stream),
-               "cudaMemsetAsync(row_route)");
-  }
   TableParams p;
   p.routes_ptrs = reinterpret_cast<const std::int64_t*>(a.routes_ptrs);
   p.tokens_ptrs = reinterpret_cast<const std::int64_t*>(a.tokens_ptrs);
@@ -338,33 +528,64 @@ void build_table_cuda(const TableArgs& a, std::uintptr_t stream_handle) {
   p.rank = static_cast<int>(a.rank);
   p.num_local_experts = static_cast<int>(a.num_local_experts);
   p.alignment = static_cast<int>(a.alignment);
-  p.stride = launch.stride;
+  p.capacity = a.capacity;
   p.row_src_rank = reinterpret_cast<std::int32_t*>(a.row_src_rank);
   p.row_route = reinterpret_cast<std::int32_t*>(a.row_route);
   p.expert_offsets = reinterpret_cast<std::int32_t*>(a.expert_offsets);
   p.expert_counts = reinterpret_cast<std::int32_t*>(a.expert_counts);
   p.recv_counts = reinterpret_cast<std::int64_t*>(a.recv_counts);
   p.tokens_per_rank = reinterpret_cast<std::int64_t*>(a.tokens_per_rank);
+  p.route_row_ptrs = reinterpret_cast<const std::int64_t*>(a.route_row_ptrs);
+  if (a.scratch != 0) {
+    const std::int64_t routes = a.max_tokens * a.topk;
+    const int chunks = static_cast<int>((routes + kSortChunkRoutes - 1) / kSortChunkRoutes);
+    p.stride = 0;
+    const TableSort sort{p, chunks};
+    if (launch_multi_cta_sort(sort, p.world_size, chunks, p.num_local_experts,
+                              reinterpret_cast<int*>(a.scratch), stream)) {
+      return;
+    }
+  }
+  const SortLaunch launch =
+      sort_launch("build_table", "num_local_experts", a.num_local_experts, /*extra_ints=*/1);
+  if (a.capacity > 0) {
+    // 0xFF bytes: every row -1 (padding) until the kernel writes the routes.
+    const std::size_t bytes = static_cast<std::size_t>(a.capacity) * sizeof(std::int32_t);
+    check_cuda(cudaMemsetAsync(reinterpret_cast<void*>(a.row_src_rank), 0xFF, bytes, stream),
+               "cudaMemsetAsync(row_src_rank)");
+    check_cuda(cudaMemsetAsync(reinterpret_cast<void*>(a.row_route), 0xFF, bytes, stream),
+               "cudaMemsetAsync(row_route)");
+  }
+  p.stride = launch.stride;
   set_smem(schedule_table_kernel, launch.smem_bytes);
   schedule_table_kernel<<<1, launch.warps * 32, launch.smem_bytes, stream>>>(p);
   check_cuda(cudaGetLastError(), "schedule_table_kernel launch");
 }
 
 void build_send_side_cuda(const SendSideArgs& a, std::uintptr_t stream_handle) {
+  auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
   const std::int64_t num_buckets = a.world_size * a.num_local_experts + 2;
-  const SortLaunch launch = sort_launch("build_send_side", "world_size * num_local_experts",
-                                        num_buckets, /*extra_ints=*/0);
   SendParams p;
   p.top_experts = reinterpret_cast<const std::int32_t*>(a.top_experts);
   p.num_routes = a.num_tokens * a.topk;
   p.num_local_experts = static_cast<int>(a.num_local_experts);
   p.world_size = static_cast<int>(a.world_size);
-  p.stride = launch.stride;
   p.send_order = reinterpret_cast<std::int64_t*>(a.send_order);
   p.send_counts = reinterpret_cast<std::int64_t*>(a.send_counts);
+  if (a.scratch != 0) {
+    const int chunks = static_cast<int>((p.num_routes + kSortChunkRoutes - 1) / kSortChunkRoutes);
+    p.stride = 0;
+    const SendSort sort{p, chunks};
+    if (launch_multi_cta_sort(sort, 1, chunks, static_cast<int>(num_buckets),
+                              reinterpret_cast<int*>(a.scratch), stream)) {
+      return;
+    }
+  }
+  const SortLaunch launch = sort_launch("build_send_side", "world_size * num_local_experts",
+                                        num_buckets, /*extra_ints=*/0);
+  p.stride = launch.stride;
   set_smem(send_side_kernel, launch.smem_bytes);
-  send_side_kernel<<<1, launch.warps * 32, launch.smem_bytes,
-                     reinterpret_cast<cudaStream_t>(stream_handle)>>>(p);
+  send_side_kernel<<<1, launch.warps * 32, launch.smem_bytes, stream>>>(p);
   check_cuda(cudaGetLastError(), "send_side_kernel launch");
 }
 

@@ -104,6 +104,8 @@ void build_table(std::string_view device, const TableArgs& a, std::uintptr_t str
   check_pointer(fn, "expert_counts", a.expert_counts, 4);
   check_pointer(fn, "recv_counts", a.recv_counts, 8);
   check_pointer(fn, "tokens_per_rank", a.tokens_per_rank, 8);
+  check_pointer(fn, "route_row_ptrs", a.route_row_ptrs, 8, false);
+  check_pointer(fn, "scratch", a.scratch, 4, false);
   if (kind == DeviceKind::kCpu) {
     // Host memory: the per-rank pointers can be checked before anything is written.
     const auto* routes = reinterpret_cast<const std::int64_t*>(a.routes_ptrs);
@@ -171,14 +173,18 @@ void build_table_cpu(const TableArgs& a) {
   std::fill(row_src, row_src + a.capacity, -1);
   std::fill(row_route, row_route + a.capacity, -1);
   for (int e = 0; e < El; ++e) next[e] = offsets[e];
+  const auto* route_rows = reinterpret_cast<const std::int64_t*>(a.route_row_ptrs);
   for (int s = 0; s < R; ++s) {
     const std::int32_t* routes = routes_of(s);
+    auto* route_row =
+        route_rows == nullptr ? nullptr : reinterpret_cast<std::int32_t*>(route_rows[s]);
     for (std::int64_t i = 0; i < num_routes[s]; ++i) {
       const int e = local_expert(routes[i], rank, El);
       if (e < El) {
         const std::int64_t row = next[e]++;
         row_src[row] = s;
         row_route[row] = static_cast<std::int32_t>(i);
+        if (route_row != nullptr) route_row[i] = static_cast<std::int32_t>(row);
       }
     }
   }
@@ -208,6 +214,7 @@ void build_send_side(std::string_view device, const SendSideArgs& a, std::uintpt
   check_pointer(fn, "top_experts", a.top_experts, 4, any);
   check_pointer(fn, "send_order", a.send_order, 8, any);
   check_pointer(fn, "send_counts", a.send_counts, 8);
+  check_pointer(fn, "scratch", a.scratch, 4, false);
   if (kind == DeviceKind::kCpu) {
     build_send_side_cpu(a);
     return;

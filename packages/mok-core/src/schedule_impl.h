@@ -24,6 +24,13 @@ struct TableArgs {
   std::uintptr_t expert_counts = 0;    // int32 [El]
   std::uintptr_t recv_counts = 0;      // int64 [R]
   std::uintptr_t tokens_per_rank = 0;  // int64 [R]
+  // Optional. int64 [R]: rank s's int32 [max_tokens * K] array that gets, for each of its routes
+  // to this rank, the route's row in this table (a push dispatch's destination, a pull combine's
+  // source); 0: not written.
+  std::uintptr_t route_row_ptrs = 0;
+  // Optional (CUDA): int32 scratch of schedule_scratch_bytes(...) bytes; given, the table is built
+  // by many CTAs (two kernels), else by one.
+  std::uintptr_t scratch = 0;
 };
 
 struct SendSideArgs {
@@ -34,6 +41,7 @@ struct SendSideArgs {
   std::int64_t world_size = 0;
   std::uintptr_t send_order = 0;   // int64 [T*K]
   std::uintptr_t send_counts = 0;  // int64 [R]
+  std::uintptr_t scratch = 0;      // optional (CUDA), as TableArgs::scratch
 };
 
 // schedule_capacity(...) after checking its arguments (std::invalid_argument naming the bad one,

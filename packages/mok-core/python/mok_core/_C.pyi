@@ -24,6 +24,8 @@ def build_table(
     recv_counts: int,
     tokens_per_rank: int,
     stream: int = 0,
+    route_row_ptrs: int = 0,
+    scratch: int = 0,
 ) -> None: ...
 def build_send_side(
     device: str,
@@ -35,7 +37,9 @@ def build_send_side(
     send_order: int,
     send_counts: int,
     stream: int = 0,
+    scratch: int = 0,
 ) -> None: ...
+def schedule_scratch_bytes(world_size: int, max_tokens: int, topk: int, num_local_experts: int) -> int: ...
 def combine(
     device: str,
     out: int,

@@ -23,6 +23,7 @@ from ._C import (
     pull_rows,
     push_rows,
     schedule_capacity,
+    schedule_scratch_bytes,
     version,
     zero_rows,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "pull_rows",
     "push_rows",
     "schedule_capacity",
+    "schedule_scratch_bytes",
     "version",
     "zero_rows",
 ]

@@ -88,6 +88,31 @@ __device__ inline void cp_async_arrive(std::uint64_t* bar) {
                : "memory");
 }
 
+// cp_async_16 reading `src_bytes` (16 or 0) bytes and zero-filling the rest: a row gather's
+// padding rows cost no load (src must still be a valid address).
+__device__ inline void cp_async_16_zfill(void* dst, const void* src, std::uint32_t src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(src_bytes)
+               : "memory");
+}
+
+// Closes this thread's group of asynchronous copies issued since the last commit.
+__device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+// Waits until at most kPending of this thread's committed groups are still in flight.
+template <int kPending>
+__device__ inline void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
+}
+
+// Adds `bytes` to the barrier's expected transaction count without an arrival (the thread that
+// issues a stage's copies arrives separately, like every other thread of its stage).
+__device__ inline void mbar_expect_tx_only(std::uint64_t* bar, std::uint32_t bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)),
+               "r"(bytes)
+               : "memory");
+}
+
 __device__ inline void prefetch_tensor_map(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<std::uint64_t>(map)) : "memory");
 }

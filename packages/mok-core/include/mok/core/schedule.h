@@ -54,6 +54,29 @@ MOK_HD inline int send_bucket(std::int32_t global_expert, int num_experts) {
   return global_expert < num_experts ? global_expert + 1 : num_experts + 1;
 }
 
+// The multi-CTA build of the CUDA table and send side (cuda/schedule.cu) sorts each source's routes
+// in chunks of this many (one CTA per chunk) and keeps one int32 count per (chunk, bucket) in a
+// scratch buffer: sort_scratch_ints of them.
+inline constexpr std::int64_t kSortChunkRoutes = 2048;
+
+MOK_HD inline std::int64_t sort_scratch_ints(std::int64_t num_sources,
+                                             std::int64_t routes_per_source,
+                                             std::int64_t num_buckets) {
+  return num_sources * ((routes_per_source + kSortChunkRoutes - 1) / kSortChunkRoutes) *
+         num_buckets;
+}
+
+// Scratch bytes that serve both builds of one schedule (the table's El buckets over R sources of
+// max_tokens * K routes, then the send side's E + 2 buckets over this rank's routes).
+MOK_HD inline std::int64_t schedule_scratch_bytes(std::int64_t world_size, std::int64_t max_tokens,
+                                                  std::int64_t topk,
+                                                  std::int64_t num_local_experts) {
+  const std::int64_t table = sort_scratch_ints(world_size, max_tokens * topk, num_local_experts);
+  const std::int64_t send =
+      sort_scratch_ints(1, max_tokens * topk, world_size * num_local_experts + 2);
+  return 4 * (table > send ? table : send);
+}
+
 // Segment start of each local expert from its row count: offsets[e] = sum over e' < e of
 // align_up(counts[e'], alignment); offsets[El] = rows in use. (The CUDA build computes the same
 // integer prefix sums warp-parallel.)
