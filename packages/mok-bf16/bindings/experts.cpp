@@ -204,6 +204,62 @@ void register_experts(pybind11::module_& m) {
       "required and 16-byte aligned; H and I multiples of 64, El <= "
       "1024. 'cpu': the reference arithmetic (swiglu_backward per segment), scratch unused "
       "(may be 0), offsets checked. Raises ValueError naming a bad argument.");
+
+  m.def(
+      "moe_forward",
+      [](const std::string& device, std::uintptr_t x, std::uintptr_t row_route,
+         std::uintptr_t offsets, std::uintptr_t w_gate, std::uintptr_t w_up, std::uintptr_t w_down,
+         std::uintptr_t out_a, std::uintptr_t out_b, std::uintptr_t scratch_h,
+         std::uintptr_t out_rows, std::uintptr_t task_state, std::uintptr_t error,
+         std::int64_t capacity, std::int64_t num_tokens, std::int64_t hidden, std::int64_t inner,
+         std::int64_t num_experts, std::int64_t topk, std::optional<double> limit,
+         std::int64_t num_sms, std::int64_t timeout_ns, std::int64_t stage, std::int64_t rank,
+         bool inject_missing_dependency, std::uintptr_t stream) {
+        MoeForwardArgs a;
+        a.x = x;
+        a.row_route = row_route;
+        a.offsets = offsets;
+        a.w_gate = w_gate;
+        a.w_up = w_up;
+        a.w_down = w_down;
+        a.out_a = out_a;
+        a.out_b = out_b;
+        a.scratch_h = scratch_h;
+        a.out_rows = out_rows;
+        a.task_state = task_state;
+        a.error = error;
+        a.shape = {capacity, hidden, inner, num_experts};
+        a.num_tokens = num_tokens;
+        a.topk = topk;
+        a.limit = core::swiglu_limit("moe_forward", limit);
+        a.num_sms = num_sms;
+        a.timeout_ns = timeout_ns;
+        a.stage = stage;
+        a.rank = rank;
+        a.inject_missing_dependency = inject_missing_dependency;
+        moe_forward(device, a, stream);
+      },
+      py::arg("device"), py::arg("x"), py::arg("row_route"), py::arg("offsets"), py::arg("w_gate"),
+      py::arg("w_up"), py::arg("w_down"), py::arg("out_a"), py::arg("out_b"), py::arg("scratch_h"),
+      py::arg("out_rows"), py::arg("task_state"), py::arg("error"), py::arg("capacity"),
+      py::arg("num_tokens"), py::arg("hidden"), py::arg("inner"), py::arg("num_experts"),
+      py::arg("topk"), py::arg("limit") = py::none(), py::arg("num_sms") = 0,
+      py::arg("timeout_ns") = 300000000000LL, py::arg("stage") = 0, py::arg("rank") = 0,
+      py::arg("inject_missing_dependency") = false, py::arg("stream") = 0,
+      py::call_guard<py::gil_scoped_release>(),
+      "The routed experts of a layer call in one persistent launch (CUDA, sm_90a; "
+      "docs/megakernel.md). For each row r of the schedule table's segments (offsets: int32 "
+      "[El + 1]; row_route: int32 [C], route t*K + k or -1 for padding): x_r = x[route / K] (bf16 "
+      "[T, H]), [a, b] = x_r @ [Wg_e; Wu_e]^T, h = bf16(silu(a_c) * b_c), y_r = h @ Wd_e^T stored "
+      "at out_rows[route] (bf16 [T*K, H]). Writes out_a, out_b (bf16 [C, I], zero past the last "
+      "segment); scratch_h bf16 [C, I]. The bits of grouped_forward. task_state: "
+      "moe_forward_state_bytes(C, El) bytes, zero before the first call (every call leaves it "
+      "zero); error: int32 [4], the transport's error words (a task that waits more than "
+      "timeout_ns records a timeout with `stage` and `rank`). H and I multiples of 64, El <= "
+      "1024. Raises ValueError naming a bad argument.");
+  m.def("moe_forward_state_bytes", &moe_forward_state_bytes, py::arg("capacity"),
+        py::arg("num_experts"),
+        "Bytes of moe_forward's task state (ticket queue and per-row-tile counters).");
 }
 
 }  // namespace mok::bf16::bindings

@@ -304,4 +304,46 @@ void grouped_backward(std::string_view device, const GroupedBackwardArgs& a,
   if (weights || rows) grouped_backward_cpu(a);
 }
 
+void moe_forward(std::string_view device, const MoeForwardArgs& a, std::uintptr_t stream) {
+  constexpr std::string_view fn = "moe_forward";
+  const Device kind = parse_device(device, fn);
+  const ExpertShape& s = a.shape;
+  check_shape(fn, s);
+  check_limit(fn, a.limit);
+  if (a.num_sms < 0) invalid(fn, "num_sms must be >= 0 (0: every SM)" + got(a.num_sms));
+  if (a.num_tokens < 0) invalid(fn, "num_tokens must be >= 0" + got(a.num_tokens));
+  if (a.topk < 1) invalid(fn, "topk must be >= 1" + got(a.topk));
+  if (a.timeout_ns < 1) invalid(fn, "timeout_ns must be >= 1" + got(a.timeout_ns));
+  if (a.num_tokens > std::numeric_limits<std::int32_t>::max() / a.topk) {
+    invalid(fn, "num_tokens * topk must fit int32 (the table's routes)");
+  }
+  if (kind != Device::kCuda) {
+    throw std::runtime_error(
+        "moe_forward: the megakernel runs on CUDA only (device=\"cuda\"); on the CPU the native "
+        "backend runs grouped_forward");
+  }
+  check_grouped_cuda_shape(fn, s);
+  const bool rows = s.num_rows > 0;
+  check_pointer(fn, "x", a.x, 16, a.num_tokens > 0);
+  check_pointer(fn, "row_route", a.row_route, 4, rows);
+  check_pointer(fn, "offsets", a.offsets, 4, true);
+  check_pointer(fn, "w_gate", a.w_gate, 16, true);
+  check_pointer(fn, "w_up", a.w_up, 16, true);
+  check_pointer(fn, "w_down", a.w_down, 16, true);
+  check_pointer(fn, "out_a", a.out_a, 16, rows);
+  check_pointer(fn, "out_b", a.out_b, 16, rows);
+  check_pointer(fn, "scratch_h", a.scratch_h, 16, rows);
+  check_pointer(fn, "out_rows", a.out_rows, 16, a.num_tokens > 0);
+  check_pointer(fn, "task_state", a.task_state, 8, true);
+  check_pointer(fn, "error", a.error, 4, true);
+#if MOK_WITH_CUDA
+  sm90::moe_forward_cuda(a, stream);
+#else
+  (void)stream;
+  throw std::runtime_error(
+      "moe_forward: mok-bf16 was built without CUDA (MOK_CUDA=OFF, or no nvcc when it was "
+      "built)");
+#endif
+}
+
 }  // namespace mok::bf16

@@ -101,3 +101,32 @@ def swiglu_backward(
 ) -> None: ...
 def exp_f64(x: int, out: int, count: int) -> None: ...
 def sigmoid(a: int, out: int, count: int) -> None: ...
+def moe_forward(
+    device: str,
+    x: int,
+    row_route: int,
+    offsets: int,
+    w_gate: int,
+    w_up: int,
+    w_down: int,
+    out_a: int,
+    out_b: int,
+    scratch_h: int,
+    out_rows: int,
+    task_state: int,
+    error: int,
+    capacity: int,
+    num_tokens: int,
+    hidden: int,
+    inner: int,
+    num_experts: int,
+    topk: int,
+    limit: float | None = None,
+    num_sms: int = 0,
+    timeout_ns: int = 300000000000,
+    stage: int = 0,
+    rank: int = 0,
+    inject_missing_dependency: bool = False,
+    stream: int = 0,
+) -> None: ...
+def moe_forward_state_bytes(capacity: int, num_experts: int) -> int: ...

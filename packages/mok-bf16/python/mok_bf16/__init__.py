@@ -19,6 +19,9 @@ They run on the CPU (``device="cpu"``); ``"cuda"`` raises RuntimeError.
   tensor cores, not the reference's sequential one; on ``"cpu"`` the reference arithmetic.
 - ``grouped_backward``: the backward over the same segments: ``dx``, ``d_w`` and the weight
   gradients added to fp32 accumulators (``cuda/experts_backward.cu``, ``cuda/wgrad_gemm.cuh``).
+- ``moe_forward`` (CUDA only): the forward megakernel, the routed experts of a whole layer call
+  in one persistent launch, x rows gathered from the token rows and each output row stored at its
+  route (``cuda/sm90/moe_forward.cu``); the bits of ``grouped_forward``.
 ``exp_f64`` and ``sigmoid`` expose the element functions they share, for tests.
 """
 
@@ -31,6 +34,8 @@ from ._C import (
     exp_f64,
     grouped_backward,
     grouped_forward,
+    moe_forward,
+    moe_forward_state_bytes,
     sigmoid,
     swiglu_backward,
     swiglu_forward,
@@ -46,6 +51,8 @@ __all__ = [
     "exp_f64",
     "grouped_backward",
     "grouped_forward",
+    "moe_forward",
+    "moe_forward_state_bytes",
     "sigmoid",
     "swiglu_backward",
     "swiglu_forward",

@@ -174,6 +174,55 @@ struct GroupedBackwardArgs {
   bool zero_outside = false;     // also zero out_dx's and out_d_w's rows outside every segment
 };
 
+// moe_forward: the routed experts of a whole layer call in one persistent launch (CUDA only:
+// cuda/sm90/moe_forward.cu, docs/megakernel.md), from the token rows to one output row per route:
+//
+//   for every row r of local expert e's segment (the schedule table; route = row_route[r]):
+//     x_r = x[route / K] (a padding row, route -1, reads zeros),
+//     [a, b] = x_r @ [Wg_e; Wu_e]^T,  h = bf16(silu(a_c) * b_c),  y_r = h @ Wd_e^T,
+//     rows_out[route] = y_r (padding rows go nowhere)
+//
+// with grouped_forward's arithmetic on "cuda" (the same bits). a and b are written for every row
+// (rows past the last segment: zero); h is scratch. offsets: int32 [El + 1] and row_route: int32
+// [C], the schedule table's, read on the device only. task_state: moe_forward_state_bytes(C, El)
+// bytes of device memory, zero before the first call; every call leaves it zero. A task that
+// waits longer than timeout_ns for the tiles it depends on records a timeout in `error` (the
+// transport's error words, with `stage` and `rank`) and the launch still ends.
+struct MoeForwardArgs {
+  std::uintptr_t x = 0;           // bf16 [T, H]: the token rows
+  std::uintptr_t row_route = 0;   // int32 [C]: route t*K + k of each table row, -1 for padding
+  std::uintptr_t offsets = 0;     // int32 [El + 1]: segment starts, non-decreasing, in [0, C]
+  std::uintptr_t w_gate = 0;      // bf16 [El, I, H]
+  std::uintptr_t w_up = 0;        // bf16 [El, I, H]
+  std::uintptr_t w_down = 0;      // bf16 [El, H, I]
+  std::uintptr_t out_a = 0;       // bf16 [C, I]
+  std::uintptr_t out_b = 0;       // bf16 [C, I]
+  std::uintptr_t scratch_h = 0;   // bf16 [C, I]
+  std::uintptr_t out_rows = 0;    // bf16 [T * K, H]: one row per route
+  std::uintptr_t task_state = 0;  // moe_forward_state_bytes(C, El) bytes, 8-byte aligned
+  std::uintptr_t error = 0;       // int32 [4]: the transport's error words
+  ExpertShape shape;              // num_rows = C (the table's capacity)
+  std::int64_t num_tokens = 0;    // T
+  std::int64_t topk = 0;          // K
+  SwigluLimit limit;
+  std::int64_t num_sms = 0;  // CTAs of the launch (0: every SM of the device)
+  std::int64_t timeout_ns = 0;
+  std::int64_t stage = 0;  // reported with a timeout
+  std::int64_t rank = 0;
+  bool inject_missing_dependency = false;  // tests: one row tile's down tiles wait forever
+};
+
+// The dependency counters of moe_forward: one per row tile of the table, at most C/128 + El.
+inline constexpr std::int64_t moe_forward_counters(std::int64_t capacity,
+                                                   std::int64_t num_experts) {
+  return (capacity + 127) / 128 + num_experts;
+}
+// Bytes of moe_forward's task state: the ticket queue (8 bytes), then the counters.
+inline constexpr std::int64_t moe_forward_state_bytes(std::int64_t capacity,
+                                                      std::int64_t num_experts) {
+  return 8 + 4 * moe_forward_counters(capacity, num_experts);
+}
+
 // Largest El of grouped_forward on "cuda" (the tile list lives in shared memory).
 inline constexpr std::int64_t kMaxGroupedExperts = 1024;
 
@@ -190,6 +239,8 @@ void grouped_forward(std::string_view device, const GroupedForwardArgs& args,
 void grouped_backward(std::string_view device, const GroupedBackwardArgs& args,
                       std::uintptr_t stream);
 
+void moe_forward(std::string_view device, const MoeForwardArgs& args, std::uintptr_t stream);
+
 // The CPU implementations, for arguments already checked.
 void swiglu_forward_cpu(const SwigluForwardArgs& args);
 void swiglu_backward_cpu(const SwigluBackwardArgs& args);
@@ -198,5 +249,8 @@ void grouped_backward_cpu(const GroupedBackwardArgs& args);
 // The CUDA implementations (built with CUDA only), for checked arguments.
 void grouped_forward_cuda(const GroupedForwardArgs& args, std::uintptr_t stream);
 void grouped_backward_cuda(const GroupedBackwardArgs& args, std::uintptr_t stream);
+namespace sm90 {
+void moe_forward_cuda(const MoeForwardArgs& args, std::uintptr_t stream);
+}
 
 }  // namespace mok::bf16

@@ -1,0 +1,555 @@
+// The BF16 forward megakernel on sm_90a (docs/megakernel.md): a layer call's routed experts in
+// one persistent launch, from the token rows to one output row per route.
+//
+// Tasks, in ticket order (mok/core/task_queue.cuh), over the row tiles of the schedule table
+// (128 rows of an expert's segment; the walk of grouped_tiles.cuh: expert, band of 16 row tiles,
+// column tile, row tile fastest):
+//   gate/up tiles  [a, b] = x[rows] @ [Wg_e; Wu_e]^T, 128 rows x (128 columns of each weight).
+//                  The rows' x are gathered from the token rows (row -> route t*K + k -> token t)
+//                  by the operand loads themselves: no routed copy of x exists. Epilogue: a, b
+//                  and h = bf16(silu(a_c) * b_c) (the reference's element math), bf16.
+//   down tiles     y = h[rows] @ Wd_e^T, 128 rows x 256 columns. Epilogue: each row stored at its
+//                  route's row of `rows_out` (t*K + k; padding rows nowhere): nothing is summed
+//                  here, the fixed-order combine follows in its own launch.
+// A down tile depends on every gate/up tile of its row tile: a counter per row tile, bumped by each
+// consumer warpgroup of a gate/up tile once its h rows are stored (target 2 x the column tiles).
+//
+// One CTA per SM, 384 threads:
+//   producer warpgroup (40 registers). Thread 0 takes the tickets and hands them to everyone
+//     through kTaskSlots shared slots (task_full / task_empty mbarriers; a named barrier for the
+//     producer's own threads). Per stage every producer thread waits for the stage to be empty,
+//     then
+//       gate/up: the 128 threads copy A's rows by cp.async (16 bytes each, four whole 128-byte
+//                row pieces per warp instruction, placed in the 128-byte swizzle the copy engine
+//                would use; zero-filled for padding rows), and thread 0 has the copy engine load
+//                B; each thread's arrival on the stage comes from cp.async.mbarrier.arrive, when
+//                its copies have landed (the producer never waits for them);
+//       down:    thread 0 waits for the row tile's counter (acquire, then a global async-proxy
+//                fence: the copy engine reads h), then has the copy engine load A (h) and B (Wd);
+//                every thread arrives at once.
+//     full[s] takes 128 arrivals and the copy engine's bytes (thread 0 adds them with expect_tx
+//     before its own arrival); empty[s] one arrival per consumer warpgroup.
+//   consumer warpgroups 1 and 2 (232 registers): grouped_gemm.cuh's mainloop (m64n256k16, one
+//     wgmma group in flight, the second warpgroup kLagBlocks k-blocks behind the first) and its
+//     deferred bf16 epilogue: a tile's results are stored in 8 pieces under the next task's first
+//     k-blocks. A gate/up tile's counter is bumped after its last piece; when the next task is a
+//     down tile the pieces are stored before its first k-block (its producer may be waiting for
+//     that very counter), so no wait can depend on work queued behind it.
+//
+// Determinism (docs/determinism.md): every output element is the grouped GEMMs' (grouped_gemm.cuh)
+// fp32 sum over K in blocks of 64 by one CTA, rounded once; h the SwiGLU kernel's element math.
+// The bits are those of the chain of kernels (experts_forward.cu), for any grid size and whichever
+// CTA takes a task.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <stdexcept>
+
+#include "../grouped_gemm.cuh"
+#include "../launch.cuh"
+#include "mok/bf16/experts.h"
+#include "mok/core/bf16.h"
+#include "mok/core/expert_math.h"
+#include "mok/core/hopper.cuh"
+#include "mok/core/sigmoid_table.cuh"
+#include "mok/core/task_queue.cuh"
+
+namespace mok::bf16::sm90 {
+namespace {
+
+using gemm::Accumulators;
+using gemm::kBlockK;
+using gemm::kDrainChunks;
+using gemm::kMmaN;
+using gemm::PackedBf16;
+using gemm::unroll;
+using tiles::frag_col;
+using tiles::frag_row;
+using tiles::kBlockM;
+
+constexpr int kStages = 4;
+constexpr int kThreads = 384;
+constexpr int kProducerRegs = 40;
+constexpr int kConsumerRegs = 232;  // 2 x 128 x 232 + 128 x 40 <= 64 Ki registers
+constexpr int kTaskSlots = 4;
+constexpr int kLagBlocks = gemm::kLagBlocks;
+constexpr int kGateUpN = kMmaN / 2;  // columns of each weight per gate/up tile
+constexpr int kDownN = kMmaN;
+constexpr int kBandTiles = tiles::kBandTiles;
+constexpr int kMaxExperts = tiles::kMaxExperts;
+
+// Hardware barriers besides __syncthreads (0).
+constexpr int kProducerBarrier = 1;
+constexpr int kConsumerBarrier = 2;   // + consumer warpgroup (2, 3)
+constexpr int kConsumersBarrier = 4;  // both consumer warpgroups (the end of the launch)
+
+using R = gemm::Ring<kStages>;
+
+enum Kind : int { kGateUp = 0, kDown = 1, kNone = 2 };
+
+struct Params {
+  const std::uint16_t* x;         // [T, H] token rows
+  const std::int32_t* row_route;  // [C] route t*K + k of each table row, -1 for padding
+  const std::int32_t* offsets;    // [El + 1] segment starts
+  std::uint16_t* a;               // [C, I]
+  std::uint16_t* b;               // [C, I]
+  std::uint16_t* h;               // [C, I]
+  std::uint16_t* rows_out;        // [T * K, H]
+  tasks::Queue* queue;
+  int* ready;  // [num_counters] per row tile: consumer warpgroups done with its gate/up tiles
+  int num_counters;
+  tasks::WaitSite wait;
+  int inject;  // > 0: row tile 0's down tasks wait for one arrival that never comes (a test)
+  int capacity;
+  int num_experts;
+  int hidden;
+  int inner;
+  int topk;
+  core::SwigluLimit limit;
+};
+
+// The row tiles of the segments, in shared memory.
+struct RowTiles {
+  int lo[kMaxExperts];          // segment start (clamped to [0, C])
+  int hi[kMaxExperts];          // segment end (>= lo)
+  int prefix[kMaxExperts + 1];  // row tiles before expert e
+};
+
+struct Task {
+  int kind;
+  int expert;
+  int row0;     // first row of the tile
+  int row_end;  // end of the expert's segment
+  int col0;     // first output column (of each weight, for gate/up)
+  int rt;       // the row tile's counter
+  int k_blocks;
+};
+
+__device__ inline void build_row_tiles(const Params& p, RowTiles& rt, int lane) {
+  const auto clamp = [&](int r) { return r < 0 ? 0 : (r > p.capacity ? p.capacity : r); };
+  const int per_lane = (p.num_experts + 31) / 32;
+  const int first = lane * per_lane;
+  int sum = 0;
+  for (int e = first; e < first + per_lane && e < p.num_experts; ++e) {
+    const int lo = clamp(p.offsets[e]);
+    const int hi = max(lo, clamp(p.offsets[e + 1]));
+    rt.lo[e] = lo;
+    rt.hi[e] = hi;
+    sum += (hi - lo + kBlockM - 1) / kBlockM;
+  }
+  int before = sum;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int v = __shfl_up_sync(0xFFFFFFFFu, before, d);
+    if (lane >= d) before += v;
+  }
+  before -= sum;
+  for (int e = first; e < first + per_lane && e < p.num_experts; ++e) {
+    rt.prefix[e] = before;
+    before += (rt.hi[e] - rt.lo[e] + kBlockM - 1) / kBlockM;
+  }
+  if (lane == 31) rt.prefix[p.num_experts] = before;
+}
+
+__device__ inline int gate_up_columns(const Params& p) {
+  return (p.inner + kGateUpN - 1) / kGateUpN;
+}
+__device__ inline int down_columns(const Params& p) { return (p.hidden + kDownN - 1) / kDownN; }
+
+// Task t of the list: every gate/up tile, then every down tile.
+__device__ inline Task decode(const Params& p, const RowTiles& rt, unsigned int t) {
+  const int row_tiles = rt.prefix[p.num_experts];
+  const int n_gate_up = row_tiles * gate_up_columns(p);
+  const int n_down = row_tiles * down_columns(p);
+  Task task{};
+  if (t >= static_cast<unsigned int>(n_gate_up + n_down)) {
+    task.kind = kNone;
+    return task;
+  }
+  const bool gate_up = t < static_cast<unsigned int>(n_gate_up);
+  int local = gate_up ? static_cast<int>(t) : static_cast<int>(t) - n_gate_up;
+  const int columns = gate_up ? gate_up_columns(p) : down_columns(p);
+  const int block_n = gate_up ? kGateUpN : kDownN;
+  int lo = 0, hi = p.num_experts - 1;  // the last expert whose first task is <= local
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (rt.prefix[mid] * columns <= local)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  const int e = lo;
+  local -= rt.prefix[e] * columns;
+  const int m_tiles = rt.prefix[e + 1] - rt.prefix[e];
+  const int band = local / (kBandTiles * columns);
+  const int first = band * kBandTiles;
+  const int rows = min(kBandTiles, m_tiles - first);
+  const int in_band = local - band * kBandTiles * columns;
+  const int tile = first + in_band % rows;
+  task.kind = gate_up ? kGateUp : kDown;
+  task.expert = e;
+  task.row0 = rt.lo[e] + tile * kBlockM;
+  task.row_end = rt.hi[e];
+  task.col0 = (in_band / rows) * block_n;
+  task.rt = rt.prefix[e] + tile;
+  task.k_blocks = (gate_up ? p.hidden : p.inner) / kBlockK;
+  return task;
+}
+
+__device__ inline std::uint16_t lo16(std::uint32_t w) { return static_cast<std::uint16_t>(w); }
+__device__ inline std::uint16_t hi16(std::uint32_t w) {
+  return static_cast<std::uint16_t>(w >> 16);
+}
+
+// fn(half, row, col, word) for the pairs of piece kChunk (grouped_gemm.cuh's
+// for_each_pair_in_chunk, with the half: which of the thread's two rows) among the first kCols
+// columns of the tile.
+template <int kChunk, int kCols, class Fn>
+__device__ inline void for_each_pair_in_chunk(const Task& task, int consumer, int n, const Fn& fn) {
+  constexpr int kJ = kCols / 8 / kDrainChunks;
+  const int t = threadIdx.x % 128;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = task.row0 + 64 * consumer + frag_row(t, 2 * half);
+    if (row >= task.row_end) continue;
+#pragma unroll
+    for (int jj = 0; jj < kJ; ++jj) {
+      const int j = kChunk * kJ + jj;
+      const int col = task.col0 + frag_col(t, j, 0);
+      if (col < n) fn(half, row, col, 2 * j + half);
+    }
+  }
+}
+
+// A tile's rounded results while they are being stored.
+struct Pending {
+  PackedBf16 words;
+  Task task;
+  int route[2];  // down tiles: the routes of the thread's two rows (-1: none)
+  bool live;
+};
+
+template <int kChunk>
+__device__ inline void store_piece(const Params& p, const Pending& pend, int consumer,
+                                   const core::TableSigmoid& sig) {
+  if (pend.task.kind == kGateUp) {
+    constexpr int kUp = kGateUpN / 4;  // the up columns' words follow the gate's
+    for_each_pair_in_chunk<kChunk, kGateUpN>(
+        pend.task, consumer, p.inner, [&](int, int row, int col, int w) {
+          const std::uint32_t aw = pend.words.w[w];
+          const std::uint32_t bw = pend.words.w[w + kUp];
+          const std::uint32_t hw =
+              static_cast<std::uint32_t>(core::swiglu_h(lo16(aw), lo16(bw), p.limit, sig)) |
+              (static_cast<std::uint32_t>(core::swiglu_h(hi16(aw), hi16(bw), p.limit, sig)) << 16);
+          const std::int64_t at = static_cast<std::int64_t>(row) * p.inner + col;
+          *reinterpret_cast<std::uint32_t*>(p.a + at) = aw;
+          *reinterpret_cast<std::uint32_t*>(p.b + at) = bw;
+          *reinterpret_cast<std::uint32_t*>(p.h + at) = hw;
+        });
+  } else {
+    for_each_pair_in_chunk<kChunk, kDownN>(
+        pend.task, consumer, p.hidden, [&](int half, int, int col, int w) {
+          const int route = half == 0 ? pend.route[0] : pend.route[1];
+          if (route < 0) return;
+          *reinterpret_cast<std::uint32_t*>(
+              p.rows_out + static_cast<std::int64_t>(route) * p.hidden + col) = pend.words.w[w];
+        });
+  }
+}
+
+// After a gate/up tile's last piece: the warpgroup's h stores -> the down tiles' copy engine loads
+// in other CTAs (each thread fences its stores for the async proxy; the barrier gathers the
+// warpgroup; one release bumps the counter).
+__device__ inline void signal_gate_up(const Params& p, const Task& task, int consumer) {
+  tasks::fence_proxy_async_global();
+  hopper::named_barrier(kConsumerBarrier + consumer, 128);
+  if (threadIdx.x % 128 == 0) tasks::add_release(p.ready + task.rt, 1);
+}
+
+__global__ void __launch_bounds__(kThreads, 1)
+    moe_forward_kernel(const __grid_constant__ CUtensorMap map_wg,
+                       const __grid_constant__ CUtensorMap map_wu,
+                       const __grid_constant__ CUtensorMap map_h,
+                       const __grid_constant__ CUtensorMap map_wd, Params p) {
+  extern __shared__ unsigned char smem_raw[];
+  __shared__ alignas(8) std::uint64_t full[kStages];
+  __shared__ alignas(8) std::uint64_t empty[kStages];
+  __shared__ alignas(8) std::uint64_t task_full[kTaskSlots];
+  __shared__ alignas(8) std::uint64_t task_empty[kTaskSlots];
+  __shared__ alignas(8) std::uint64_t lag;  // consumer 0 has issued kLagBlocks k-blocks
+  __shared__ unsigned int task_id[kTaskSlots];
+  __shared__ int tile_token[kBlockM];  // a gate/up task's rows: their tokens (producer)
+  __shared__ RowTiles row_tiles;
+
+  const R ring{reinterpret_cast<unsigned char*>(
+      (reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) & ~std::uintptr_t{1023})};
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (warp == 0) build_row_tiles(p, row_tiles, lane);
+  if (threadIdx.x == 32) {
+    for (int s = 0; s < kStages; ++s) {
+      hopper::mbar_init(&full[s], 128);
+      hopper::mbar_init(&empty[s], 2);
+    }
+    for (int s = 0; s < kTaskSlots; ++s) {
+      hopper::mbar_init(&task_full[s], 1);
+      hopper::mbar_init(&task_empty[s], 2);
+    }
+    hopper::mbar_init(&lag, 1);
+    hopper::fence_barrier_init();
+  }
+  __syncthreads();
+  const int gate_up_target = 2 * gate_up_columns(p);
+
+  if (threadIdx.x < 128) {  // ---------------------------------------------- producer
+    hopper::regs_dealloc<kProducerRegs>();
+    const int i = threadIdx.x;
+    if (i == 0) {
+      hopper::prefetch_tensor_map(&map_wg);
+      hopper::prefetch_tensor_map(&map_wu);
+      hopper::prefetch_tensor_map(&map_h);
+      hopper::prefetch_tensor_map(&map_wd);
+    }
+    int stage = 0, slot = 0;
+    std::uint32_t phase = 0, slot_phase = 0;
+    const auto advance = [&] {
+      if (++stage == kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+    };
+    for (;;) {
+      if (i == 0) {
+        hopper::mbar_wait(&task_empty[slot], slot_phase ^ 1);
+        task_id[slot] = tasks::take_ticket(p.queue);
+        hopper::mbar_arrive(&task_full[slot]);  // release: the ticket -> the consumers' wait
+      }
+      hopper::named_barrier(kProducerBarrier, 128);
+      const unsigned int t = *static_cast<volatile unsigned int*>(&task_id[slot]);
+      if (++slot == kTaskSlots) {
+        slot = 0;
+        slot_phase ^= 1;
+      }
+      const Task task = decode(p, row_tiles, t);
+      if (task.kind == kNone) break;
+      if (task.kind == kGateUp) {
+        // The tile's rows: each one's token (whose x row it reads), or -1 (a padding row, or past
+        // the segment: zeros).
+        const int row = task.row0 + i;
+        const int route = row < task.row_end ? p.row_route[row] : -1;
+        tile_token[i] = route >= 0 ? route / p.topk : -1;
+        hopper::named_barrier(kProducerBarrier, 128);
+        // Thread i copies 16-byte chunk i % 8 of rows i / 8 + 16 j (j < 8): the 32 copies of a
+        // warp are four whole 128-byte row pieces, so every request is a full line.
+        const int chunk = i % 8;
+        const int swizzled = (chunk ^ ((i / 8) & 7)) << 4;  // rows i / 8 + 16 j share row % 8
+        const int b_row = task.expert * p.inner + task.col0;
+        for (int kb = 0; kb < task.k_blocks; ++kb) {
+          hopper::mbar_wait(&empty[stage], phase ^ 1);
+          if (i == 0) {
+            hopper::mbar_expect_tx_only(&full[stage], R::kBBytes);
+            unsigned char* b = ring.b(stage);
+            hopper::tma_load_2d(b, &map_wg, &full[stage], kb * kBlockK, b_row);
+            hopper::tma_load_2d(b + R::kBBytes / 2, &map_wu, &full[stage], kb * kBlockK, b_row);
+          }
+          unsigned char* a = ring.a(stage) + swizzled;
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            const int token = tile_token[i / 8 + 16 * j];  // (re-read: the registers are few)
+            const bool valid = token >= 0;
+            const std::uint16_t* src = p.x + (valid ? static_cast<std::int64_t>(token) * p.hidden +
+                                                          kb * kBlockK + 8 * chunk
+                                                    : 0);
+            hopper::cp_async_16_zfill(a + (i / 8 + 16 * j) * 128, src, valid ? 16 : 0);
+          }
+          // The stage's arrival of this thread, once its copies have landed (the barrier's
+          // completion makes them visible to the consumers' wgmma, as for the copy engine).
+          hopper::cp_async_arrive(&full[stage]);
+          advance();
+        }
+      } else {
+        if (i == 0) {
+          const int extra = p.inject > 0 && task.rt == 0 ? 1 : 0;
+          tasks::wait_at_least(p.ready + task.rt, gate_up_target + extra, p.wait);
+          // The acquire above -> the copy engine's reads of h below.
+          tasks::fence_proxy_async_global();
+        }
+        const int b_row = task.expert * p.hidden + task.col0;
+        for (int kb = 0; kb < task.k_blocks; ++kb) {
+          hopper::mbar_wait(&empty[stage], phase ^ 1);
+          if (i == 0) {
+            hopper::mbar_expect_tx_only(&full[stage], R::kStageBytes);
+            hopper::tma_load_2d(ring.a(stage), &map_h, &full[stage], kb * kBlockK, task.row0);
+            hopper::tma_load_2d(ring.b(stage), &map_wd, &full[stage], kb * kBlockK, b_row);
+          }
+          hopper::mbar_arrive(&full[stage]);
+          advance();
+        }
+      }
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------------ consumers
+  hopper::regs_alloc<kConsumerRegs>();
+  const int consumer = threadIdx.x / 128 - 1;  // rows [64 c, 64 c + 64) of a tile
+  const bool leader = threadIdx.x % 128 == 0;
+  const auto sig = core::TableSigmoid::of(p.limit);
+  int stage = 0, slot = 0;
+  std::uint32_t phase = 0, slot_phase = 0;
+  int previous = -1;
+  bool lag_due = consumer == 0, first_task = true;
+  int lag_blocks = 0;
+  Accumulators acc;
+  Pending pend;
+  pend.live = false;
+
+  const auto k_block = [&](int kb) {
+    hopper::mbar_wait(&full[stage], phase);
+    const std::uint32_t a = hopper::smem_addr(ring.a(stage)) + consumer * 64 * 128;
+    const std::uint32_t b = hopper::smem_addr(ring.b(stage));
+    hopper::wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < kBlockK / 16; ++k) {
+      hopper::Wgmma<kMmaN>::mma(acc.d, hopper::smem_desc(a + 32 * k), hopper::smem_desc(b + 32 * k),
+                                (kb | k) != 0);
+    }
+    hopper::wgmma_commit();
+    hopper::wgmma_wait<1>();
+    if (previous >= 0 && leader) hopper::mbar_arrive(&empty[previous]);
+    if (lag_due && ++lag_blocks == kLagBlocks) {
+      if (leader) hopper::mbar_arrive(&lag);
+      lag_due = false;
+    }
+    previous = stage;
+    if (++stage == kStages) {
+      stage = 0;
+      phase ^= 1;
+    }
+  };
+  // Piece kChunk of the pending tile; after the last one a gate/up tile's counter is bumped.
+  const auto drain = [&](auto chunk) {
+    if (!pend.live) return;
+    store_piece<chunk.value>(p, pend, consumer, sig);
+    if constexpr (chunk.value == kDrainChunks - 1) {
+      if (pend.task.kind == kGateUp) signal_gate_up(p, pend.task, consumer);
+      pend.live = false;
+    }
+  };
+
+  for (;;) {
+    hopper::mbar_wait(&task_full[slot], slot_phase);
+    const unsigned int t = *static_cast<volatile unsigned int*>(&task_id[slot]);
+    hopper::named_barrier(kConsumerBarrier + consumer, 128);  // every thread has read the slot
+    if (leader) hopper::mbar_arrive(&task_empty[slot]);
+    if (++slot == kTaskSlots) {
+      slot = 0;
+      slot_phase ^= 1;
+    }
+    const Task task = decode(p, row_tiles, t);
+    const bool done = task.kind == kNone;
+    if (first_task && !done) {
+      if (consumer == 1) hopper::mbar_wait(&lag, 0);
+      first_task = false;
+    }
+    // The pending tile's pieces go out one after each of this task's first k-blocks, or all of
+    // them first (one site in the code: the kernel's size is what its instruction fetch pays for)
+    // when no task is left, when this task has fewer k-blocks than pieces, or when it is a down
+    // tile and the pending one a gate/up tile (this very tile's producer may be waiting for it).
+    const bool flush = pend.live && (done || task.k_blocks < kDrainChunks ||
+                                     (task.kind == kDown && pend.task.kind == kGateUp));
+    if (flush) unroll<kDrainChunks>([&](auto c) { drain(c); });
+    if (done) break;
+    hopper::fence_regs(acc.d);
+    previous = -1;
+    unroll<kDrainChunks>([&](auto c) {
+      if (c.value < task.k_blocks) {
+        k_block(c.value);
+        drain(c);
+      }
+    });
+    for (int kb = kDrainChunks; kb < task.k_blocks; ++kb) k_block(kb);
+    hopper::wgmma_wait<0>();
+    hopper::fence_regs(acc.d);
+    if (previous >= 0 && leader) hopper::mbar_arrive(&empty[previous]);
+    if (lag_due) {  // a first task of fewer than kLagBlocks k-blocks
+      if (leader) hopper::mbar_arrive(&lag);
+      lag_due = false;
+    }
+    gemm::pack_bf16(acc, pend.words);
+    pend.task = task;
+    pend.live = true;
+    if (task.kind == kDown) {
+      const int t128 = threadIdx.x % 128;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = task.row0 + 64 * consumer + frag_row(t128, 2 * half);
+        const int route = row < task.row_end ? p.row_route[row] : -1;
+        if (half == 0)
+          pend.route[0] = route;
+        else
+          pend.route[1] = route;
+      }
+    }
+  }
+
+  // The pre-activations of the rows past the last segment (the capacity's tail) are zeroed, so
+  // every byte of a and b is written by the launch.
+  {
+    const int end = p.offsets[p.num_experts];
+    const int from = end < 0 ? 0 : (end > p.capacity ? p.capacity : end);
+    const std::int64_t vectors = static_cast<std::int64_t>(p.capacity - from) * p.inner / 8;
+    const std::int64_t step = static_cast<std::int64_t>(gridDim.x) * 256;
+    uint4* a = reinterpret_cast<uint4*>(p.a + static_cast<std::int64_t>(from) * p.inner);
+    uint4* b = reinterpret_cast<uint4*>(p.b + static_cast<std::int64_t>(from) * p.inner);
+    for (std::int64_t v = static_cast<std::int64_t>(blockIdx.x) * 256 + (threadIdx.x - 128);
+         v < vectors; v += step) {
+      a[v] = make_uint4(0, 0, 0, 0);
+      b[v] = make_uint4(0, 0, 0, 0);
+    }
+  }
+  tasks::reset_after_last_cta(p.queue, p.ready, p.num_counters, 128, 256, kConsumersBarrier);
+}
+
+}  // namespace
+
+void moe_forward_cuda(const MoeForwardArgs& args, std::uintptr_t stream_handle) {
+  const ExpertShape& s = args.shape;
+  auto* stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  const int sms = args.num_sms > 0 ? static_cast<int>(args.num_sms) : kernels::device_sms();
+  const auto ptr = [](std::uintptr_t v) { return reinterpret_cast<const void*>(v); };
+  const std::uint64_t C = static_cast<std::uint64_t>(s.num_rows);
+  const std::uint64_t H = static_cast<std::uint64_t>(s.hidden);
+  const std::uint64_t I = static_cast<std::uint64_t>(s.inner);
+  const std::uint64_t El = static_cast<std::uint64_t>(s.num_experts);
+  const CUtensorMap map_wg = hopper::make_tensor_map(ptr(args.w_gate), El * I, H, kGateUpN);
+  const CUtensorMap map_wu = hopper::make_tensor_map(ptr(args.w_up), El * I, H, kGateUpN);
+  const CUtensorMap map_h = hopper::make_tensor_map(ptr(args.scratch_h), C, I, kBlockM);
+  const CUtensorMap map_wd = hopper::make_tensor_map(ptr(args.w_down), El * H, I, kDownN);
+  Params p{};
+  p.x = reinterpret_cast<const std::uint16_t*>(args.x);
+  p.row_route = reinterpret_cast<const std::int32_t*>(args.row_route);
+  p.offsets = reinterpret_cast<const std::int32_t*>(args.offsets);
+  p.a = reinterpret_cast<std::uint16_t*>(args.out_a);
+  p.b = reinterpret_cast<std::uint16_t*>(args.out_b);
+  p.h = reinterpret_cast<std::uint16_t*>(args.scratch_h);
+  p.rows_out = reinterpret_cast<std::uint16_t*>(args.out_rows);
+  p.queue = reinterpret_cast<tasks::Queue*>(args.task_state);
+  p.ready = reinterpret_cast<int*>(args.task_state + sizeof(tasks::Queue));
+  p.num_counters = static_cast<int>(moe_forward_counters(s.num_rows, s.num_experts));
+  p.wait = {reinterpret_cast<std::int32_t*>(args.error), static_cast<std::int32_t>(args.stage),
+            static_cast<std::int32_t>(args.rank), args.timeout_ns};
+  p.inject = args.inject_missing_dependency ? 1 : 0;
+  p.capacity = static_cast<int>(s.num_rows);
+  p.num_experts = static_cast<int>(s.num_experts);
+  p.hidden = static_cast<int>(s.hidden);
+  p.inner = static_cast<int>(s.inner);
+  p.topk = static_cast<int>(args.topk);
+  p.limit = args.limit;
+  core::ensure_sigmoid_table(stream);
+  kernels::allow_shared_bytes<moe_forward_kernel>(R::kSharedBytes);
+  moe_forward_kernel<<<sms, kThreads, R::kSharedBytes, stream>>>(map_wg, map_wu, map_h, map_wd, p);
+  kernels::check(cudaGetLastError(), "launching the forward megakernel");
+}
+
+}  // namespace mok::bf16::sm90
