@@ -65,6 +65,9 @@ class MoKConfig:
             "pull" (each source rank reads its routes' rows from the expert ranks; one more
             buffer of the table's size). The reference backend moves rows with collectives and
             ignores both. Defaults measured: docs/core-runtime.md "Directions".
+        megakernel: let the cuda backend run the routed experts' forward as one persistent
+            kernel where it applies (docs/megakernel.md); False keeps the chain of grouped
+            kernels. The same bits either way.
     """
 
     precision: str = "bf16"
@@ -78,6 +81,7 @@ class MoKConfig:
     timeout_s: float = 300.0
     dispatch: str = "pull"
     combine: str = "push"
+    megakernel: bool = True
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -123,6 +127,8 @@ class MoKConfig:
                 )
             if not (math.isfinite(self.swiglu_limit) and self.swiglu_limit > 0):
                 raise ValueError(f"MoKConfig.swiglu_limit must be finite and > 0, got {self.swiglu_limit}")
+        if not isinstance(self.megakernel, bool):
+            raise TypeError(f"MoKConfig.megakernel must be a bool, got {type(self.megakernel).__name__}")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)):
             raise TypeError(f"MoKConfig.timeout_s must be a number, got {type(self.timeout_s).__name__}")
         if not self.timeout_s > 0:

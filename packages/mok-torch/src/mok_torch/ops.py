@@ -73,6 +73,23 @@ def _schedule(ws: Workspace, top_experts: torch.Tensor, tensors: list[torch.Tens
     return Schedule(workspace=ws, backend=backend, top_experts_TK=top, **fields)  # type: ignore[arg-type]
 
 
+def _owned(outputs: list[torch.Tensor], inputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    """`outputs` as a custom op may return them: each one that is a view, or shares storage with an
+    input or an earlier output (a workspace buffer, say), is cloned; the rest (fresh tensors, the
+    usual case) go out as they are, with no copy on the hot path."""
+    seen = {t.untyped_storage().data_ptr() for t in inputs if t.numel() > 0}
+    out = []
+    for t in outputs:
+        ptr = t.untyped_storage().data_ptr()
+        if t.numel() > 0 and (t._base is not None or ptr in seen):
+            t = t.clone()
+            ptr = t.untyped_storage().data_ptr()
+        if t.numel() > 0:
+            seen.add(ptr)
+        out.append(t)
+    return out
+
+
 def _bf16(t: torch.Tensor) -> torch.Tensor:
     return t.to(BF16).contiguous()
 
@@ -94,7 +111,7 @@ def build_schedule_op(
     cfg = MoKConfig.from_key(config)
     ws = _workspace(top_experts.device, group, max_tokens, hidden_size, top_experts.shape[1], num_experts, cfg)
     sched = functional.build_schedule(ws, cfg, top_experts.contiguous())
-    return [getattr(sched, f).clone() for f in SCHEDULE_FIELDS]
+    return _owned([getattr(sched, f) for f in SCHEDULE_FIELDS], (top_experts,))
 
 
 @build_schedule_op.register_fake
@@ -151,10 +168,13 @@ def forward_op(
     y, ctx = functional.forward(
         cfg, ws, sched, _bf16(x), router_weights.contiguous(), _three(wg, wu, wd), _three(wg_s, wu_s, wd_s)
     )
-    empty = x.new_empty(0, dtype=BF16)
-    shared_a = empty if ctx.shared_a_TIs is None else ctx.shared_a_TIs.clone()
-    shared_b = empty.clone() if ctx.shared_b_TIs is None else ctx.shared_b_TIs.clone()
-    return [y.to(x.dtype), ctx.x_routed_MH.clone(), ctx.a_MI.clone(), ctx.b_MI.clone(), shared_a, shared_b]
+    shared_a = x.new_empty(0, dtype=BF16) if ctx.shared_a_TIs is None else ctx.shared_a_TIs
+    shared_b = x.new_empty(0, dtype=BF16) if ctx.shared_b_TIs is None else ctx.shared_b_TIs
+    outputs = [y.to(x.dtype), ctx.x_routed_MH, ctx.a_MI, ctx.b_MI, shared_a, shared_b]
+    inputs = tuple(
+        t for t in (x, router_weights, wg, wu, wd, wg_s, wu_s, wd_s, top_experts, *schedule) if t is not None
+    )
+    return _owned(outputs, inputs)
 
 
 @forward_op.register_fake

@@ -53,8 +53,11 @@ def check_expert_ids(name: str, top_experts: torch.Tensor, num_experts: int) -> 
     """Every id in [0, num_experts). Reads one flag on the host."""
     if top_experts.numel() == 0:
         return
-    bad = (top_experts < 0) | (top_experts >= num_experts)
-    if bool(bad.any()):
+    # One reduction and one read on the host (the slow path below runs only for a bad id).
+    lo, hi = torch.aminmax(top_experts)
+    low, high = torch.stack([lo, hi]).tolist()
+    if low < 0 or high >= num_experts:
+        bad = (top_experts < 0) | (top_experts >= num_experts)
         where = bad.nonzero()[0].tolist()
         value = int(top_experts[tuple(where)])
         raise ValueError(

@@ -2,35 +2,36 @@
 
 mok-core builds the schedule table on the device, moves rows through shared memory (POSIX
 shared memory between the processes of one machine, or symmetric memory between GPUs) with
-epoch barriers that time out, and runs the fixed-order epilogues. The expert math between
-the pulls and the pushes is the reference arithmetic (so every result is bitwise the
-reference backend's): on the CPU, mok-bf16's compiled entry points when the installed
-mok-bf16 has them; otherwise the reference's PyTorch code. On an sm_90 GPU, in BF16, when H
-and I (and Is) are multiples of 64, the forward's GEMMs (routed and shared experts) are
-mok-bf16's tensor-core kernels instead (`grouped.py`): deterministic and invariant as the
-contract says, but no longer bitwise the reference (docs/determinism.md "The GPU GEMMs"). The
-backward runs mok-bf16's kernels too when the expert alignment is a multiple of 64 (their
-weight gradients take 64-row blocks from each segment start), else the reference arithmetic.
-The GPU kernels take a whole macrobatch per call (nothing overlaps the transport yet, so
-smaller calls would only add launches); the minibatches order the reference paths.
+epoch barriers that time out, and runs the fixed-order epilogues. Which implementation runs the
+routed experts is decided in one place, `expert_path` (logged at debug level on the "mok"
+logger, listed by `mok info`):
 
-On the GPU nothing reads a device value on the host: the ring walks every row of the
-table's capacity in static macrobatches (minibatches on the reference paths; rows past the
-last segment are empty and skipped by the transport), the kernels read the segment offsets
-on the device (the reference paths give each row its expert), and a whole forward + backward
-can be captured in one CUDA graph. On the CPU the host reads the segment offsets; mok-bf16 gets
-flat rows, each with its local expert (-1 for padding rows, which it skips), and the PyTorch
-fallback works on expert blocks, as the reference does.
+- "megakernel" (cuda, BF16, one rank, sm_90, H and I multiples of 64, an expert alignment that is
+  a multiple of 64, no backward replay): the forward's routed experts in one persistent launch
+  (`megakernel.py`, docs/megakernel.md), x rows gathered by the schedule table inside the GEMM's
+  operand loads and each output row stored at its route; the combine follows. Its bits are those
+  of "tensor-cores".
+- "tensor-cores" (cuda, BF16, sm_90, H and I multiples of 64): mok-bf16's grouped GEMMs
+  (`grouped.py`) between the transport's pulls and pushes, a whole macrobatch per call:
+  deterministic and invariant as the contract says, but not bitwise the reference
+  (docs/determinism.md "The GPU GEMMs"). The backward runs them too when the expert alignment is
+  a multiple of 64 (their weight gradients take 64-row blocks from each segment start).
+- "fp8-cores" (cuda, MXFP8, sm_90, H and I multiples of 64): mok-mxfp8's FP8 kernels
+  (`mxfp8_grouped.py`), forward and backward.
+- "cpu-kernels" (cpu): mok-bf16's / mok-mxfp8's compiled entry points, bitwise the reference.
+- "reference": the reference backend's PyTorch arithmetic (bitwise the reference; slow).
+
+On the GPU nothing reads a device value on the host: the ring walks every row of the table's
+capacity in static macrobatches (minibatches on the reference paths; rows past the last segment
+are empty and skipped by the transport), the kernels read the segment offsets on the device, and
+a whole forward + backward can be captured in one CUDA graph. On the CPU the host reads the
+segment offsets; mok-bf16 gets flat rows, each with its local expert (-1 for padding rows,
+which it skips), and the PyTorch fallback works on expert blocks, as the reference does.
 
 MXFP8 (`precision="mxfp8"`): x and dy are quantized on their source rank and travel as MXFP8
 rows (H E4M3 bytes then H/32 scales, in the first bytes of the bf16-sized source rows); the
-shared expert stays bf16, on mok-bf16's kernels where the BF16 mode would run it there (else
-in the reference's arithmetic). On an sm_90 GPU, when H and I are multiples of 64, the routed experts' forward GEMMs
-are mok-mxfp8's FP8 tensor-core kernels (`mxfp8_grouped.py`, a whole macrobatch per call, the
-backward's recomputed pre-activations too): deterministic and invariant as the contract says,
-within a tight tolerance of the reference's MXFP8 bits (the FP8 wgmma's partial of 32
-products is not a sequential fp32 sum). The MXFP8 backward runs the reference's arithmetic in
-PyTorch (its FP8 kernels are not written yet).
+shared expert stays bf16, on mok-bf16's kernels where the BF16 mode would run it there (else in
+the reference's arithmetic).
 
 Shape letters: T tokens, K top-k, H hidden, I inner size, El local experts, C capacity.
 """
@@ -40,7 +41,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-from typing import Any
+import logging
+from typing import Any, NamedTuple
 
 import torch
 
@@ -64,6 +66,7 @@ from ..reference.experts import (
     swiglu,
 )
 from ..reference.ring import Block, replays_in_backward
+from . import megakernel
 from .grouped import GroupedBackward, GroupedForward, grouped_backward, grouped_forward
 from .mxfp8_grouped import (
     MxGroupedForward,
@@ -76,6 +79,7 @@ from .mxfp8_grouped import (
 from .transport import Transport, raise_transport_error
 
 Weights3 = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+log = logging.getLogger("mok")
 
 
 def _entry_points(module: str, device_type: str) -> Any | None:
@@ -175,6 +179,58 @@ def gpu_backward_kernels(cfg: MoKConfig) -> bool:
     when every segment start and macrobatch boundary is a multiple of the weight gradients' 64-row
     blocks (config checks make mini- and macrobatches multiples of the alignment)."""
     return cfg.expert_alignment % 64 == 0
+
+
+class ExpertPath(NamedTuple):
+    """The implementations of a call's routed experts (the module docstring lists them)."""
+
+    forward: str  # "megakernel", "tensor-cores", "fp8-cores", "cpu-kernels" or "reference"
+    backward: str  # "tensor-cores", "fp8-cores", "cpu-kernels" or "reference"
+
+
+def expert_path(cfg: MoKConfig, ws: Workspace, inner: int) -> ExpertPath:
+    """What runs the routed experts of a call with `cfg` on `ws` (routed inner size `inner`): the one
+    place the native backends decide it."""
+    H, El, dev = ws.hidden_size, ws.num_local_experts, ws.device
+    if dev.type == "cpu":
+        compiled = _mxfp8_kernels("cpu") if cfg.precision == "mxfp8" else _expert_kernels("cpu")
+        path = "cpu-kernels" if compiled is not None else "reference"
+        return ExpertPath(path, path)
+    if gpu_mxfp8_forward_kernels(cfg, dev, H, inner, El):
+        return ExpertPath("fp8-cores", "fp8-cores")
+    if not gpu_forward_kernels(cfg, dev, H, inner, El):
+        return ExpertPath("reference", "reference")
+    backward = "tensor-cores" if gpu_backward_kernels(cfg) else "reference"
+    fused = (
+        cfg.megakernel
+        and ws.world_size == 1
+        and backward == "tensor-cores"
+        and not replays_in_backward(cfg, ws)
+        and megakernel.available(dev)
+    )
+    return ExpertPath("megakernel" if fused else "tensor-cores", backward)
+
+
+def describe_expert_paths(device: torch.device) -> dict[str, str]:
+    """For `mok info`: the path a call takes on `device`, per precision, with the default config at
+    one rank and H, I multiples of 64 (other shapes, EP sizes and configs: `expert_path`)."""
+    from ...workspace import create_workspace
+
+    out = {}
+    for precision in ("bf16", "mxfp8"):
+        cfg = MoKConfig(precision=precision)
+        ws = create_workspace(cfg, None, device=device, max_tokens=128, hidden_size=128, topk=1, num_experts=1)
+        path = expert_path(cfg, ws, 128)
+        out[precision] = f"forward {path.forward}, backward {path.backward}"
+    return out
+
+
+def _log_path(cfg: MoKConfig, ws: Workspace, path: ExpertPath, what: str) -> None:
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug(
+            "mok %s (%s, EP %d, %s): routed experts on %s", what, cfg.precision, ws.world_size, ws.device,
+            path.forward if what == "forward" else path.backward,
+        )  # fmt: skip
 
 
 def _wgrad_tensors(El: int, H: int, inner: int, dtype: torch.dtype, device: torch.device) -> Weights3:
@@ -390,10 +446,11 @@ class NativeBackend:
 
     @staticmethod
     def _pulled_rows(cfg: MoKConfig, n: int, H: int, device: torch.device) -> torch.Tensor:
-        """A buffer for n pulled x or dy rows, in the form they travel."""
+        """A buffer for n pulled x or dy rows, in the form they travel (uninitialised: a pull writes
+        every row, zeros for padding rows, and a push dispatch's rows are copied in whole)."""
         if cfg.precision == "mxfp8":
-            return torch.zeros(n, H + H // 32, dtype=torch.uint8, device=device)
-        return torch.zeros(n, H, dtype=BF16, device=device)
+            return torch.empty(n, H + H // 32, dtype=torch.uint8, device=device)
+        return torch.empty(n, H, dtype=BF16, device=device)
 
     # Moving rows in the direction the config says (MoKConfig.dispatch / .combine):
     #   inputs   _send_inputs (source side, before the barrier), then _receive per row range
@@ -522,6 +579,19 @@ class NativeBackend:
 
     # ------------------------------------------------------------------ schedule
 
+    @staticmethod
+    def _schedule_scratch(ws: Workspace) -> int:
+        """Address of the workspace's scratch for the multi-CTA schedule build (0 on the CPU)."""
+        if ws.device.type != "cuda":
+            return 0
+        scratch = ws.state.get("schedule_scratch")
+        if scratch is None:
+            import mok_core
+
+            nbytes = mok_core.schedule_scratch_bytes(ws.world_size, ws.max_tokens, ws.topk, ws.num_local_experts)
+            scratch = ws.state["schedule_scratch"] = torch.empty(max(nbytes, 4), dtype=torch.uint8, device=ws.device)
+        return scratch.data_ptr()
+
     def _build_schedule(self, ws: Workspace, cfg: MoKConfig, top_experts_TK: torch.Tensor) -> Schedule:
         tr = self._transport(ws, cfg)
         core, dev, stream = tr.core, tr.dev, tr._stream()
@@ -535,16 +605,18 @@ class NativeBackend:
         row_src, row_route = new(C, torch.int32), new(C, torch.int32)
         offsets, counts = new(El + 1, torch.int32), new(El, torch.int32)
         recv, tokens = new(R, torch.int64), new(R, torch.int64)
+        # The table also writes each route's row in it into the route's source rank (for a push
+        # dispatch and a pull combine); on the GPU many CTAs build it, in a scratch of the workspace.
+        scratch = self._schedule_scratch(ws)
         core.build_table(
             dev, tr.ptrs["routes"].data_ptr(), tr.ptrs["tokens"].data_ptr(), R, ws.max_tokens, K, ws.rank, El,
             ws.expert_alignment, C, row_src.data_ptr(), row_route.data_ptr(), offsets.data_ptr(), counts.data_ptr(),
-            recv.data_ptr(), tokens.data_ptr(), stream,
+            recv.data_ptr(), tokens.data_ptr(), stream, route_row_ptrs=tr.ptrs["route_row"].data_ptr(), scratch=scratch,
         )  # fmt: skip
         send_order, send_counts = new(T * K, torch.int64), new(R, torch.int64)
-        core.build_send_side(dev, top.data_ptr(), T, K, El, R, send_order.data_ptr(), send_counts.data_ptr(), stream)
-        # Each route's row in its expert rank's table (for a push dispatch and a pull combine):
-        # every rank pushes the index of each of its table rows to that row's route.
-        tr.push(tr.row_index, "route_row", (row_src, row_route), self._movers(cfg, ws))
+        core.build_send_side(
+            dev, top.data_ptr(), T, K, El, R, send_order.data_ptr(), send_counts.data_ptr(), stream, scratch=scratch
+        )
         tr.barrier(2)  # every rank has read every rank's routes (they may be rewritten); rows landed
         route_row = tr.view["route_row"][: T * K].clone()  # the next schedule rewrites the field
         route_rank = torch.div(top.reshape(-1), El, rounding_mode="floor").to(torch.int32)
@@ -716,6 +788,10 @@ class NativeBackend:
     ) -> tuple[torch.Tensor, ForwardContext]:  # fmt: skip
         tr = self._transport(ws, cfg)
         T, K, H = sched.num_tokens, sched.topk, ws.hidden_size
+        path = expert_path(cfg, ws, routed[2].shape[2])
+        _log_path(cfg, ws, path, "forward")
+        if path.forward == "megakernel":
+            return self._megakernel_forward(cfg, ws, sched, tr, x_TH, router_weights_TK, routed, shared)
         self._send_inputs(cfg, ws, tr, sched, x=x_TH)
         tr.barrier(3)
         ring_x, ring_a, ring_b = self._routed_forward(cfg, ws, sched, tr, routed, outputs=True)
@@ -726,6 +802,25 @@ class NativeBackend:
         y = self._combine(tr, ys, tr.view["rows"][: T * K], w, T, K, H)
         self._after_call(tr)
         return y, ForwardContext(sched, self.name, ring_x, ring_a, ring_b, shared_a, shared_b)
+
+    def _megakernel_forward(
+        self, cfg: MoKConfig, ws: Workspace, sched: Schedule, tr: Transport, x_TH: torch.Tensor,
+        router_weights_TK: torch.Tensor, routed: Weights3, shared: Weights3 | None,
+    ) -> tuple[torch.Tensor, ForwardContext]:  # fmt: skip
+        """One rank: the shared expert, the routed experts in one launch (each route's row into
+        `rows`), the combine. No barrier (there is no peer) and no routed copy of x: the context
+        keeps none (x_routed has 0 rows), and the backward gathers the rows again."""
+        T, K, H = sched.num_tokens, sched.topk, ws.hidden_size
+        ys, shared_a, shared_b = self._shared_forward(cfg, x_TH, shared, outputs=True)
+        rows = tr.view["rows"]
+        a, b = megakernel.moe_forward(
+            ws, sched, x_TH, routed, rows, tr.error, limit=cfg.swiglu_limit, timeout_ns=tr.timeout_ns
+        )
+        w = router_weights_TK.float().reshape(-1).contiguous()
+        y = self._combine(tr, ys, rows[: T * K], w, T, K, H)
+        self._after_call(tr)
+        not_kept = x_TH.new_empty(0, H)
+        return y, ForwardContext(sched, self.name, not_kept, a, b, shared_a, shared_b)
 
     def _recompute_forward_context(
         self,
@@ -743,6 +838,8 @@ class NativeBackend:
         _, shared_a, shared_b = self._shared_forward(cfg, x_TH, shared, outputs=False)
         tr.barrier(8)  # every rank has pulled: x_src may be rewritten
         self._after_call(tr)
+        if expert_path(cfg, ws, routed[2].shape[2]).forward == "megakernel":
+            ring_x = x_TH.new_empty(0, ws.hidden_size)  # the context the megakernel's forward keeps
         return ForwardContext(sched, self.name, ring_x, ring_a, ring_b, shared_a, shared_b)
 
     # ------------------------------------------------------------------ backward
@@ -818,8 +915,11 @@ class NativeBackend:
         T, K, H, El = sched.num_tokens, sched.topk, ws.hidden_size, ws.num_local_experts
         inner = routed[2].shape[2]
         replay = replays_in_backward(cfg, ws)
+        # The megakernel's forward keeps no routed x rows (a context with pre-activations but no x
+        # rows): they are gathered again here.
+        kept = ctx.x_routed_MH.shape[0] == ctx.a_MI.shape[0]
         w_TK = router_weights_TK.float().reshape(-1).contiguous()
-        self._send_inputs(cfg, ws, tr, sched, x=x_TH if replay else None, dy=dy_TH, w=w_TK)
+        self._send_inputs(cfg, ws, tr, sched, x=x_TH if replay or not kept else None, dy=dy_TH, w=w_TK)
         tr.barrier(5)
         rows, macro, mini, offsets = self._rows_plan(cfg, ws, sched, inner)
         dev, nw = ws.device, cfg.bwd_num_comm_sms
@@ -842,7 +942,14 @@ class NativeBackend:
         # The GPU backward's weight gradients take 64-row blocks from each segment start: every
         # macrobatch boundary and segment start must be a multiple of 64 for a split to carry
         # exactly (docs/determinism.md "The GPU GEMMs"); otherwise the reference arithmetic.
-        gpu_backward = tensor_cores and gpu_backward_kernels(cfg)
+        path = expert_path(cfg, ws, inner)
+        _log_path(cfg, ws, path, "backward")
+        gpu_backward = tensor_cores and path.backward == "tensor-cores"
+        if not kept and not gpu_backward:
+            raise ValueError(
+                "ctx keeps no routed x rows (the megakernel's forward), but this backward runs the "
+                f"{path.backward!r} experts, which read them: use the same config as the forward"
+            )
         if tensor_cores:
             wg_k, wu_k, wd_k = (w.contiguous() for w in routed)
             segments = sched.expert_offsets_El1.to(torch.int64)
@@ -887,9 +994,9 @@ class NativeBackend:
                 # its weight gradients read and write each expert's fp32 accumulators once.
                 n, nw = hi - lo, self._movers(cfg, ws, backward=True)
                 pushed = cfg.dispatch == "push"  # the GEMMs read pushed rows where they are
-                if m == 0:
+                if m == 0 and kept:
                     xs = ctx.x_routed_MH[:n]
-                elif pushed:  # replay: the re-dispatched x, and the pre-activations recomputed
+                elif pushed:  # replay (or not kept): the re-dispatched x; a replay recomputes a, b
                     xs = self._received(cfg, tr, "x_recv", lo, hi)
                 else:
                     xs = self._receive(cfg, tr, sched, "x", self._pulled_rows(cfg, n, H, dev), lo, K, nw)

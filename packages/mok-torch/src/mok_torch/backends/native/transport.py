@@ -10,8 +10,8 @@ that its peers read (pulls) and write (pushes) directly:
     w_src       fp32  [Tmax*K]    backward router weights, pulled per route
     rows        bf16  [Tmax*K, H] pushed expert outputs (forward) / dx rows (backward), one per route
     d_w         fp32  [Tmax*K]    pushed router-weight gradients, one per route
-    route_row   int32 [Tmax*K]    each route's row in its expert rank's table, pushed by that
-                                  rank while it builds the schedule
+    route_row   int32 [Tmax*K]    each route's row in its expert rank's table, written by that
+                                  rank's table build (mok_core.build_table)
     pad         uint64 [R]        barrier slots: slot s holds the last epoch rank s announced
 
 The direction of each transfer is a setting (MoKConfig.dispatch / .combine). The defaults
@@ -53,6 +53,7 @@ STAGES = {
     6: "backward: gradients pushed",
     7: "recompute: inputs written",
     8: "recompute: rows pulled",
+    9: "forward megakernel: a down tile waiting for its rows' gate/up tiles (this GPU)",
 }
 
 
@@ -128,8 +129,6 @@ class Transport:
         self._add_segment(self.fields, self.nbytes)
         self.directions: set[str] = set()  # exchange segments made so far
         self.epoch = torch.zeros(1, dtype=torch.int64, device=self.device)
-        # 0, 1, ..., C-1: what an expert rank pushes to each route to tell it its table row
-        self.row_index = torch.arange(ws.capacity, dtype=torch.int32, device=self.device)
         # (host copy of the error flag, event) of the last GPU call, read by the next one
         self.pending: tuple[torch.Tensor, Any] | None = None
         self.error = torch.zeros(4, dtype=torch.int32, device=self.device)
@@ -195,6 +194,8 @@ class Transport:
         return torch.cuda.current_stream(self.device).cuda_stream if self.dev == "cuda" else 0
 
     def barrier(self, stage: int) -> None:
+        if self.ws.world_size == 1:
+            return  # no peer to meet: the stream already orders this rank's own work
         ok = self.core.barrier(
             self.dev,
             self.epoch.data_ptr(),

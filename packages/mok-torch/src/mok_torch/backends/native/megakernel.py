@@ -1,0 +1,86 @@
+"""The forward megakernel on tensors: `mok_bf16.moe_forward`, with its outputs and task state.
+
+One persistent launch runs every routed expert tile of a layer call (docs/megakernel.md): the
+gate/up tiles gather their x rows from the token rows by the schedule table, the down tiles
+wait on per-row-tile counters and store each output row at its route. The cuda backend calls it
+between the schedule and the combine; its bits are those of the chain of grouped kernels.
+
+Shape letters: T tokens, H hidden, I inner size, K top-k, El local experts, C the schedule
+table's capacity.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...structs import Schedule
+from ...workspace import Workspace
+
+BF16 = torch.bfloat16
+# The transport's stage number a timed-out dependency reports (transport.STAGES names it).
+STAGE = 9
+
+
+def task_state(ws: Workspace) -> torch.Tensor:
+    """The workspace's ticket queue and dependency counters (zero; every launch leaves them zero)."""
+    state = ws.state.get("megakernel")
+    if state is None:
+        import mok_bf16
+
+        nbytes = mok_bf16.moe_forward_state_bytes(ws.capacity, ws.num_local_experts)
+        state = ws.state["megakernel"] = torch.zeros(-(-nbytes // 8), dtype=torch.int64, device=ws.device)
+    return state
+
+
+def moe_forward(
+    ws: Workspace,
+    sched: Schedule,
+    x_TH: torch.Tensor,
+    routed: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    rows_out: torch.Tensor,
+    error: torch.Tensor,
+    *,
+    limit: float | None,
+    timeout_ns: int,
+    num_sms: int = 0,
+    inject_missing_dependency: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routed experts of one call: y of every route into rows_out [>= T*K, H] (row t*K + k),
+    and the pre-activations a, b [C, I] of every table row (zero past the last segment).
+
+    x_TH bf16 [T, H] contiguous; routed (Wg, Wu [El, I, H], Wd [El, H, I]) bf16; error the
+    transport's int32 [4] error words (a dependency that times out is recorded there).
+    """
+    import mok_bf16
+
+    wg, wu, wd = (w.contiguous() for w in routed)
+    T, H = x_TH.shape
+    El, inner = wg.shape[:2]
+    C = ws.capacity
+    dev = x_TH.device
+    a = torch.empty(C, inner, dtype=BF16, device=dev)
+    b = torch.empty(C, inner, dtype=BF16, device=dev)
+    h = torch.empty(C, inner, dtype=BF16, device=dev)
+    mok_bf16.moe_forward(
+        "cuda", x_TH.data_ptr(), sched.row_route_C.data_ptr(), sched.expert_offsets_El1.data_ptr(),
+        wg.data_ptr(), wu.data_ptr(), wd.data_ptr(), a.data_ptr(), b.data_ptr(), h.data_ptr(),
+        rows_out.data_ptr(), task_state(ws).data_ptr(), error.data_ptr(), C, T, H, inner, El, sched.topk,
+        limit=limit, num_sms=num_sms, timeout_ns=timeout_ns, stage=STAGE, rank=ws.rank,
+        inject_missing_dependency=inject_missing_dependency, stream=torch.cuda.current_stream(dev).cuda_stream,
+    )  # fmt: skip
+    return a, b
+
+
+def available(device: torch.device) -> bool:
+    """Whether the installed mok-bf16 has the megakernel and it runs on `device` (sm_90)."""
+    try:
+        import mok_bf16
+    except ImportError:
+        return False
+    build: Any = mok_bf16.build_info()
+    if not hasattr(mok_bf16, "moe_forward") or "cuda" not in build["backends"]:
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return device.type == "cuda" and torch.cuda.get_device_capability(index) == (9, 0)

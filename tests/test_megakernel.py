@@ -1,0 +1,223 @@
+"""The forward megakernel (docs/megakernel.md): bitwise the chain of grouped kernels it replaces,
+within bf16 tolerance of the float64 loop, the same bits for any grid, capturable in a CUDA graph,
+and a dependency that never arrives becomes an error instead of a hang.
+
+GPU tests skip, with the reason, on a machine without an sm_90 GPU; the path-selection tests run
+everywhere.
+
+Shape letters: T tokens, H hidden, I inner size, E experts, K top-k, Is shared inner size, C the
+schedule table's capacity.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import CONTRACT_KEYS, assert_bitwise, assert_close, run_functional
+from reference.moe_loop import moe_loop
+
+import mok_torch as mok
+from mok_torch.backends import native
+from mok_torch.backends.native import megakernel
+from mok_torch.testing import make_inputs
+
+GPU = (
+    torch.cuda.is_available()
+    and torch.cuda.get_device_capability() == (9, 0)
+    and megakernel.available(torch.device("cuda"))
+)
+needs_gpu = pytest.mark.skipif(not GPU, reason="needs an sm_90 GPU and mok-bf16 built with CUDA; none here")
+
+
+def cuda_config(**kw) -> mok.MoKConfig:
+    kw.setdefault("expert_alignment", 128)
+    return mok.MoKConfig(backend="cuda", **kw)
+
+
+# (T, H, I, E, K, Is, routing, limit): awkward sizes, every routing, empty experts, one expert
+# with every row, one token, a prime T, K = 1, H not a multiple of 256, I not of 128.
+CASES = [
+    pytest.param(300, 128, 128, 8, 2, 0, "balanced", None, id="balanced"),
+    pytest.param(257, 256, 192, 16, 4, 0, "skewed", None, id="skewed-I192"),
+    pytest.param(200, 320, 128, 8, 2, 0, "worst", None, id="worst-H320"),
+    pytest.param(150, 128, 256, 16, 2, 0, "sparse", 0.5, id="empty-experts-limit"),
+    pytest.param(1, 128, 64, 4, 1, 0, "balanced", None, id="one-token-K1"),
+    pytest.param(1021, 192, 128, 4, 1, 64, "worst", None, id="prime-T-one-expert-shared"),
+    pytest.param(640, 1024, 640, 8, 8, 0, "balanced", None, id="long-K-K8"),
+]
+
+
+# ------------------------------------------------------------------ path selection (any machine)
+
+
+def test_expert_path_is_decided_in_one_place():
+    dev = torch.device("cuda" if GPU else "cpu")
+    for cfg in (cuda_config() if GPU else mok.MoKConfig(backend="cpu"), mok.MoKConfig(expert_alignment=32)):
+        ws = mok.create_workspace(cfg, None, device=dev, max_tokens=64, hidden_size=128, topk=2, num_experts=4)
+        path = native.expert_path(cfg, ws, 128)
+        assert path.forward in ("megakernel", "tensor-cores", "fp8-cores", "cpu-kernels", "reference")
+        if dev.type == "cpu":
+            assert path.forward == path.backward != "megakernel"
+    assert set(native.describe_expert_paths(dev)) == {"bf16", "mxfp8"}
+
+
+def test_megakernel_knob_is_checked():
+    with pytest.raises(TypeError, match="megakernel"):
+        mok.MoKConfig(megakernel=1)
+
+
+@needs_gpu
+def test_megakernel_is_the_default_path_at_one_rank():
+    dev = torch.device("cuda")
+
+    def path(**kw):
+        cfg = cuda_config(**kw)
+        ws = mok.create_workspace(cfg, None, device=dev, max_tokens=64, hidden_size=128, topk=2, num_experts=4)
+        return native.expert_path(cfg, ws, 128)
+
+    assert path() == ("megakernel", "tensor-cores")
+    assert path(megakernel=False) == ("tensor-cores", "tensor-cores")
+    assert path(expert_alignment=32) == ("tensor-cores", "reference")  # the backward needs 64-row blocks
+    assert path(macrobatch_size=128) == ("tensor-cores", "tensor-cores")  # a replay keeps the chain
+
+
+# ------------------------------------------------------------------ GPU
+
+
+@needs_gpu
+@pytest.mark.parametrize("T,H,I,E,K,Is,routing,limit", CASES)
+def test_megakernel_is_bitwise_the_chain(T, H, I, E, K, Is, routing, limit):
+    inp = make_inputs(T, H, I, E, K, Is, routing, seed=T + H)
+    fused = run_functional(inp, cuda_config(swiglu_limit=limit), device="cuda")
+    chain = run_functional(inp, cuda_config(swiglu_limit=limit, megakernel=False), device="cuda")
+    keys = CONTRACT_KEYS + (("dWg_s", "dWu_s", "dWd_s") if Is else ())
+    assert_bitwise(chain, fused, keys, what="megakernel vs chain: ")
+    assert int(fused["saved_rows"]) == 0, "the megakernel keeps no routed copy of x"
+
+
+@needs_gpu
+@pytest.mark.parametrize("T,H,I,E,K,Is,routing,limit", CASES[:4])
+def test_megakernel_matches_fp64_loop(T, H, I, E, K, Is, routing, limit):
+    inp = make_inputs(T, H, I, E, K, Is, routing, seed=T + 2)
+    got = run_functional(inp, cuda_config(swiglu_limit=limit), device="cuda", wgrad_dtype=torch.float32)
+    want = moe_loop(inp.x_TH, inp.top_experts_TK, inp.router_weights_TK, inp.routed, inp.shared, inp.dy_TH, limit)
+    assert_close("y", got["y"], want.y)
+    assert_close("dx", got["dx"], want.dx)
+    assert_close("d_router_weights", got["d_router_weights"], want.d_router_weights)
+    for name, w in zip(("dWg", "dWu", "dWd"), want.d_routed, strict=True):
+        assert_close(name, got[name], w)
+
+
+def _direct(T, H, I, E, K, routing, *, num_sms=0, inject=False, timeout_s=30.0, seed=0):
+    """One megakernel launch through megakernel.moe_forward: (a, b, rows, error, state, ws, sched)."""
+    inp = make_inputs(T, H, I, E, K, 0, routing, seed=seed).to("cuda")
+    cfg = cuda_config()
+    ws = mok.create_workspace(cfg, None, device="cuda", max_tokens=T, hidden_size=H, topk=K, num_experts=E)
+    sched = mok.build_schedule(ws, cfg, inp.top_experts_TK)
+    rows = torch.full((T * K, H), float("nan"), dtype=torch.bfloat16, device="cuda")
+    error = torch.zeros(4, dtype=torch.int32, device="cuda")
+    a, b = megakernel.moe_forward(
+        ws, sched, inp.x_TH, inp.routed, rows, error, limit=None, timeout_ns=int(timeout_s * 1e9),
+        num_sms=num_sms, inject_missing_dependency=inject,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    return a, b, rows, error, megakernel.task_state(ws), ws, sched
+
+
+@needs_gpu
+def test_megakernel_bits_do_not_depend_on_the_grid():
+    runs = [_direct(500, 256, 192, 8, 4, "skewed", num_sms=n, seed=1) for n in (1, 7, 0)]
+    for _, _, rows, error, state, _, _ in runs:
+        assert int(error[0]) == 0
+        assert not bool(state.any()), "every launch leaves its task queue and counters zero"
+        assert not bool(rows.isnan().any()), "every route's row is written"
+    for other in runs[1:]:
+        for x, y in zip(runs[0][:3], other[:3], strict=True):
+            assert torch.equal(x, y)
+
+
+@needs_gpu
+def test_megakernel_writes_every_row_of_a_and_b():
+    a, b, _, _, _, ws, sched = _direct(77, 128, 128, 4, 2, "balanced", seed=2)
+    end = int(sched.expert_offsets_El1[-1])
+    assert end < ws.capacity
+    assert not bool(a[end:].any()) and not bool(b[end:].any()), "the capacity's tail is zero"
+
+
+@needs_gpu
+def test_missing_dependency_is_an_error_not_a_hang():
+    *_, error, state, _, _ = _direct(300, 128, 128, 8, 2, "balanced", inject=True, timeout_s=0.05)
+    code, _, stage, _ = error.tolist()
+    assert (code, stage) == (1, megakernel.STAGE), f"error words {error.tolist()}"
+    assert not bool(state.any()), "the launch still ended and reset its state"
+    # The next launch on the same state is right again.
+    again = _direct(300, 128, 128, 8, 2, "balanced")
+    assert int(again[3][0]) == 0
+
+
+@needs_gpu
+def test_missing_dependency_raises_through_the_api():
+    from mok_torch.backends.native.transport import raise_transport_error
+
+    _, _, _, error, _, _, _ = _direct(64, 128, 64, 4, 2, "worst", inject=True, timeout_s=0.02)
+    with pytest.raises(RuntimeError, match="megakernel"):
+        raise_transport_error(error.tolist(), int(0.02e9))
+
+
+@needs_gpu
+def test_megakernel_in_a_cuda_graph():
+    inp = make_inputs(400, 256, 128, 8, 2, 0, "skewed", seed=4).to("cuda")
+    cfg = cuda_config()
+    ws = mok.get_workspace(cfg, None, device="cuda", max_tokens=400, hidden_size=256, topk=2, num_experts=8)
+    eager_sched = mok.build_schedule(ws, cfg, inp.top_experts_TK)
+    eager, _ = mok.forward(cfg, ws, eager_sched, inp.x_TH, inp.router_weights_TK, inp.routed)
+    eager = eager.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            sched = mok.build_schedule(ws, cfg, inp.top_experts_TK)
+            y, _ = mok.forward(cfg, ws, sched, inp.x_TH, inp.router_weights_TK, inp.routed)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, eager)
+
+
+SANITIZE = """
+import torch, mok_torch as mok
+from mok_torch.testing import make_inputs
+inp = make_inputs(70, 128, 64, 4, 2, 0, "skewed", seed=1).to("cuda")
+cfg = mok.MoKConfig(backend="cuda", expert_alignment=64)
+ws = mok.get_workspace(cfg, None, device="cuda", max_tokens=70, hidden_size=128, topk=2, num_experts=4)
+sched = mok.build_schedule(ws, cfg, inp.top_experts_TK)
+y, ctx = mok.forward(cfg, ws, sched, inp.x_TH, inp.router_weights_TK, inp.routed)
+torch.cuda.synchronize()
+print("ran", tuple(y.shape))
+"""
+
+
+@needs_gpu
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
+def test_megakernel_is_sanitizer_clean(tool):
+    if shutil.which("compute-sanitizer") is None:
+        pytest.skip("compute-sanitizer is not on PATH")
+    env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
+    out = subprocess.run(
+        ["compute-sanitizer", f"--tool={tool}", "--kernel-name", "kns=moe_forward", sys.executable, "-c", SANITIZE],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    text = out.stdout + out.stderr
+    assert out.returncode == 0 and "ran (70, 128)" in text, text[-3000:]
+    # memcheck and synccheck end with "ERROR SUMMARY: 0 errors", racecheck with "(0 errors, 0 warnings)".
+    assert "ERROR SUMMARY: 0 errors" in text or "(0 errors, 0 warnings)" in text, text[-3000:]
