@@ -18,6 +18,8 @@ def test_info(capsys):
     info = json.loads(capsys.readouterr().out)
     assert "reference" in info["backends"]["bf16"]
     assert info["mok_torch"] == __import__("mok_torch").__version__
+    assert set(info["expert_paths"]) == {"bf16", "mxfp8"}  # which implementation runs the experts
+    assert info["expert_paths"]["bf16"].startswith("forward ")
 
 
 def test_unknown_command_fails():

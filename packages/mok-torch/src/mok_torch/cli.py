@@ -12,6 +12,7 @@ def _info(_: list[str]) -> int:
 
     import mok_torch as mok
     from mok_torch.backends import entry_point_errors
+    from mok_torch.backends.native import describe_expert_paths
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     info = {
@@ -20,6 +21,8 @@ def _info(_: list[str]) -> int:
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "backends": {p: mok.available_backends(p, device) for p in ("bf16", "mxfp8")},
         "auto": {p: _auto(p, device) for p in ("bf16", "mxfp8")},
+        # what runs the routed experts with the default config at one rank (H, I multiples of 64)
+        "expert_paths": describe_expert_paths(torch.device(device)),
         "compiled_packages": mok.compiled_packages(),
         "entry_point_errors": entry_point_errors(),
     }
