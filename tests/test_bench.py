@@ -109,7 +109,11 @@ def test_shapes():
     assert resolve_shapes("mixtral-8x7b", 3)[0].skip is not None  # 8 experts over 3 ranks
     (custom,) = resolve_shapes("H=64,I=32,E=8,K=2,T=5,Is=16", 2)
     assert (custom.hidden, custom.local_experts, custom.tokens, custom.shared_inner) == (64, 4, 5, 16)
-    assert len(resolve_shapes("all", 1)) == 7
+    assert len(resolve_shapes("all", 1)) == 9
+    sonic = {s.name: s for s in resolve_shapes("sonic", 1)}
+    assert set(sonic) == {"sonic-7b", "qwen3-30b-a3b", "deepseek-v3-e32", "mixtral-8x7b"}
+    assert (sonic["sonic-7b"].tokens, sonic["sonic-7b"].inner, sonic["sonic-7b"].experts) == (24576, 256, 128)
+    assert all(s.shared_inner == 0 for s in sonic.values()) and sonic["deepseek-v3-e32"].experts == 32
     with pytest.raises(ValueError, match="unknown shape"):
         resolve_shapes("nope", 1)
 

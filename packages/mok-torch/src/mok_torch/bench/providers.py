@@ -17,7 +17,12 @@ backward through autograd (`y.backward(dy)`), and checks it twice for bitwise re
   _grouped_mm has no backward), rows sent back, `index_add` combine. `torch-a2a-compile`
   runs the expert computation under torch.compile (max-autotune, no CUDA graphs).
 - `torch-loop`: the eager Hugging Face per-expert loop, one rank, small shapes.
-- `deepep`, `sonicmoe`: reported as skipped unless importable.
+- `sonicmoe`: SonicMoE's `moe_general_routing_inputs` on the same routing (one GPU, no shared
+  expert), its weights in its own layout (gate and up rows interleaved), made once per case from
+  the same values; they are its own leaves, so its weight gradients are not among the ones the
+  determinism check compares (y, dx and the router-weight gradient are). Skipped, with the
+  reason, where it is not importable.
+- `deepep`: reported as skipped unless importable.
 """
 
 from __future__ import annotations
@@ -421,6 +426,50 @@ class OptionalProvider(Provider):
         return f"{self.module} is importable, but the harness has no {self.name} provider yet"
 
 
+class SonicMoEProvider(Provider):
+    """SonicMoE (arXiv 2512.14080) on the case's routing: the one-GPU peer on Hopper."""
+
+    name = "sonicmoe"
+
+    def unavailable(self, shape: Shape, ranks: Ranks, settings: Settings) -> str | None:
+        if not ranks.cuda:
+            return "CUDA only"
+        if ranks.world > 1:
+            return "one GPU only (its expert parallelism is not wired into this harness)"
+        if shape.shared_inner:
+            return "SonicMoE has no shared expert (compare it on the shapes without one)"
+        try:
+            importlib.import_module("sonicmoe")
+        except Exception as exc:  # any import failure means "not here"
+            return f"not importable (sonicmoe: {type(exc).__name__}: {exc})"
+        return None
+
+    def prepare(self, call: LayerCall, ranks: Ranks, settings: Settings) -> Forward:
+        from sonicmoe import moe_general_routing_inputs
+        from sonicmoe.enums import ActivationType
+
+        wg, wu, wd = (w.detach() for w in call.routed)
+        E, I, H = wg.shape
+        # c_fc [E, 2I, H]: row 2i is gate row i, row 2i + 1 up row i (its interleaved layout).
+        c_fc = torch.stack([wg, wu], dim=2).reshape(E, 2 * I, H).requires_grad_()
+        c_proj = wd.clone().requires_grad_()
+        T, K = call.top_experts_TK.shape
+        dev = call.x_TH.device
+        # Routes in token order (its token indices must be sorted), as int32.
+        token_idx = torch.arange(T, device=dev, dtype=torch.int32).repeat_interleave(K)
+        expert_idx = call.top_experts_TK.reshape(-1).to(torch.int32)
+
+        def forward() -> torch.Tensor:
+            c_fc.grad = c_proj.grad = None
+            y, _ = moe_general_routing_inputs(
+                call.x_TH, call.router_weights_TK.reshape(-1), token_idx, expert_idx, c_fc.permute(1, 2, 0), None,
+                c_proj.permute(1, 2, 0), None, E, torch.cuda.current_stream(dev).cuda_stream, ActivationType.SWIGLU,
+            )  # fmt: skip
+            return y
+
+        return forward
+
+
 def make_providers(names: list[str], backends: list[str], precision: str) -> list[Provider]:
     """Providers for `--providers` (mok expands to one per `--backend`)."""
     providers: list[Provider] = []
@@ -439,7 +488,7 @@ def make_providers(names: list[str], backends: list[str], precision: str) -> lis
         elif name == "deepep":
             providers.append(OptionalProvider(name, "deep_ep"))
         elif name == "sonicmoe":
-            providers.append(OptionalProvider(name, "sonicmoe"))
+            providers.append(SonicMoEProvider())
         else:
             raise ValueError(f"unknown provider {name!r}; known: {', '.join(KNOWN_PROVIDERS)}")
     seen: set[str] = set()

@@ -3,9 +3,10 @@
 For each shape the runner makes this rank's weights, x and dy once; for each routing the
 routes; for each provider it measures, in order (each a collective when R > 1):
 
-1. the forward and forward+backward times (median of --iters after --warmup; the forward
-   is the whole call, schedule or split sizes included; forward+backward is the forward
-   and `y.backward(dy)` timed together);
+1. the forward and forward+backward times (median of --iters after --warmup, every provider
+   timed in turns; the forward is the whole call, schedule or split sizes included;
+   forward+backward is the forward and `y.backward(dy)` timed together), and the host time to
+   issue each (from an idle device, until the call returns);
 2. the peak device memory of each pass (max_memory_allocated over what was allocated before);
 3. the activation bytes kept for backward;
 4. determinism: forward+backward twice from the same inputs, outputs and every gradient
@@ -29,10 +30,10 @@ from .ceilings import Ceilings, describe_error
 from .inputs import LayerCall, make_call, make_weights, route_counts
 from .providers import Forward, Provider, Settings
 from .shapes import Shape
-from .timing import Ranks, all_ranks, gather_floats, median, reduce_max, synchronize, time_ms
+from .timing import Ranks, all_ranks, gather_floats, host_ms, median, reduce_max, synchronize, time_in_turns
 
 PASSES = ("forward", "forward+backward")
-BASELINE = "torch-a2a"
+BASELINES = {"torch-a2a": "speedup_vs_torch_a2a", "sonicmoe": "speedup_vs_sonicmoe"}
 # Past this many forward flops per rank a CPU run takes minutes per call (the real shapes
 # have ~1000x more): skipped unless --allow-slow.
 CPU_MAX_FLOPS = 6 * 2**28
@@ -76,6 +77,7 @@ def _empty_row(shape: Shape, routing: str, provider: Provider, ranks: Ranks) -> 
         "floor_fraction": {},
         "speedup_vs_torch_a2a": {},
         "peak_mib": {},
+        "host_ms": {},
         "saved_mib": None,
         "saved_method": None,
         "deterministic": None,
@@ -121,47 +123,85 @@ def bitwise_repeatable(ranks: Ranks, forward: Forward, call: LayerCall) -> bool:
     return all_ranks(ranks, same)
 
 
-def measure(
-    provider: Provider,
+def measure_case(
+    providers: list[Provider],
+    reasons: list[str | None],
     call: LayerCall,
     ranks: Ranks,
     opts: Options,
     settings: Settings,
     layer_floors: dict[str, dict[str, floors.Floor]],
-) -> dict[str, Any]:
-    """Every figure of one (shape, routing, provider) case."""
-    row = _empty_row(call.shape, call.routing, provider, ranks)
-    try:
-        forward = provider.prepare(call, ranks, settings)
+    progress: Any = None,
+) -> list[dict[str, Any]]:
+    """Every figure of one (shape, routing) case for every provider. The times of a pass are taken
+    in turns (timing.time_in_turns: iteration i of every provider before iteration i + 1 of any),
+    so the device's clock drift falls on all of them alike; then, per provider, the host time to
+    issue a call, the peak memory, the saved activations and the bitwise repeat."""
+    rows = [
+        skipped_row(call.shape, call.routing, p, ranks, str(r)) if r is not None
+        else _empty_row(call.shape, call.routing, p, ranks)
+        for p, r in zip(providers, reasons, strict=True)
+    ]  # fmt: skip
+    runs: dict[int, tuple[Forward, dict[str, Callable[[], object]]]] = {}
+    for i, (provider, row) in enumerate(zip(providers, rows, strict=True)):
+        if row["status"] != "ok":
+            continue
+        try:
+            forward = provider.prepare(call, ranks, settings)
+        except Exception as exc:
+            row.update(status="error", reason=describe_error(exc))
+            continue
 
-        def forward_backward() -> None:
+        def forward_backward(forward: Forward = forward) -> None:
             forward().backward(call.dy_TH)
 
-        runs = {"forward": forward, "forward+backward": forward_backward}
-        for p in opts.passes:
-            times = time_ms(ranks, runs[p], iters=opts.iters, warmup=opts.warmup, before=call.drop_grads)
+        runs[i] = (forward, {"forward": forward, "forward+backward": forward_backward})
+    for p in opts.passes:
+        live = {i: passes[p] for i, (_, passes) in runs.items() if rows[i]["status"] == "ok"}
+        if progress is not None:
+            progress.set_postfix_str(f"{call.shape.name} {call.routing} {p}")
+        timed = time_in_turns(
+            ranks, {str(i): fn for i, fn in live.items()}, iters=opts.iters, warmup=opts.warmup, before=call.drop_grads
+        )
+        for key, times in timed.items():
+            row = rows[int(key)]
+            if isinstance(times, Exception):
+                row.update(status="error", reason=describe_error(times))
+                continue
             ms = median(times)
             row["times_ms"][p] = times
             row["ms"][p] = ms
             row["tflops"][p] = floors.pass_flops(call.shape, p) / (ms * 1e-3) / 1e12
-            floor = layer_floors[provider.precision][p]
+            floor = layer_floors[providers[int(key)].precision][p]
             row["floor"][p] = floor.asdict()
             row["floor_fraction"][p] = None if floor.ms is None else floor.ms / ms
-            row["peak_mib"][p] = peak_mib(ranks, runs[p], call)
         call.drop_grads()
-        saved, method = provider.saved_bytes(call, forward, ranks)
-        if saved is not None:
-            row["saved_mib"] = reduce_max(ranks, [saved / 2**20])[0]
-        row["saved_method"] = method
-        row["deterministic"] = bitwise_repeatable(ranks, forward, call)
-    except Exception as exc:  # a provider that fails is reported, the run goes on
-        row.update(status="error", reason=describe_error(exc))
-    finally:
-        call.drop_grads()
-        _free(ranks)
-    if not all_ranks(ranks, row["status"] == "ok") and row["status"] == "ok":
-        row.update(status="error", reason="failed on another rank")
-    return row
+    for i, (forward, run) in runs.items():
+        row, provider = rows[i], providers[i]
+        if progress is not None:
+            progress.set_postfix_str(f"{call.shape.name} {call.routing} {provider.name}")
+        try:
+            if row["status"] == "ok":
+                for p in opts.passes:
+                    row["host_ms"][p] = host_ms(ranks, run[p], before=call.drop_grads)
+                    row["peak_mib"][p] = peak_mib(ranks, run[p], call)
+                call.drop_grads()
+                saved, method = provider.saved_bytes(call, forward, ranks)
+                if saved is not None:
+                    row["saved_mib"] = reduce_max(ranks, [saved / 2**20])[0]
+                row["saved_method"] = method
+                row["deterministic"] = bitwise_repeatable(ranks, forward, call)
+        except Exception as exc:  # a provider that fails is reported, the run goes on
+            row.update(status="error", reason=describe_error(exc))
+        finally:
+            call.drop_grads()
+    _free(ranks)
+    for row in rows:
+        if not all_ranks(ranks, row["status"] != "error") and row["status"] == "ok":
+            row.update(status="error", reason="failed on another rank")
+    if progress is not None:
+        progress.update(len(providers))
+    return rows
 
 
 def _free(ranks: Ranks) -> None:
@@ -171,16 +211,17 @@ def _free(ranks: Ranks) -> None:
 
 
 def add_speedups(rows: list[dict[str, Any]]) -> None:
-    """speedup[pass] = torch-a2a's time / the provider's, within one (shape, routing)."""
-    base = next((r for r in rows if r["provider"] == BASELINE and r["status"] == "ok"), None)
-    if base is None:
-        return
-    for row in rows:
-        if row["status"] != "ok":
-            continue
-        for p, ms in row["ms"].items():
-            if p in base["ms"]:
-                row["speedup_vs_torch_a2a"][p] = base["ms"][p] / ms
+    """speedup_vs_<baseline>[pass] = the baseline's time / the provider's, within one (shape,
+    routing), for the baselines torch-a2a and sonicmoe (where each ran)."""
+    for baseline, key in BASELINES.items():
+        base = next((r for r in rows if r["provider"] == baseline and r["status"] == "ok"), None)
+        for row in rows:
+            row.setdefault(key, {})
+            if base is None or row["status"] != "ok":
+                continue
+            for p, ms in row["ms"].items():
+                if p in base["ms"]:
+                    row[key][p] = base["ms"][p] / ms
 
 
 def case_floors(
@@ -252,16 +293,7 @@ def run_cases(
         for routing in opts.routings:
             call = make_call(shape, routing, weights, ranks)
             layer_floors = case_floors(call, ranks, ceilings, precisions)
-            case_rows = []
-            for provider, reason in zip(providers, reasons, strict=True):
-                if progress is not None:
-                    progress.set_postfix_str(f"{shape.name} {routing} {provider.name}")
-                if reason is not None:
-                    case_rows.append(skipped_row(shape, routing, provider, ranks, reason))
-                else:
-                    case_rows.append(measure(provider, call, ranks, opts, settings, layer_floors))
-                if progress is not None:
-                    progress.update()
+            case_rows = measure_case(providers, reasons, call, ranks, opts, settings, layer_floors, progress)
             add_speedups(case_rows)
             rows += case_rows
             del call

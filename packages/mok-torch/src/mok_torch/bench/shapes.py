@@ -8,7 +8,9 @@ Two families:
 - seed slices: the seed's EP-64 runs cut to one GPU's share. Each GPU keeps E_model / 64
   local experts and 2,048 tokens, so E = R * E_model / 64 grows with R; Is = I. At R = 1
   three of them have fewer experts than K and are skipped (they cannot be routed).
-- public models: full expert counts, 8,192 tokens per GPU; E must be divisible by R.
+- public models: full expert counts, 8,192 tokens per GPU (SonicMoE's fine-grained 7B: 24,576);
+  E must be divisible by R. `deepseek-v3-e32` is DeepSeek-V3 cut to E/8 = 32 experts without its
+  shared expert: the coarse shape of the one-GPU comparison with SonicMoE (which has none).
 
 `--shapes` also takes custom shapes, `H=..,I=..,E=..,K=..,T=..[,Is=..]` (E in all), and
 the tiny `quick` shapes the CPU smoke run uses.
@@ -46,6 +48,7 @@ class PublicModel:
     inner: int
     topk: int
     shared_inner: int
+    tokens: int = PUBLIC_TOKENS
 
 
 SEED_SLICES = (
@@ -58,7 +61,11 @@ PUBLIC_MODELS = (
     PublicModel("qwen3-30b-a3b", 128, 2048, 768, 8, 0),
     PublicModel("deepseek-v3", 256, 7168, 2048, 8, 2048),
     PublicModel("mixtral-8x7b", 8, 4096, 14336, 2, 0),
+    PublicModel("sonic-7b", 128, 1536, 256, 8, 0, tokens=24576),
+    PublicModel("deepseek-v3-e32", 32, 7168, 2048, 8, 0),
 )
+# The shapes of the one-GPU comparison with SonicMoE (BENCHMARKS.md): `--shapes sonic`.
+SONIC_SHAPES = ("sonic-7b", "qwen3-30b-a3b", "deepseek-v3-e32", "mixtral-8x7b")
 
 
 @dataclass(frozen=True)
@@ -114,7 +121,7 @@ def seed_shape(s: SeedSlice, world: int) -> Shape:
 
 
 def public_shape(m: PublicModel, world: int) -> Shape:
-    return _checked(Shape(m.name, "public", m.hidden, m.inner, m.experts, m.topk, PUBLIC_TOKENS, m.shared_inner, world))
+    return _checked(Shape(m.name, "public", m.hidden, m.inner, m.experts, m.topk, m.tokens, m.shared_inner, world))
 
 
 def quick_shapes(world: int) -> list[Shape]:
@@ -166,7 +173,8 @@ def resolve_shapes(spec: str, world: int) -> list[Shape]:
     """The shapes `--shapes spec` names, in order, without duplicates.
 
     spec: comma list of names (seed slices, public models), `seed`, `public`, `all`,
-    `quick`; `;` separates a custom shape from other items (`seed;H=64,I=32,E=8,K=2,T=64`).
+    `sonic` (the SonicMoE comparison's), `quick`; `;` separates a custom shape from other
+    items (`seed;H=64,I=32,E=8,K=2,T=64`).
     """
     by_name = {s.name: seed_shape(s, world) for s in SEED_SLICES}
     by_name.update({m.name: public_shape(m, world) for m in PUBLIC_MODELS})
@@ -177,6 +185,7 @@ def resolve_shapes(spec: str, world: int) -> list[Shape]:
         "quick": quick_shapes(world),
     }
     groups["all"] = groups["seed"] + groups["public"]
+    groups["sonic"] = [by_name[n] for n in SONIC_SHAPES]
     shapes: list[Shape] = []
     items: list[str] = []
     for piece in spec.split(";"):

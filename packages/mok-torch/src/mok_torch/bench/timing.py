@@ -114,21 +114,43 @@ def time_ms(
     return reduce_max(ranks, times)
 
 
+def host_ms(ranks: Ranks, fn: Callable[[], Any], *, iters: int = 5, before: Callable[[], None] | None = None) -> float:
+    """Median host time in ms to issue `fn()` from an idle device: the time until the call returns,
+    the device still working. A call that waits for the device inside shows its device time here."""
+    times = []
+    for _ in range(iters):
+        if before is not None:
+            before()
+        line_up(ranks)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+        synchronize(ranks)
+    return median(reduce_max(ranks, times))
+
+
 def time_in_turns(
-    ranks: Ranks, fns: dict[str, Callable[[], Any]], *, iters: int, warmup: int
+    ranks: Ranks,
+    fns: dict[str, Callable[[], Any]],
+    *,
+    iters: int,
+    warmup: int,
+    before: Callable[[], None] | None = None,
 ) -> dict[str, list[float] | Exception]:
     """Per-iteration times in ms of several calls taken in turns: after each call's `warmup`
     untimed runs, iteration i of every call is timed before iteration i + 1 of any (each as
     time_ms times one iteration). The device's clock and power state drift over a run (the
     H200's power cap engages after seconds of load): in turns, the drift falls on every call
-    alike instead of on whichever ran last. A call that raises gets its exception instead of
-    times; the others go on.
+    alike instead of on whichever ran last. `before()` runs ahead of every call, untimed. A call
+    that raises gets its exception instead of times; the others go on.
     """
     results: dict[str, list[float] | Exception] = {}
     live: dict[str, Callable[[], Any]] = {}
     for name, fn in fns.items():
         try:
             for _ in range(warmup):
+                if before is not None:
+                    before()
                 fn()
             synchronize(ranks)
         except Exception as exc:  # reported by the caller, not dropped (its frames let go)
@@ -139,7 +161,7 @@ def time_in_turns(
     for _ in range(iters):
         for name, fn in list(live.items()):
             try:
-                times = time_ms(ranks, fn, iters=1, warmup=0)
+                times = time_ms(ranks, fn, iters=1, warmup=0, before=before)
             except Exception as exc:
                 results[name] = exc.with_traceback(None)
                 del live[name]

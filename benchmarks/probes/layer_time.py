@@ -1,0 +1,118 @@
+"""Where a layer call's time goes on the GPU: eager against a CUDA graph of the same call (no host
+work at all), the host time to issue it, and torch.profiler's kernels, for the megakernel path and
+the chain of kernels (MoKConfig.megakernel=False).
+
+    python3 benchmarks/probes/layer_time.py [shape ...] [--profile FILE]
+
+Shapes by bench name (default qwen3-30b-a3b), balanced routing, no shared expert unless the shape
+has one. Prints one line per (shape, path, pass): eager ms, graph ms, host ms; with --profile, the
+profiler's table of one forward + backward per (shape, path) goes to FILE.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import mok_torch as mok
+from mok_torch.bench.inputs import make_call, make_weights
+from mok_torch.bench.shapes import resolve_shapes
+from mok_torch.bench.timing import Ranks
+
+ITERS = 20
+
+
+def median_ms(fn, iters: int = ITERS) -> float:
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def host_ms(fn, iters: int = 5) -> float:
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def graphed(fn):
+    """fn captured in a CUDA graph (after eager warm-up calls); the replay as a function."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("shapes", nargs="*", default=["qwen3-30b-a3b"])
+    p.add_argument("--profile", default=None)
+    ns = p.parse_args()
+    ranks = Ranks(torch.device("cuda", 0), None, 0, 1)
+    report = []
+    for shape in resolve_shapes(",".join(ns.shapes), 1):
+        call = make_call(shape, "balanced", make_weights(shape, ranks), ranks)
+        for fused in (True, False):
+            cfg = mok.MoKConfig(megakernel=fused)
+            path = "megakernel" if fused else "chain"
+
+            def forward(cfg: mok.MoKConfig = cfg, call=call, T: int = shape.tokens) -> torch.Tensor:
+                return mok.moe(call.x_TH, call.top_experts_TK, call.router_weights_TK, call.routed, call.shared,
+                               config=cfg, max_tokens=T)  # fmt: skip
+
+            def forward_backward(forward=forward, call=call) -> None:
+                call.drop_grads()
+                forward().backward(call.dy_TH)
+
+            for name, fn in (("forward", forward), ("forward+backward", forward_backward)):
+                fn()
+                eager, host = median_ms(fn), host_ms(fn)
+                try:
+                    if name == "forward":
+                        with torch.no_grad():
+                            replay = f"{median_ms(graphed(fn)):7.3f} ms"
+                    else:
+                        replay = f"{median_ms(graphed(fn)):7.3f} ms"
+                except Exception as exc:  # a capture that fails is reported, the probe goes on
+                    replay = f"(capture failed: {type(exc).__name__}: {str(exc)[:80]})"
+                line = f"{shape.name:16s} {path:10s} {name:16s} eager {eager:7.3f} ms graph {replay} host {host:.3f} ms"
+                print(line, flush=True)
+                report.append(line)
+            if ns.profile:
+                from torch.profiler import ProfilerActivity, profile
+
+                forward_backward()
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    forward_backward()
+                    torch.cuda.synchronize()
+                report.append(f"\n== {shape.name} {path}: one forward + backward\n")
+                report.append(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+                report.append(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
+    if ns.profile:
+        with open(ns.profile, "w") as f:
+            f.write("\n".join(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""The bench's SonicMoE provider computes the layer mok computes: y, dx and the router-weight
+gradient within bf16 tolerance of mok's, on the GPU (run before timing SonicMoE; its first call of a
+shape also autotunes its GEMMs, so this warms the cache the bench then reads).
+
+    python3 benchmarks/probes/sonicmoe_check.py [shape ...]     (default: qwen3-30b-a3b)
+
+Exit status 1 when a figure is off (or SonicMoE is not importable).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from mok_torch.bench.inputs import make_call, make_weights
+from mok_torch.bench.providers import MokProvider, Settings, SonicMoEProvider
+from mok_torch.bench.shapes import resolve_shapes
+from mok_torch.bench.timing import Ranks
+
+
+def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double(), want.double()
+    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+def main(names: list[str]) -> int:
+    ranks = Ranks(torch.device("cuda", 0), None, 0, 1)
+    settings = Settings(allow_slow=False)
+    ok = True
+    for shape in resolve_shapes(",".join(names or ["qwen3-30b-a3b"]), 1):
+        sonic, mok = SonicMoEProvider(), MokProvider("mok", "auto", "bf16")
+        why = sonic.unavailable(shape, ranks, settings)
+        if why is not None:
+            print(f"{shape.name}: sonicmoe unavailable: {why}")
+            return 1
+        call = make_call(shape, "balanced", make_weights(shape, ranks), ranks)
+        out = {}
+        for provider in (mok, sonic):
+            t0 = time.perf_counter()
+            call.drop_grads()
+            y = provider.prepare(call, ranks, settings)()
+            y.backward(call.dy_TH)
+            torch.cuda.synchronize()
+            out[provider.name] = (y.detach().clone(), call.x_TH.grad.clone(), call.router_weights_TK.grad.clone())
+            print(f"{shape.name}: {provider.name} first forward+backward {time.perf_counter() - t0:.1f} s")
+        for i, what in enumerate(("y", "dx", "d_router_weights")):
+            err = rel_l2(out["sonicmoe"][i], out["mok"][i])
+            good = err <= 2e-2 and bool(torch.isfinite(out["sonicmoe"][i]).all())
+            ok &= good
+            print(f"{shape.name}: sonicmoe vs mok {what}: relative L2 {err:.2e} {'ok' if good else 'OFF'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
