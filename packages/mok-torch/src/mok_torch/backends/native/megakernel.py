@@ -11,6 +11,7 @@ table's capacity.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -75,6 +76,13 @@ def moe_forward(
 
 def available(device: torch.device) -> bool:
     """Whether the installed mok-bf16 has the megakernel and it runs on `device` (sm_90)."""
+    if device.type != "cuda":
+        return False
+    return _available_on(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _available_on(index: int) -> bool:  # asked on every call: answered once per device
     try:
         import mok_bf16
     except ImportError:
@@ -82,5 +90,4 @@ def available(device: torch.device) -> bool:
     build: Any = mok_bf16.build_info()
     if not hasattr(mok_bf16, "moe_forward") or "cuda" not in build["backends"]:
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return device.type == "cuda" and torch.cuda.get_device_capability(index) == (9, 0)
+    return torch.cuda.get_device_capability(index) == (9, 0)
