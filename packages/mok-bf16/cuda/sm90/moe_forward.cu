@@ -6,13 +6,18 @@
 // column tile, row tile fastest):
 //   gate/up tiles  [a, b] = x[rows] @ [Wg_e; Wu_e]^T, 128 rows x (128 columns of each weight).
 //                  The rows' x are gathered from the token rows (row -> route t*K + k -> token t)
-//                  by the operand loads themselves: no routed copy of x exists. Epilogue: a, b
-//                  and h = bf16(silu(a_c) * b_c) (the reference's element math), bf16.
+//                  by the operand loads themselves: no routed copy of x exists. Epilogue: a and
+//                  b, bf16 (as the chain's gate/up GEMM).
+//   SwiGLU tasks   h = bf16(silu(a_c) * b_c) (the reference's element math) for the 128 x 128
+//                  elements of one gate/up tile, read back from L2 by the consumer warpgroups.
+//                  Not in the gate/up epilogue: its sigmoid lookups there stalled the wgmmas
+//                  (NOTES.md, session 11: the tensor pipe 48 % busy against the chain's 82 %).
 //   down tiles     y = h[rows] @ Wd_e^T, 128 rows x 256 columns. Epilogue: each row stored at its
 //                  route's row of `rows_out` (t*K + k; padding rows nowhere): nothing is summed
 //                  here, the fixed-order combine follows in its own launch.
-// A down tile depends on every gate/up tile of its row tile: a counter per row tile, bumped by each
-// consumer warpgroup of a gate/up tile once its h rows are stored (target 2 x the column tiles).
+// One counter per row tile orders them: each consumer warpgroup bumps it once its part of a
+// gate/up tile is stored, and again once its part of a SwiGLU task is; a SwiGLU task waits for
+// 2 x the column tiles (every gate/up tile of the row tile), a down tile for 4 x.
 //
 // One CTA per SM, 384 threads:
 //   producer warpgroup (40 registers). Thread 0 takes the tickets and hands them to everyone
@@ -33,8 +38,9 @@
 //     wgmma group in flight, the second warpgroup kLagBlocks k-blocks behind the first) and its
 //     deferred bf16 epilogue: a tile's results are stored in 8 pieces under the next task's first
 //     k-blocks. A gate/up tile's counter is bumped after its last piece; when the next task is a
-//     down tile the pieces are stored before its first k-block (its producer may be waiting for
-//     that very counter), so no wait can depend on work queued behind it.
+//     SwiGLU or down task the pieces are stored before it starts (it, or its producer, may be
+//     waiting for that very counter), so no wait can depend on work queued behind it. A SwiGLU
+//     task is the consumers' alone: the producer takes the next ticket at once.
 //
 // Determinism (docs/determinism.md): every output element is the grouped GEMMs' (grouped_gemm.cuh)
 // fp32 sum over K in blocks of 64 by one CTA, rounded once; h the SwiGLU kernel's element math.
@@ -86,7 +92,7 @@ constexpr int kConsumersBarrier = 4;  // both consumer warpgroups (the end of th
 
 using R = gemm::Ring<kStages>;
 
-enum Kind : int { kGateUp = 0, kDown = 1, kNone = 2 };
+enum Kind : int { kGateUp = 0, kSwiglu = 1, kDown = 2, kNone = 3 };
 
 struct Params {
   const std::uint16_t* x;         // [T, H] token rows
@@ -157,18 +163,21 @@ __device__ inline int gate_up_columns(const Params& p) {
 }
 __device__ inline int down_columns(const Params& p) { return (p.hidden + kDownN - 1) / kDownN; }
 
-// Task t of the list: every gate/up tile, then every down tile.
+// Task t of the list: every gate/up tile, then a SwiGLU task per gate/up tile (in the same
+// order), then every down tile.
 __device__ inline Task decode(const Params& p, const RowTiles& rt, unsigned int t) {
   const int row_tiles = rt.prefix[p.num_experts];
   const int n_gate_up = row_tiles * gate_up_columns(p);
   const int n_down = row_tiles * down_columns(p);
   Task task{};
-  if (t >= static_cast<unsigned int>(n_gate_up + n_down)) {
+  if (t >= static_cast<unsigned int>(2 * n_gate_up + n_down)) {
     task.kind = kNone;
     return task;
   }
-  const bool gate_up = t < static_cast<unsigned int>(n_gate_up);
-  int local = gate_up ? static_cast<int>(t) : static_cast<int>(t) - n_gate_up;
+  int local = static_cast<int>(t);
+  task.kind = local < n_gate_up ? kGateUp : local < 2 * n_gate_up ? kSwiglu : kDown;
+  local -= task.kind == kGateUp ? 0 : task.kind == kSwiglu ? n_gate_up : 2 * n_gate_up;
+  const bool gate_up = task.kind != kDown;  // the gate/up tiles' walk
   const int columns = gate_up ? gate_up_columns(p) : down_columns(p);
   const int block_n = gate_up ? kGateUpN : kDownN;
   int lo = 0, hi = p.num_experts - 1;  // the last expert whose first task is <= local
@@ -187,13 +196,14 @@ __device__ inline Task decode(const Params& p, const RowTiles& rt, unsigned int 
   const int rows = min(kBandTiles, m_tiles - first);
   const int in_band = local - band * kBandTiles * columns;
   const int tile = first + in_band % rows;
-  task.kind = gate_up ? kGateUp : kDown;
   task.expert = e;
   task.row0 = rt.lo[e] + tile * kBlockM;
   task.row_end = rt.hi[e];
   task.col0 = (in_band / rows) * block_n;
   task.rt = rt.prefix[e] + tile;
-  task.k_blocks = (gate_up ? p.hidden : p.inner) / kBlockK;
+  task.k_blocks = task.kind == kGateUp ? p.hidden / kBlockK
+                  : task.kind == kDown  ? p.inner / kBlockK
+                                        : 0;
   return task;
 }
 
@@ -231,21 +241,14 @@ struct Pending {
 };
 
 template <int kChunk>
-__device__ inline void store_piece(const Params& p, const Pending& pend, int consumer,
-                                   const core::TableSigmoid& sig) {
+__device__ inline void store_piece(const Params& p, const Pending& pend, int consumer) {
   if (pend.task.kind == kGateUp) {
     constexpr int kUp = kGateUpN / 4;  // the up columns' words follow the gate's
     for_each_pair_in_chunk<kChunk, kGateUpN>(
         pend.task, consumer, p.inner, [&](int, int row, int col, int w) {
-          const std::uint32_t aw = pend.words.w[w];
-          const std::uint32_t bw = pend.words.w[w + kUp];
-          const std::uint32_t hw =
-              static_cast<std::uint32_t>(core::swiglu_h(lo16(aw), lo16(bw), p.limit, sig)) |
-              (static_cast<std::uint32_t>(core::swiglu_h(hi16(aw), hi16(bw), p.limit, sig)) << 16);
           const std::int64_t at = static_cast<std::int64_t>(row) * p.inner + col;
-          *reinterpret_cast<std::uint32_t*>(p.a + at) = aw;
-          *reinterpret_cast<std::uint32_t*>(p.b + at) = bw;
-          *reinterpret_cast<std::uint32_t*>(p.h + at) = hw;
+          *reinterpret_cast<std::uint32_t*>(p.a + at) = pend.words.w[w];
+          *reinterpret_cast<std::uint32_t*>(p.b + at) = pend.words.w[w + kUp];
         });
   } else {
     for_each_pair_in_chunk<kChunk, kDownN>(
@@ -258,13 +261,59 @@ __device__ inline void store_piece(const Params& p, const Pending& pend, int con
   }
 }
 
-// After a gate/up tile's last piece: the warpgroup's h stores -> the down tiles' copy engine loads
-// in other CTAs (each thread fences its stores for the async proxy; the barrier gathers the
-// warpgroup; one release bumps the counter).
-__device__ inline void signal_gate_up(const Params& p, const Task& task, int consumer) {
-  tasks::fence_proxy_async_global();
+// The warpgroup's stores of a task -> the tasks that wait for the row tile's counter, in other
+// CTAs: the barrier gathers the warpgroup, one release bumps the counter.
+__device__ inline void signal(const Params& p, const Task& task, int consumer) {
   hopper::named_barrier(kConsumerBarrier + consumer, 128);
   if (threadIdx.x % 128 == 0) tasks::add_release(p.ready + task.rt, 1);
+}
+
+// A SwiGLU task, the warpgroup's 64 rows of it: once every gate/up tile of the row tile is stored
+// (`target`), h = swiglu_h(a, b) over the tile's 128 columns. 64 x 128 elements are 1024 vectors of
+// 8: thread t takes vectors t + 128 v (two rows of 256 bytes per warp instruction), kBatch of them
+// loaded before the first is used (a warpgroup has few warps to hide their latency with; the
+// accumulators and the pending tile stay live around this, so registers allow no more).
+__device__ inline void swiglu_task(const Params& p, const Task& task, int consumer, int target,
+                                   const core::TableSigmoid& sig) {
+  constexpr int kVectors = 64 * kGateUpN / 8 / 128;
+  constexpr int kBatch = 4;
+  const int t = threadIdx.x % 128;
+  if (t == 0) tasks::wait_at_least(p.ready + task.rt, target, p.wait);
+  hopper::named_barrier(kConsumerBarrier + consumer, 128);  // the acquire -> every thread's loads
+  const int row0 = task.row0 + 64 * consumer;
+#pragma unroll 1
+  for (int v0 = 0; v0 < kVectors; v0 += kBatch) {
+    uint4 av[kBatch], bv[kBatch];
+    std::int64_t at[kBatch];
+#pragma unroll
+    for (int v = 0; v < kBatch; ++v) {
+      const int q = t + 128 * (v0 + v);
+      const int row = row0 + q / (kGateUpN / 8);
+      const int col = task.col0 + 8 * (q % (kGateUpN / 8));
+      const bool in = row < task.row_end && col < p.inner;  // p.inner: a multiple of 64
+      at[v] = in ? static_cast<std::int64_t>(row) * p.inner + col : -1;
+      // L2, not L1: other CTAs wrote a and b during this launch.
+      av[v] = in ? __ldcg(reinterpret_cast<const uint4*>(p.a + at[v])) : uint4{};
+      bv[v] = in ? __ldcg(reinterpret_cast<const uint4*>(p.b + at[v])) : uint4{};
+    }
+#pragma unroll
+    for (int v = 0; v < kBatch; ++v) {
+      if (at[v] < 0) continue;
+      const std::uint32_t aw[4] = {av[v].x, av[v].y, av[v].z, av[v].w};
+      const std::uint32_t bw[4] = {bv[v].x, bv[v].y, bv[v].z, bv[v].w};
+      std::uint32_t hw[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        hw[i] =
+            static_cast<std::uint32_t>(core::swiglu_h(lo16(aw[i]), lo16(bw[i]), p.limit, sig)) |
+            (static_cast<std::uint32_t>(core::swiglu_h(hi16(aw[i]), hi16(bw[i]), p.limit, sig))
+             << 16);
+      }
+      *reinterpret_cast<uint4*>(p.h + at[v]) = make_uint4(hw[0], hw[1], hw[2], hw[3]);
+    }
+  }
+  tasks::fence_proxy_async_global();  // the h stores -> the down tiles' copy engine loads
+  signal(p, task, consumer);
 }
 
 __global__ void __launch_bounds__(kThreads, 1)
@@ -299,7 +348,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     hopper::fence_barrier_init();
   }
   __syncthreads();
-  const int gate_up_target = 2 * gate_up_columns(p);
+  const int gate_up_target = 2 * gate_up_columns(p);  // a row tile's gate/up tiles are stored
+  const int swiglu_target = 2 * gate_up_target;       // ... and its h
 
   if (threadIdx.x < 128) {  // ---------------------------------------------- producer
     hopper::regs_dealloc<kProducerRegs>();
@@ -332,6 +382,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       const Task task = decode(p, row_tiles, t);
       if (task.kind == kNone) break;
+      if (task.kind == kSwiglu) continue;  // the consumers' own: nothing to load
       if (task.kind == kGateUp) {
         // The tile's rows: each one's token (whose x row it reads), or -1 (a padding row, or past
         // the segment: zeros).
@@ -370,7 +421,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       } else {
         if (i == 0) {
           const int extra = p.inject > 0 && task.rt == 0 ? 1 : 0;
-          tasks::wait_at_least(p.ready + task.rt, gate_up_target + extra, p.wait);
+          tasks::wait_at_least(p.ready + task.rt, swiglu_target + extra, p.wait);
           // The acquire above -> the copy engine's reads of h below.
           tasks::fence_proxy_async_global();
         }
@@ -430,9 +481,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Piece kChunk of the pending tile; after the last one a gate/up tile's counter is bumped.
   const auto drain = [&](auto chunk) {
     if (!pend.live) return;
-    store_piece<chunk.value>(p, pend, consumer, sig);
+    store_piece<chunk.value>(p, pend, consumer);
     if constexpr (chunk.value == kDrainChunks - 1) {
-      if (pend.task.kind == kGateUp) signal_gate_up(p, pend.task, consumer);
+      if (pend.task.kind == kGateUp) signal(p, pend.task, consumer);
       pend.live = false;
     }
   };
@@ -448,18 +499,26 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     const Task task = decode(p, row_tiles, t);
     const bool done = task.kind == kNone;
-    if (first_task && !done) {
+    if (first_task && !done && task.kind != kSwiglu) {  // the first GEMM task
       if (consumer == 1) hopper::mbar_wait(&lag, 0);
       first_task = false;
     }
     // The pending tile's pieces go out one after each of this task's first k-blocks, or all of
     // them first (one site in the code: the kernel's size is what its instruction fetch pays for)
-    // when no task is left, when this task has fewer k-blocks than pieces, or when it is a down
-    // tile and the pending one a gate/up tile (this very tile's producer may be waiting for it).
+    // when no task is left, when this task has fewer k-blocks than pieces, or when it waits
+    // for gate/up tiles and the pending one is a gate/up tile (it may be the one waited for).
     const bool flush = pend.live && (done || task.k_blocks < kDrainChunks ||
-                                     (task.kind == kDown && pend.task.kind == kGateUp));
+                                     (task.kind != kGateUp && pend.task.kind == kGateUp));
     if (flush) unroll<kDrainChunks>([&](auto c) { drain(c); });
     if (done) break;
+    if (task.kind == kSwiglu) {
+      // The pending words hold nothing now (the next GEMM task overwrites them): constants, so
+      // that their registers are free for the element math.
+#pragma unroll
+      for (int i = 0; i < kMmaN / 4; ++i) pend.words.w[i] = 0;
+      swiglu_task(p, task, consumer, gate_up_target, sig);
+      continue;
+    }
     hopper::fence_regs(acc.d);
     previous = -1;
     unroll<kDrainChunks>([&](auto c) {
