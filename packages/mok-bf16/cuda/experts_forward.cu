@@ -66,21 +66,7 @@ __global__ void swiglu_h_kernel(const std::uint16_t* a, const std::uint16_t* b, 
           const std::int64_t at = lo * inner + 8 * v;
           const uint4 av = *reinterpret_cast<const uint4*>(a + at);
           const uint4 bv = *reinterpret_cast<const uint4*>(b + at);
-          const std::uint32_t aw[4] = {av.x, av.y, av.z, av.w};
-          const std::uint32_t bw[4] = {bv.x, bv.y, bv.z, bv.w};
-          std::uint32_t hw[4];
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const auto lo16 = [](std::uint32_t w) {
-              return static_cast<std::uint16_t>(w & 0xFFFFu);
-            };
-            const auto hi16 = [](std::uint32_t w) { return static_cast<std::uint16_t>(w >> 16); };
-            hw[i] =
-                static_cast<std::uint32_t>(core::swiglu_h(lo16(aw[i]), lo16(bw[i]), limit, sig)) |
-                (static_cast<std::uint32_t>(core::swiglu_h(hi16(aw[i]), hi16(bw[i]), limit, sig))
-                 << 16);
-          }
-          *reinterpret_cast<uint4*>(h + at) = make_uint4(hw[0], hw[1], hw[2], hw[3]);
+          *reinterpret_cast<uint4*>(h + at) = core::swiglu_h8(av, bv, limit, sig);
         }
       });
 }

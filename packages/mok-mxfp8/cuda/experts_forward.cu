@@ -72,21 +72,12 @@ __global__ void swiglu_hq_kernel(const std::uint16_t* a, const std::uint16_t* b,
           for (int w = 0; w < 4; ++w) {
             const uint4 av = reinterpret_cast<const uint4*>(a + at)[w];
             const uint4 bv = reinterpret_cast<const uint4*>(b + at)[w];
-            const std::uint32_t aw[4] = {av.x, av.y, av.z, av.w};
-            const std::uint32_t bw[4] = {bv.x, bv.y, bv.z, bv.w};
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              const auto lo16 = [](std::uint32_t x) {
-                return static_cast<std::uint16_t>(x & 0xFFFFu);
-              };
-              const auto hi16 = [](std::uint32_t x) { return static_cast<std::uint16_t>(x >> 16); };
-              hw[4 * w + i] =
-                  static_cast<std::uint32_t>(core::swiglu_h(lo16(aw[i]), lo16(bw[i]), limit, sig)) |
-                  (static_cast<std::uint32_t>(core::swiglu_h(hi16(aw[i]), hi16(bw[i]), limit, sig))
-                   << 16);
-            }
-            reinterpret_cast<uint4*>(h + at)[w] =
-                make_uint4(hw[4 * w], hw[4 * w + 1], hw[4 * w + 2], hw[4 * w + 3]);
+            const uint4 hv = core::swiglu_h8(av, bv, limit, sig);
+            hw[4 * w] = hv.x;
+            hw[4 * w + 1] = hv.y;
+            hw[4 * w + 2] = hv.z;
+            hw[4 * w + 3] = hv.w;
+            reinterpret_cast<uint4*>(h + at)[w] = hv;
           }
           std::uint32_t q[kBlock / 4] = {};  // the block's E4M3 bytes, four per word
           const std::uint8_t scale = quantize_block(

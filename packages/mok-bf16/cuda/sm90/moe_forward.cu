@@ -202,14 +202,9 @@ __device__ inline Task decode(const Params& p, const RowTiles& rt, unsigned int 
   task.col0 = (in_band / rows) * block_n;
   task.rt = rt.prefix[e] + tile;
   task.k_blocks = task.kind == kGateUp ? p.hidden / kBlockK
-                  : task.kind == kDown  ? p.inner / kBlockK
-                                        : 0;
+                  : task.kind == kDown ? p.inner / kBlockK
+                                       : 0;
   return task;
-}
-
-__device__ inline std::uint16_t lo16(std::uint32_t w) { return static_cast<std::uint16_t>(w); }
-__device__ inline std::uint16_t hi16(std::uint32_t w) {
-  return static_cast<std::uint16_t>(w >> 16);
 }
 
 // fn(half, row, col, word) for the pairs of piece kChunk (grouped_gemm.cuh's
@@ -298,18 +293,9 @@ __device__ inline void swiglu_task(const Params& p, const Task& task, int consum
     }
 #pragma unroll
     for (int v = 0; v < kBatch; ++v) {
-      if (at[v] < 0) continue;
-      const std::uint32_t aw[4] = {av[v].x, av[v].y, av[v].z, av[v].w};
-      const std::uint32_t bw[4] = {bv[v].x, bv[v].y, bv[v].z, bv[v].w};
-      std::uint32_t hw[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        hw[i] =
-            static_cast<std::uint32_t>(core::swiglu_h(lo16(aw[i]), lo16(bw[i]), p.limit, sig)) |
-            (static_cast<std::uint32_t>(core::swiglu_h(hi16(aw[i]), hi16(bw[i]), p.limit, sig))
-             << 16);
+      if (at[v] >= 0) {
+        *reinterpret_cast<uint4*>(p.h + at[v]) = core::swiglu_h8(av[v], bv[v], p.limit, sig);
       }
-      *reinterpret_cast<uint4*>(p.h + at[v]) = make_uint4(hw[0], hw[1], hw[2], hw[3]);
     }
   }
   tasks::fence_proxy_async_global();  // the h stores -> the down tiles' copy engine loads

@@ -54,6 +54,23 @@ struct TableSigmoid {
   }
 };
 
+// h = swiglu_h(a, b) of eight elements: bf16 values two to a 32-bit word (the lower half first),
+// 16 bytes of a, of b and of h. The SwiGLU kernels' and the megakernel's vectors.
+__device__ inline uint4 swiglu_h8(const uint4& a, const uint4& b, SwigluLimit lim,
+                                  const TableSigmoid& sig) {
+  const std::uint32_t aw[4] = {a.x, a.y, a.z, a.w};
+  const std::uint32_t bw[4] = {b.x, b.y, b.z, b.w};
+  std::uint32_t hw[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const auto lo = [](std::uint32_t w) { return static_cast<std::uint16_t>(w & 0xFFFFu); };
+    const auto hi = [](std::uint32_t w) { return static_cast<std::uint16_t>(w >> 16); };
+    hw[i] = static_cast<std::uint32_t>(swiglu_h(lo(aw[i]), lo(bw[i]), lim, sig)) |
+            (static_cast<std::uint32_t>(swiglu_h(hi(aw[i]), hi(bw[i]), lim, sig)) << 16);
+  }
+  return make_uint4(hw[0], hw[1], hw[2], hw[3]);
+}
+
 // Makes this translation unit's table on the current device before `stream`'s next kernel.
 // The first call on a device fills it and waits for that (once); a call while `stream` is being
 // captured into a CUDA graph puts the fill into the graph instead (every capture: it costs a few
