@@ -2,16 +2,21 @@
 work at all), the host time to issue it, and torch.profiler's kernels, for the megakernel path and
 the chain of kernels (MoKConfig.megakernel=False).
 
-    python3 benchmarks/probes/layer_time.py [shape ...] [--profile FILE]
+    python3 benchmarks/probes/layer_time.py [shape ...] [--profile FILE] [--host-profile FILE]
 
 Shapes by bench name (default qwen3-30b-a3b), balanced routing, no shared expert unless the shape
 has one. Prints one line per (shape, path, pass): eager ms, graph ms, host ms; with --profile, the
-profiler's table of one forward + backward per (shape, path) goes to FILE.
+profiler's table of one forward + backward per (shape, path) goes to FILE; with --host-profile,
+cProfile's view of the host's Python while it issues forwards and forward + backwards of the
+megakernel path (the device synchronized only around the batch: what the host itself spends).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import statistics
 import time
 
@@ -67,9 +72,10 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("shapes", nargs="*", default=["qwen3-30b-a3b"])
     p.add_argument("--profile", default=None)
+    p.add_argument("--host-profile", default=None)
     ns = p.parse_args()
     ranks = Ranks(torch.device("cuda", 0), None, 0, 1)
-    report = []
+    report, report_host = [], []
     for shape in resolve_shapes(",".join(ns.shapes), 1):
         call = make_call(shape, "balanced", make_weights(shape, ranks), ranks)
         for fused in (True, False):
@@ -109,9 +115,37 @@ def main() -> None:
                 report.append(f"\n== {shape.name} {path}: one forward + backward\n")
                 report.append(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
                 report.append(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
+            if ns.host_profile and fused:
+                report_host.append(host_profile(shape.name, forward, forward_backward))
     if ns.profile:
         with open(ns.profile, "w") as f:
             f.write("\n".join(report))
+    if ns.host_profile:
+        with open(ns.host_profile, "w") as f:
+            f.write("\n".join(report_host))
+
+
+def host_profile(name: str, forward, forward_backward, calls: int = 50) -> str:
+    """cProfile of `calls` forwards, then of `calls` forward + backwards, issued back to back."""
+    out = []
+    for label, fn in (("forward", forward), ("forward+backward", forward_backward)):
+        fn()
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        t0 = time.perf_counter()
+        prof.enable()
+        for _ in range(calls):
+            fn()
+        prof.disable()
+        host = (time.perf_counter() - t0) / calls * 1e3
+        torch.cuda.synchronize()
+        text = io.StringIO()
+        stats = pstats.Stats(prof, stream=text)
+        stats.sort_stats("cumulative").print_stats(45)
+        stats.sort_stats("tottime").print_stats(30)
+        out.append(f"== {name} {label}: {calls} calls, {host:.3f} ms of host time each under cProfile\n")
+        out.append(text.getvalue())
+    return "\n".join(out)
 
 
 if __name__ == "__main__":
