@@ -125,21 +125,30 @@ def test_cpu_route_rows_match_the_reference(world):
 
 
 def straggler_scenario(rank: int, world: int, group, device: str) -> str:
-    """Rank 1 builds the schedule (a collective) and then never calls forward."""
+    """Both ranks make one forward; then rank 1 builds the schedule (a collective) and never calls
+    forward. Rank 0's transport gives up within timeout_s, and its workspace is refused after."""
     backend, dev = ("cuda", f"cuda:{rank}") if device == "cuda" else ("cpu", "cpu")
     cfg = config(backend=backend, expert_alignment=8, timeout_s=1.0)
     inp = make_inputs(16, 32, 16, 4, 2, 0, seed=1).to(dev)
     ws = mok.get_workspace(cfg, group, device=dev, max_tokens=16, hidden_size=32, topk=2, num_experts=4)
+    routed = tuple(w.to(dev) for w in inp.local_routed(rank, world))
+    sched = mok.build_schedule(ws, cfg, inp.top_experts_TK)
+    mok.forward(cfg, ws, sched, inp.x_TH, inp.router_weights_TK, routed)  # the settings agreed once
+    mok.check_errors(ws)
     sched = mok.build_schedule(ws, cfg, inp.top_experts_TK)
     result = "skipped"
     if rank == 0:
-        routed = tuple(w.to(dev) for w in inp.local_routed(rank, world))
         try:
             mok.forward(cfg, ws, sched, inp.x_TH, inp.router_weights_TK, routed)
             mok.check_errors(ws)
             result = "no error"
         except RuntimeError as exc:
             result = str(exc)
+        try:  # the workspace's group is out of step now: refused, not run
+            mok.build_schedule(ws, cfg, inp.top_experts_TK)
+            result += " | the next call ran"
+        except RuntimeError as exc:
+            result += f" | the next call: {exc}"
     # rank 1 stays alive (its memory mapped) until rank 0 is done with it
     torch.distributed.barrier(group)
     return result
@@ -148,6 +157,7 @@ def straggler_scenario(rank: int, world: int, group, device: str) -> str:
 def test_rank_that_never_arrives_times_out():
     msg = run_ranks(2, "test_native.straggler_scenario", "cpu")[0]
     assert "rank 0 waited more than 1 s for rank 1" in msg and "forward: inputs written" in msg, msg
+    assert "the next call: mok: this workspace is unusable" in msg, msg
 
 
 # ---------------------------------------------------------------------------- GPU
@@ -175,6 +185,7 @@ def test_cuda_backend_across_gpus():
 def test_cuda_rank_that_never_arrives_times_out():
     msg = run_ranks(2, "test_native.straggler_scenario", "cuda", device="cuda")[0]
     assert "rank 0 waited more than 1 s for rank 1" in msg and "forward: inputs written" in msg, msg
+    assert "the next call: mok: this workspace is unusable" in msg, msg
 
 
 def graph_scenario(rank: int, world: int, group, device: str, dims: str = "small", directions: str = "") -> dict:

@@ -54,7 +54,10 @@ FORWARD_CASES = [
         "router_weights must have shape [T, K]",
     ),
     ("router_weights", lambda i: i.router_weights_TK.long(), TypeError, "router_weights must have dtype"),
-    ("routed", lambda i: i.routed[:2], TypeError, "routed must be a tuple"),
+    ("routed", lambda i: i.routed[:2], TypeError, "routed must be a tuple (gate"),
+    ("routed", lambda i: i.routed[:2], TypeError, "got tuple of length 2"),
+    ("routed", lambda i: list(i.routed) + [i.routed[0]], TypeError, "got list of length 4"),
+    ("routed", lambda i: i.routed[0], TypeError, "got Tensor"),
     ("routed", lambda i: (i.routed[0].float(),) + i.routed[1:], TypeError, "routed[0] (gate) must have dtype bfloat16"),
     ("routed", lambda i: (i.routed[0], i.routed[1][:, :-1].contiguous(), i.routed[2]), ValueError, "routed[1] (up)"),
     (
@@ -66,6 +69,8 @@ FORWARD_CASES = [
     ("routed", lambda i: tuple(w[:-1].contiguous() for w in i.routed), ValueError, "El differs"),
     ("shared", lambda i: (i.shared[0], i.shared[1], i.shared[2][:-1].contiguous()), ValueError, "shared[2] (down)"),
     ("shared", lambda i: i.shared[0], TypeError, "shared must be None or a tuple"),
+    ("shared", lambda i: i.shared[:2], TypeError, "got tuple of length 2"),
+    ("shared", lambda i: list(i.shared[:1]), TypeError, "got list of length 1"),
 ]
 
 
@@ -90,6 +95,8 @@ def test_forward_rejects(setup, arg, make, exc, msg):
             "top_experts holds expert id -1",
         ),
         (lambda te: te[:, :1].contiguous(), ValueError, "top_experts must have shape"),
+        # any layout is taken, but its ids are still checked
+        (lambda te: (te + E).t().contiguous().t(), ValueError, "top_experts holds expert id"),
         (lambda te: torch.cat([te, te]), ValueError, "max_tokens"),
     ],
 )
@@ -97,6 +104,18 @@ def test_build_schedule_rejects(setup, make, exc, msg):
     inp, cfg, ws, _ = setup
     with pytest.raises(exc, match=msg):
         mok.build_schedule(ws, cfg, make(inp.top_experts_TK))
+
+
+def test_build_schedule_takes_the_top_experts_of_route(setup):
+    """route() returns a strided view of a sort: build_schedule takes it as the contiguous copy."""
+    inp, cfg, ws, _ = setup
+    top, weights = mok.route(torch.randn(T, E, device=DEVICE), K)
+    assert not top.is_contiguous()
+    y, _ = mok.forward(cfg, ws, mok.build_schedule(ws, cfg, top), inp.x_TH, weights, inp.routed, inp.shared)
+    want, _ = mok.forward(
+        cfg, ws, mok.build_schedule(ws, cfg, top.contiguous()), inp.x_TH, weights, inp.routed, inp.shared
+    )
+    assert torch.equal(y, want)
 
 
 def test_backward_rejects(setup):
@@ -165,8 +184,12 @@ def test_moe_rejects():
         mok.moe(inp.x_TH, inp.top_experts_TK[:-1], inp.router_weights_TK, inp.routed, config=cfg)
     with pytest.raises(TypeError, match="routed must be a tuple"):
         mok.moe(inp.x_TH, inp.top_experts_TK, inp.router_weights_TK, inp.routed[0], config=cfg)
+    with pytest.raises(TypeError, match=r"routed must be a tuple .* got tuple of length 2"):
+        mok.moe(inp.x_TH, inp.top_experts_TK, inp.router_weights_TK, inp.routed[:2], config=cfg)
     with pytest.raises(TypeError, match="config must be a MoKConfig"):
         mok.moe(inp.x_TH, inp.top_experts_TK, inp.router_weights_TK, inp.routed, config="bf16")
+    with pytest.raises(ValueError, match="x is on meta, top_experts on cpu"):  # x is the one misplaced
+        mok.moe(inp.x_TH.to("meta"), inp.top_experts_TK, inp.router_weights_TK, inp.routed, config=cfg)
     with pytest.raises(ValueError, match="top_experts holds expert id"):
         mok.moe(inp.x_TH, inp.top_experts_TK + E, inp.router_weights_TK, inp.routed, config=cfg)
     with pytest.raises(TypeError, match=r"routed\[1\] must be a float tensor"):
@@ -214,3 +237,8 @@ def test_layer_rejects():
         layer(torch.randn(3, 15))
     with pytest.raises(ValueError, match="top_experts must have shape"):
         layer(torch.randn(3, 16), top_experts=torch.zeros(3, 3, dtype=torch.long))
+    # ids outside [0, E) are named as mok.moe names them, before the router's gather sees them
+    with pytest.raises(ValueError, match=r"top_experts holds expert id 4 at position \[1, 1, 1\]"):
+        layer(torch.randn(2, 3, 16), top_experts=torch.tensor([[[0, 1]] * 3, [[1, 2], [0, 4], [2, 3]]]))
+    with pytest.raises(ValueError, match="top_experts holds expert id -1"):
+        layer(torch.randn(3, 16), top_experts=torch.tensor([[0, 1], [-1, 2], [2, 3]]))

@@ -5,6 +5,7 @@ Shape letters: T tokens on this rank, H hidden, K top-k, E experts, El = E / R l
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -12,20 +13,30 @@ import torch.distributed as dist
 
 from . import ops
 from .config import MoKConfig
-from .validation import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
+from .validation import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, describe
 from .workspace import group_rank_and_size
 
 Weights3 = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 _MAX_TOKENS_ROUNDING = 128  # agreed max_tokens is rounded up so workspaces are reused
 
 
-def agree_max_tokens(num_tokens: int, group: Any, device: torch.device) -> int:
-    """The largest T of the group, rounded up (one all-reduce on the host when R > 1)."""
+def agree_max_tokens(num_tokens: int, group: Any, device: torch.device, timeout_s: float = 300.0) -> int:
+    """The largest T of the group, rounded up (one all-reduce on the host when R > 1, its wait
+    bounded by `timeout_s`)."""
     _, world = group_rank_and_size(group)
     top = num_tokens
     if world > 1:
         t = torch.tensor([num_tokens], dtype=torch.int64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        try:
+            work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True)
+            assert work is not None
+            work.wait(timeout=timedelta(seconds=timeout_s))
+        except RuntimeError as exc:
+            raise TimeoutError(
+                f"mok: the ranks did not all agree on max_tokens within timeout_s ({timeout_s} s): a rank is "
+                f"missing or out of step, or the ranks passed different process groups (pass max_tokens to skip "
+                f"this all-reduce; {type(exc).__name__}: {str(exc)[:200]})"
+            ) from exc
         top = int(t.item())
     return max(-(-top // _MAX_TOKENS_ROUNDING) * _MAX_TOKENS_ROUNDING, _MAX_TOKENS_ROUNDING)
 
@@ -64,6 +75,11 @@ def moe(
         raise TypeError(f"config must be a MoKConfig, got {type(cfg).__name__}")
     check_tensor("x", x, dtypes=FLOAT_DTYPES, shape=[("T", None), ("H", None)], contiguous=False)
     T, H = x.shape
+    if isinstance(top_experts, torch.Tensor) and top_experts.device != x.device:
+        raise ValueError(
+            f"x and top_experts must be on one device: x is on {x.device}, top_experts on {top_experts.device} "
+            "(as are router_weights and the weights: the layer runs where x is)"
+        )
     check_tensor(
         "top_experts",
         top_experts,
@@ -73,7 +89,7 @@ def moe(
         contiguous=False,
     )
     if not isinstance(routed, (tuple, list)) or len(routed) != 3:
-        raise TypeError(f"routed must be a tuple (gate, up, down), got {type(routed).__name__}")
+        raise TypeError(f"routed must be a tuple (gate, up, down), got {describe(routed)}")
     check_tensor(
         "routed[0] (gate)",
         routed[0],
@@ -83,7 +99,7 @@ def moe(
         contiguous=False,
     )
     if shared is not None and (not isinstance(shared, (tuple, list)) or len(shared) != 3):
-        raise TypeError(f"shared must be None or a tuple (gate, up, down), got {type(shared).__name__}")
+        raise TypeError(f"shared must be None or a tuple (gate, up, down), got {describe(shared)}")
     _, world = group_rank_and_size(group)
     num_experts = routed[0].shape[0] * world
     for name, weights in (("routed", routed), ("shared", shared)):
@@ -94,7 +110,7 @@ def moe(
     if max_tokens is None:
         if world > 1 and torch.compiler.is_compiling():
             raise ValueError("max_tokens: under torch.compile with an expert-parallel group, pass max_tokens")
-        max_tokens = agree_max_tokens(T, group, x.device)
+        max_tokens = agree_max_tokens(T, group, x.device, cfg.timeout_s)
     name = ops.group_name(group) if _group_name is None else _group_name
     schedule = torch.ops.mok.build_schedule(top_experts.contiguous(), name, max_tokens, H, num_experts, cfg.key)
     s = (None, None, None) if shared is None else tuple(shared)

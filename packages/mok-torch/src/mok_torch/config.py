@@ -22,18 +22,44 @@ DEFAULT_NUM_SMS = 132
 HEURISTIC_TILE_M = 128
 HEURISTIC_TILE_N = 128
 
+# The limits of mok-core (packages/mok-core) and of torch's waits, checked where a config is made,
+# so that every backend accepts the same configs (the reference one never reaches mok-core) and an
+# error names the setting. tests/test_config.py holds them against mok-core and torch.
+# The most workers one row move may use: transport::kMaxWorkers (include/mok/core/transport.h).
+MAX_COMM_SMS = 1024
+# Rows of the schedule table, int32 indices: kMaxTableRows (include/mok/core/schedule.h).
+MAX_TABLE_ROWS = 2**31 - 1
+# timeout_s: the native barriers wait an int64 count of nanoseconds > 0 (src/transport.cpp:
+# barrier), so at least 1 ns; torch's Work.wait on gloo (the settings check across ranks) adds its
+# timeout to the steady clock's int64 nanoseconds and fires at once from about 2^63 ns less the
+# uptime (measured), so at most 1e9 s (31.7 years), far from it.
+MIN_TIMEOUT_S = 1e-9
+MAX_TIMEOUT_S = 1e9
+# The SwiGLU clamp is an fp32 value (include/mok/core/expert_math.h: SwigluLimit), and torch
+# refuses to clamp fp32 data with a Python float past fp32's range.
+MAX_SWIGLU_LIMIT = 3.4028234663852886e38  # FLT_MAX
+
 
 def _is_power_of_two(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
 
 
-def _check_int(name: str, value: object, *, minimum: int, allow_none: bool = False) -> None:
+def _check_int(
+    name: str, value: object, *, minimum: int, maximum: int | None = None, why: str = "", allow_none: bool = False
+) -> None:
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"MoKConfig.{name} must be an int, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"MoKConfig.{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"MoKConfig.{name} must be <= {maximum}{why}, got {value}")
+
+
+def _timeout_ns(seconds: float) -> int:
+    """timeout_s as the nanoseconds the native barriers wait (truncated, as they always were)."""
+    return int(seconds * 1e9)
 
 
 @dataclass(frozen=True)
@@ -45,17 +71,21 @@ class MoKConfig:
         backend: "auto" (fastest available for the device), "reference" (pure PyTorch,
             always available), "cpu" or "cuda" (compiled packages).
         fwd_num_comm_sms / bwd_num_comm_sms: CTAs the fused GPU kernels give to
-            communication in the forward / backward pass (even, >= 2).
+            communication in the forward / backward pass, threads of a row move on the CPU
+            (even, in [2, 1024]).
         minibatch_size: routed rows per minibatch, the overlap granularity (a multiple of
-            `expert_alignment`); None picks "two full waves of GEMM tiles".
+            `expert_alignment`, <= 2^31 - 1 like the table); None picks "two full waves of
+            GEMM tiles".
         macrobatch_size: rows of the ring buffer that holds routed activations (a multiple of
-            `minibatch_size`); None keeps all rows (no replay in backward).
+            `minibatch_size`, <= 2^31 - 1); None keeps all rows (no replay in backward).
         expert_alignment: each expert's row segment starts at a multiple of this (a power
             of two). The `cuda` backend's BF16 backward kernels need a multiple of 64 (their
             weight gradients take 64-row blocks from each segment start); with less it runs
             the routed experts' backward in the reference arithmetic (slow).
-        swiglu_limit: optional clamp `a <= limit`, `-limit <= b <= limit` (gpt-oss style).
-        timeout_s: how long a wait on another rank may take before it raises.
+        swiglu_limit: optional clamp `a <= limit`, `-limit <= b <= limit` (gpt-oss style), in
+            (0, FLT_MAX]: it is applied in fp32.
+        timeout_s: how long a wait on another rank may take before it raises, in seconds, in
+            [1e-9, 1e9] (1 ns to 31.7 years).
         dispatch: who moves the experts' input rows (x, and dy and w in backward) in the
             native backends: "pull" (default: the expert's rank reads them from the source
             ranks) or "push" (each source rank writes its routes' rows into the expert ranks'
@@ -93,7 +123,7 @@ class MoKConfig:
                 raise ValueError(f"MoKConfig.{name} must be one of {DIRECTIONS}, got {getattr(self, name)!r}")
         for name in ("fwd_num_comm_sms", "bwd_num_comm_sms"):
             value = getattr(self, name)
-            _check_int(name, value, minimum=2)
+            _check_int(name, value, minimum=2, maximum=MAX_COMM_SMS, why=" (mok-core's transport::kMaxWorkers)")
             if value % 2:
                 raise ValueError(f"MoKConfig.{name} must be even, got {value}")
         _check_int("expert_alignment", self.expert_alignment, minimum=1)
@@ -106,7 +136,14 @@ class MoKConfig:
             )
         for name in ("minibatch_size", "macrobatch_size"):
             value = getattr(self, name)
-            _check_int(name, value, minimum=1, allow_none=True)
+            _check_int(
+                name,
+                value,
+                minimum=1,
+                maximum=MAX_TABLE_ROWS,
+                why=" (rows of the schedule table, int32 in mok-core)",
+                allow_none=True,
+            )
             if value is not None and value % self.expert_alignment:
                 raise ValueError(
                     f"MoKConfig.{name} ({value}) must be a multiple of expert_alignment ({self.expert_alignment})"
@@ -125,14 +162,22 @@ class MoKConfig:
                 raise TypeError(
                     f"MoKConfig.swiglu_limit must be a float or None, got {type(self.swiglu_limit).__name__}"
                 )
-            if not (math.isfinite(self.swiglu_limit) and self.swiglu_limit > 0):
-                raise ValueError(f"MoKConfig.swiglu_limit must be finite and > 0, got {self.swiglu_limit}")
+            # A chained comparison: false for NaN and inf, and no OverflowError for a huge int.
+            if not 0 < self.swiglu_limit <= MAX_SWIGLU_LIMIT:
+                raise ValueError(
+                    f"MoKConfig.swiglu_limit must be finite, > 0 and <= {MAX_SWIGLU_LIMIT!r} (the largest fp32 "
+                    f"value: the clamp is applied in fp32), got {self.swiglu_limit!r}"
+                )
         if not isinstance(self.megakernel, bool):
             raise TypeError(f"MoKConfig.megakernel must be a bool, got {type(self.megakernel).__name__}")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)):
             raise TypeError(f"MoKConfig.timeout_s must be a number, got {type(self.timeout_s).__name__}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"MoKConfig.timeout_s must be > 0, got {self.timeout_s}")
+        # A chained comparison, as for swiglu_limit; 1e-9 * 1e9 is exactly 1 (ns).
+        if not MIN_TIMEOUT_S <= self.timeout_s <= MAX_TIMEOUT_S:
+            raise ValueError(
+                f"MoKConfig.timeout_s must be in [1e-9, 1e9] seconds (the native barriers wait a whole number of "
+                f"nanoseconds >= 1; torch's waits overflow int64 nanoseconds near 9.2e9 s), got {self.timeout_s!r}"
+            )
         # A string that names this config exactly: custom ops take it instead of the object.
         object.__setattr__(self, "_key", json.dumps(asdict(self), sort_keys=True))
 
@@ -140,6 +185,11 @@ class MoKConfig:
     def key(self) -> str:
         """A JSON string equal for equal configs; `MoKConfig.from_key` inverts it."""
         return self._key  # type: ignore[attr-defined,no-any-return]
+
+    @property
+    def timeout_ns(self) -> int:
+        """timeout_s in nanoseconds, the int64 count the native barriers take (1 to 1e18)."""
+        return _timeout_ns(self.timeout_s)
 
     @staticmethod
     @functools.lru_cache(maxsize=256)

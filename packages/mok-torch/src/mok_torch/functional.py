@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import torch
 
+from . import agreement
 from .backends import resolve_backend
 from .config import MoKConfig
 from .mxfp8 import MXFP8Tensor
 from .structs import ForwardContext, Grads, Schedule
-from .validation import FLOAT_DTYPES, INDEX_DTYPES, check_expert_ids, check_tensor, check_weights
+from .validation import FLOAT_DTYPES, INDEX_DTYPES, check_expert_ids, check_tensor, check_weights, describe
 from .workspace import Workspace
 
 BF16 = (torch.bfloat16,)
@@ -81,7 +82,7 @@ def _check_layer_args(
         )
     if not isinstance(routed, (tuple, list)) or len(routed) != 3:
         raise TypeError(
-            f"routed must be a tuple (gate [El, I, H], up [El, I, H], down [El, H, I]), got {type(routed).__name__}"
+            f"routed must be a tuple (gate [El, I, H], up [El, I, H], down [El, H, I]), got {describe(routed)}"
         )
     if any(isinstance(w, MXFP8Tensor) for w in routed):
         if precision != "mxfp8":
@@ -119,7 +120,7 @@ def _check_shared(ws: Workspace, shared: object | None) -> int | None:
     if shared is not None:
         if not isinstance(shared, (tuple, list)) or len(shared) != 3:
             raise TypeError(
-                f"shared must be None or a tuple (gate [Is, H], up [Is, H], down [H, Is]), got {type(shared).__name__}"
+                f"shared must be None or a tuple (gate [Is, H], up [Is, H], down [H, Is]), got {describe(shared)}"
             )
         sg = check_tensor("shared[0] (gate)", shared[0], dtypes=BF16, shape=[("Is", None), ("H", H)], device=ws.device)
         shared_inner = sg.shape[0]
@@ -133,6 +134,12 @@ def _check_shared(ws: Workspace, shared: object | None) -> int | None:
             device=ws.device,
         )
     return shared_inner
+
+
+def _agree_weights(ws: Workspace, cfg: MoKConfig, inner: tuple[int, int | None]) -> None:
+    """Every rank's weights have the same intermediate sizes (collective once per workspace)."""
+    settings: dict[str, object] = {"intermediate size I": inner[0], "shared intermediate size Is": inner[1] or 0}
+    agreement.agree(ws, "weights", settings, cfg.timeout_s)
 
 
 def check_errors(ws: Workspace) -> None:
@@ -151,19 +158,25 @@ def check_errors(ws: Workspace) -> None:
         torch.cuda.synchronize(ws.device)
     from .backends.native.transport import raise_transport_error
 
-    raise_transport_error(tr.error.tolist(), tr.timeout_ns)
+    raise_transport_error(tr.error.tolist(), tr.timeout_ns, ws)
 
 
 def build_schedule(ws: Workspace, cfg: MoKConfig, top_experts: torch.Tensor) -> Schedule:
     """The schedule table for this rank's routes `top_experts` [T, K] (global expert ids).
 
     Collective: every rank of the workspace's group must call it. A user may pass any
-    `top_experts` (router replay); ids are checked to lie in [0, E).
+    `top_experts` (router replay); ids are checked to lie in [0, E). Any layout is taken
+    (`route` returns a strided view of a sort); the table builder reads a contiguous copy.
     """
     _check_config(cfg, ws)
     te = check_tensor(
-        "top_experts", top_experts, dtypes=INDEX_DTYPES, shape=[("T", None), ("K", ws.topk)], device=ws.device
-    )
+        "top_experts",
+        top_experts,
+        dtypes=INDEX_DTYPES,
+        shape=[("T", None), ("K", ws.topk)],
+        device=ws.device,
+        contiguous=False,
+    ).contiguous()
     if te.shape[0] > ws.max_tokens:
         raise ValueError(
             f"top_experts has {te.shape[0]} tokens, more than the workspace's max_tokens ({ws.max_tokens})"
@@ -173,6 +186,9 @@ def build_schedule(ws: Workspace, cfg: MoKConfig, top_experts: torch.Tensor) -> 
         # builder ignores ids outside [0, E) there (see docs/core-runtime.md)
         check_expert_ids("top_experts", te, ws.num_experts)
     backend = resolve_backend(cfg, ws.device)
+    # Before any buffer is made or row moves: every rank holds the same workspace and config.
+    agreement.agree(ws, "workspace", agreement.workspace_settings(ws), cfg.timeout_s)
+    agreement.agree(ws, "config", agreement.config_settings(cfg, backend.name), cfg.timeout_s)
     return backend.build_schedule(ws, cfg, te)
 
 
@@ -196,7 +212,7 @@ def forward(
     """
     _check_config(cfg, ws)
     sched = _check_schedule(sched, ws)
-    _check_layer_args(ws, sched, x, router_weights, routed, shared, cfg.precision)
+    _agree_weights(ws, cfg, _check_layer_args(ws, sched, x, router_weights, routed, shared, cfg.precision))
     backend = resolve_backend(cfg, ws.device)
     return backend.forward(cfg, ws, sched, x, router_weights, tuple(routed), None if shared is None else tuple(shared))
 
@@ -212,7 +228,7 @@ def recompute_forward_context(
     """The context `forward` would return, without computing y (activation checkpointing)."""
     _check_config(cfg, ws)
     sched = _check_schedule(sched, ws)
-    _check_layer_args(ws, sched, x, None, routed, shared, cfg.precision)
+    _agree_weights(ws, cfg, _check_layer_args(ws, sched, x, None, routed, shared, cfg.precision))
     backend = resolve_backend(cfg, ws.device)
     return backend.recompute_forward_context(
         cfg, ws, sched, x, tuple(routed), None if shared is None else tuple(shared)
@@ -239,7 +255,7 @@ def backward(
     """
     _check_config(cfg, ws)
     sched = _check_schedule(sched, ws)
-    _check_layer_args(ws, sched, x, router_weights, routed, shared, cfg.precision)
+    _agree_weights(ws, cfg, _check_layer_args(ws, sched, x, router_weights, routed, shared, cfg.precision))
     check_tensor("dy", dy, dtypes=BF16, shape=[("T", sched.num_tokens), ("H", ws.hidden_size)], device=ws.device)
     if not isinstance(ctx, ForwardContext):
         raise TypeError(f"ctx must be the ForwardContext of forward(), got {type(ctx).__name__}")

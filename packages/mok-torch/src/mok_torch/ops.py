@@ -22,7 +22,7 @@ import torch.distributed as dist
 from . import functional
 from .config import MoKConfig
 from .structs import ForwardContext, Schedule
-from .workspace import Workspace, align_up, get_workspace
+from .workspace import Workspace, get_workspace, schedule_capacity
 
 BF16 = torch.bfloat16
 # The Schedule fields that travel between the ops, in this order.
@@ -123,7 +123,7 @@ def _(
     R = _world(group)
     El = num_experts // R
     A = cfg.expert_alignment
-    C = align_up(R * max_tokens * K + El * (A - 1), A)
+    C = schedule_capacity(R, max_tokens, K, El, A)
     new = top_experts.new_empty
     i32, i64 = torch.int32, torch.int64
     return [

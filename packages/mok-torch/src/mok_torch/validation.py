@@ -19,6 +19,13 @@ def _dtype_names(dtypes: Sequence[torch.dtype]) -> str:
     return " or ".join(str(d).replace("torch.", "") for d in dtypes)
 
 
+def describe(obj: object) -> str:
+    """What an argument is, for an error message: "tuple of length 2" for a sequence, else its type."""
+    if isinstance(obj, (tuple, list)):
+        return f"{type(obj).__name__} of length {len(obj)}"
+    return type(obj).__name__
+
+
 def check_tensor(
     name: str,
     t: object,
@@ -75,9 +82,7 @@ def check_weights(
 ) -> tuple[torch.Tensor, ...]:
     """A tuple of weight tensors of the given named shapes."""
     if not isinstance(weights, (tuple, list)) or len(weights) != len(shapes):
-        raise TypeError(
-            f"{name} must be a tuple of {len(shapes)} tensors (gate, up, down), got {type(weights).__name__}"
-        )
+        raise TypeError(f"{name} must be a tuple of {len(shapes)} tensors (gate, up, down), got {describe(weights)}")
     parts = ("gate", "up", "down")
     return tuple(
         check_tensor(f"{name}[{i}] ({parts[i]})", w, dtypes=dtypes, shape=s, device=device)

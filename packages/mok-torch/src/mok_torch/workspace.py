@@ -18,11 +18,38 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .config import DEFAULT_NUM_SMS, MoKConfig
+from .config import DEFAULT_NUM_SMS, MAX_TABLE_ROWS, MoKConfig
+
+# The send side sorts routes into E + 2 int32 buckets (src/schedule.cpp: build_send_side).
+MAX_EXPERTS = MAX_TABLE_ROWS - 2
 
 
 def align_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
+
+
+def schedule_capacity(world_size: int, max_tokens: int, topk: int, num_local_experts: int, alignment: int) -> int:
+    """Worst-case rows of the schedule table (mok-core's schedule_capacity, include/mok/core/schedule.h)."""
+    return align_up(world_size * max_tokens * topk + num_local_experts * (alignment - 1), alignment)
+
+
+def _check_capacity(world: int, max_tokens: int, topk: int, local: int, align: int) -> int:
+    """The table's capacity, or a ValueError naming max_tokens when its int32 rows cannot hold it."""
+    capacity = schedule_capacity(world, max_tokens, topk, local, align)
+    if capacity <= MAX_TABLE_ROWS:
+        return capacity
+    # The largest max_tokens whose table fits, for the message.
+    fits = (MAX_TABLE_ROWS // align * align - local * (align - 1)) // (world * topk)
+    bound = (
+        f"max_tokens must be <= {fits} here"
+        if fits >= 1
+        else "no max_tokens fits: lower num_experts or expert_alignment"
+    )
+    raise ValueError(
+        f"max_tokens ({max_tokens}) is too large: with topk {topk}, {world} rank(s), {local} local expert(s) "
+        f"and expert_alignment {align} the schedule table needs {capacity} rows, more than 2^31 - 1 "
+        f"(mok-core indexes its rows with int32: kMaxTableRows); {bound}"
+    )
 
 
 def group_rank_and_size(group: Any) -> tuple[int, int]:
@@ -31,7 +58,17 @@ def group_rank_and_size(group: Any) -> tuple[int, int]:
         return 0, 1
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("group: a process group was given but torch.distributed is not initialized")
-    return dist.get_rank(group), dist.get_world_size(group)
+    if group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group returns to a rank outside it
+        raise ValueError(
+            "group: this process is not a member of the group (torch.distributed.new_group returns this "
+            "placeholder to ranks outside it): call mok only on the group's ranks, with the group they share"
+        )
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("group: this process is not a member of the group")
+    return rank, dist.get_world_size(group)
 
 
 def _device_num_sms(device: torch.device) -> int:
@@ -53,7 +90,7 @@ class Workspace:
         num_local_experts: El = E / R; rank r owns experts [r*El, (r+1)*El).
         expert_alignment: segment alignment of the schedule table, in rows.
         capacity: rows of the schedule table: every route of every rank to this rank's
-            experts plus the worst-case alignment padding.
+            experts plus the worst-case alignment padding; at most 2^31 - 1 (int32 indices).
         num_sms: multiprocessors of the device (the minibatch heuristic plans waves with it).
         state: per-backend buffers, keyed by backend name.
     """
@@ -112,6 +149,8 @@ def create_workspace(
     _check_positive_int("num_experts", num_experts)
     if topk > num_experts:
         raise ValueError(f"topk ({topk}) must be <= num_experts ({num_experts})")
+    if num_experts > MAX_EXPERTS:
+        raise ValueError(f"num_experts must be <= {MAX_EXPERTS} (expert ids are int32 in mok-core), got {num_experts}")
     rank, world = group_rank_and_size(group)
     if num_experts % world:
         raise ValueError(f"num_experts ({num_experts}) must be divisible by the expert-parallel group size ({world})")
@@ -125,7 +164,7 @@ def create_workspace(
             raise ValueError(f"group: CUDA tensors need an NCCL process group, got backend {backend!r}")
     local = num_experts // world
     align = config.expert_alignment
-    capacity = align_up(world * max_tokens * topk + local * (align - 1), align)
+    capacity = _check_capacity(world, max_tokens, topk, local, align)
     return Workspace(
         group=group,
         rank=rank,
@@ -177,7 +216,8 @@ def get_workspace(
     """The cached workspace for (group, device, max_tokens, H, K, E, expert alignment).
 
     Every rank of `group` must call this with the same arguments. `group=None` means one
-    rank (no expert parallelism).
+    rank (no expert parallelism). A ValueError names max_tokens when the schedule table of
+    these sizes would pass 2^31 - 1 rows, before anything is allocated.
     """
     if not isinstance(config, MoKConfig):
         raise TypeError(f"config must be a MoKConfig, got {type(config).__name__}")

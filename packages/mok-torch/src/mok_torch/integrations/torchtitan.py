@@ -86,7 +86,7 @@ class MoKTokenDispatcher:
         E = counts.shape[0]
         # Each row is one route: a "token" with K = 1 whose expert is known from the counts.
         experts_N1 = torch.repeat_interleave(torch.arange(E, device=dev), counts.to(torch.int64))[:, None]
-        max_rows = agree_max_tokens(N, self.group, dev)
+        max_rows = agree_max_tokens(N, self.group, dev, self.config.timeout_s)
         ws = get_workspace(
             self.config, self.group, device=dev, max_tokens=max_rows, hidden_size=H, topk=1, num_experts=E
         )

@@ -396,7 +396,7 @@ class NativeBackend:
         tr = ws.state.get("native")
         if tr is None:
             tr = ws.state["native"] = Transport(ws, cfg.timeout_s)
-        tr.timeout_ns = int(cfg.timeout_s * 1e9)
+        tr.timeout_ns = cfg.timeout_ns
         self._check_errors(tr)
         if cfg.dispatch == "push":
             tr.ensure("dispatch")
@@ -411,7 +411,7 @@ class NativeBackend:
             return  # no event queries inside a capture
         if pending is not None and pending[1].query():
             tr.pending = None
-            raise_transport_error(pending[0].tolist(), tr.timeout_ns)
+            raise_transport_error(pending[0].tolist(), tr.timeout_ns, tr.ws)
 
     def _after_call(self, tr: Transport) -> None:
         if tr.dev != "cuda" or torch.cuda.is_current_stream_capturing():

@@ -35,6 +35,7 @@ from __future__ import annotations
 import ctypes
 import uuid
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -178,17 +179,32 @@ class Transport:
         # CPU: POSIX shared memory. Rank 0 draws a random tag that names every rank's segment
         # (a tensor broadcast: object collectives would need numpy).
         tag = torch.tensor([uuid.uuid4().int & ((1 << 62) - 1)], dtype=torch.int64)
-        dist.broadcast(tag, src=dist.get_global_rank(ws.group, 0), group=ws.group)
+        self._wait(dist.broadcast(tag, src=dist.get_global_rank(ws.group, 0), group=ws.group, async_op=True))
         names = [f"/mok-{int(tag):016x}-{r}" for r in range(ws.world_size)]
         own = self.core.ShmSegment(names[ws.rank], nbytes, True)
-        dist.barrier(group=ws.group)  # every segment exists
-        segments = [own if r == ws.rank else self.core.ShmSegment(n, nbytes, False) for r, n in enumerate(names)]
-        dist.barrier(group=ws.group)  # every rank has mapped every segment: the names can go
-        own.unlink()
+        try:
+            self._wait(dist.barrier(group=ws.group, async_op=True))  # every segment exists
+            segments = [own if r == ws.rank else self.core.ShmSegment(n, nbytes, False) for r, n in enumerate(names)]
+            self._wait(dist.barrier(group=ws.group, async_op=True))  # every rank has mapped every segment
+        finally:
+            own.unlink()  # the names can go (and on a failure no segment is left behind)
         self._segments.extend(segments)
         buf = (ctypes.c_uint8 * nbytes).from_address(own.address)
         self._segments.append(buf)
         return torch.frombuffer(buf, dtype=torch.uint8), [s.address for s in segments]
+
+    def _wait(self, work: Any) -> None:
+        """Wait for a collective of the shared-memory set-up, at most timeout_s; past that the
+        workspace is refused (its group is out of step)."""
+        timeout_s = self.timeout_ns / 1e9
+        try:
+            work.wait(timeout=timedelta(seconds=timeout_s))
+        except RuntimeError as exc:
+            self.ws.state["broken"] = "setting up the shared memory across the group did not complete"
+            raise TimeoutError(
+                f"mok: setting up the shared memory across the group did not complete within timeout_s ({timeout_s:g} "
+                f"s): a rank is missing or out of step ({type(exc).__name__}: {str(exc)[:200]})"
+            ) from exc
 
     def _stream(self) -> int:
         return torch.cuda.current_stream(self.device).cuda_stream if self.dev == "cuda" else 0
@@ -208,7 +224,7 @@ class Transport:
             self._stream(),
         )
         if self.dev == "cpu" and not ok:
-            raise_transport_error(self.error.tolist(), self.timeout_ns)
+            raise_transport_error(self.error.tolist(), self.timeout_ns, self.ws)
 
     def pull(
         self,
@@ -281,11 +297,13 @@ class Transport:
         )  # fmt: skip
 
 
-def raise_transport_error(error: list[int], timeout_ns: int) -> None:
+def raise_transport_error(error: list[int], timeout_ns: int, ws: Workspace | None = None) -> None:
+    """Raise the timeout the error words record, if any; `ws` is then refused from now on (its
+    group is out of step: agreement.check_usable)."""
     code, peer, stage, rank = error
     if code == 0:
         return
-    raise RuntimeError(
-        f"mok: rank {rank} waited more than {timeout_ns / 1e9:g} s for rank {peer} at stage "
-        f"'{STAGES.get(stage, stage)}' (MoKConfig.timeout_s); the expert-parallel group is out of step"
-    )
+    what = f"rank {rank} waited more than {timeout_ns / 1e9:g} s for rank {peer} at stage '{STAGES.get(stage, stage)}'"
+    if ws is not None:
+        ws.state["broken"] = what
+    raise RuntimeError(f"mok: {what} (MoKConfig.timeout_s); the expert-parallel group is out of step")
