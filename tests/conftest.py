@@ -20,6 +20,21 @@ def pytest_configure(config):
         raise pytest.UsageError("MOK_TEST_DEVICE=cuda but torch sees no GPU")
 
 
+def pytest_terminal_summary(terminalreporter):
+    """Skipped tests, one line per reason with its count (the GPU-only tests on a CPU machine are
+    hundreds of skips with one reason: a list of every location would bury the failures)."""
+    reasons: dict[str, int] = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        longrepr = report.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        reasons[reason] = reasons.get(reason, 0) + 1
+    if reasons:
+        terminalreporter.section("skipped, by reason")
+        for reason, count in sorted(reasons.items(), key=lambda kv: -kv[1]):
+            terminalreporter.write_line(f"{count:5d}  {reason}")
+
+
 @pytest.fixture(autouse=True)
 def _fresh_workspaces():
     import mok_torch as mok

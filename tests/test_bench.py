@@ -46,8 +46,13 @@ def _report(out: Path) -> dict:
     return json.loads(files[0].read_text())
 
 
-def test_quick_run_writes_the_report(tmp_path):
+def test_quick_run_writes_the_report(tmp_path, capsys):
     assert mok_main(["bench", "--quick", *FAST, "--out", str(tmp_path)]) == 0
+    # Not a terminal: one progress line per finished step, no bar redrawn on one line.
+    progress = [line for line in capsys.readouterr().err.splitlines() if line.startswith("mok bench: ")]
+    assert "\r" not in "".join(progress) and len(progress) >= 2, progress
+    done, total = progress[-1].split()[2].split("/")
+    assert done == total == str(1 + 2 * 3), progress[-1]  # the ceilings, then 2 shapes x 3 providers
     report = _report(tmp_path)
     name = sorted(tmp_path.glob("*.json"))[0].name
     assert name.endswith("_cpu_layer-ep1-quick.json") and name[:4].isdigit()
@@ -537,3 +542,18 @@ def test_providers_are_timed_in_turns():
     for name in ("a", "c"):
         times = got[name]
         assert isinstance(times, list) and len(times) == 3 and all(t >= 0 for t in times)
+
+
+def test_untrustworthy_times_are_flagged():
+    from mok_torch.bench.report import timing_warnings
+
+    def row(fwd, fb, times):
+        return {"status": "ok", "shape": {"name": "quick"}, "routing": "balanced", "provider": "mok",
+                "ms": {"forward": fwd, "forward+backward": fb}, "times_ms": {"forward": times}}  # fmt: skip
+
+    assert timing_warnings([row(1.0, 3.0, [1.0, 1.1])]) == []
+    backwards = timing_warnings([row(228.0, 6.7, [1.0, 1.1])])
+    assert len(backwards) == 1 and "took longer than the forward + backward" in backwards[0]
+    noisy = timing_warnings([row(1.0, 3.0, [1.0, 228.0])])
+    assert len(noisy) == 1 and "spread 1-228 ms (228.0x)" in noisy[0]
+    assert timing_warnings([{"status": "skipped"}]) == []

@@ -7,7 +7,8 @@ import json
 import sys
 
 
-def _info(_: list[str]) -> int:
+def _info(argv: list[str]) -> int:
+    argparse.ArgumentParser(prog="mok info", description=f"Print {COMMANDS['info'][0]} as JSON.").parse_args(argv)
     import torch
 
     import mok_torch as mok
@@ -53,7 +54,11 @@ COMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        parser = argparse.ArgumentParser(prog="mok")
+        parser = argparse.ArgumentParser(
+            prog="mok",
+            description=__doc__,
+            epilog="`mok COMMAND --help` shows a command's options.",
+        )
         sub = parser.add_subparsers(dest="command", required=True)
         for name, (help_text, _) in COMMANDS.items():
             sub.add_parser(name, help=help_text)

@@ -15,7 +15,7 @@ from torch import nn
 from . import ops
 from .autograd import moe
 from .config import MoKConfig
-from .validation import INDEX_DTYPES, check_tensor
+from .validation import INDEX_DTYPES, check_expert_ids, check_tensor
 from .workspace import group_rank_and_size
 
 SCORE_FUNCS = ("softmax", "sigmoid")
@@ -187,6 +187,12 @@ class MoELayer(nn.Module):
                     f"top_experts must have shape {list(lead) + [self.topk]} ([..., K]), got {list(top_experts.shape)}"
                 )
             top_TK = top_experts.reshape(-1, self.topk)
+            # Checked here, not only in mok.moe: the router's gather below would index out of
+            # bounds first. Not while compiling (a host read breaks the graph) nor in a CUDA
+            # graph capture (no host reads there).
+            capturing = top_experts.is_cuda and torch.cuda.is_current_stream_capturing()
+            if not torch.compiler.is_compiling() and not capturing:
+                check_expert_ids("top_experts", top_experts, self.num_experts)
         logits = F.linear(x_TH.float(), self.router.weight.float())
         top_TK, weights_TK = route(
             logits, self.topk, score_func=self.score_func, norm_topk_prob=self.norm_topk_prob, top_experts_TK=top_TK

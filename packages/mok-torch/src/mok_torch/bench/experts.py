@@ -275,7 +275,7 @@ def expert_parser(prog: str, description: str) -> argparse.ArgumentParser:
     p = component_parser(prog, description, iters=20, warmup=3)
     p.set_defaults(shapes="all")
     p.add_argument("--ep", type=int, default=8, help="EP degree that sizes the public models' local experts")
-    p.add_argument("--routing", default="balanced,skewed")
+    p.add_argument("--routing", default="balanced,skewed", help="comma list of routings (default %(default)s)")
     return p
 
 

@@ -15,6 +15,7 @@ import argparse
 import os
 import socket
 import sys
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -114,6 +115,24 @@ def options_from(argv: list[str]) -> tuple[Options, argparse.Namespace]:
     return opts, ns
 
 
+class LineProgress:
+    """The progress bar's calls for output that is not a terminal: one line per finished step."""
+
+    def __init__(self, total: int, desc: str) -> None:
+        self.total, self.desc, self.done, self.what, self.start = total, desc, 0, "", time.perf_counter()
+
+    def set_postfix_str(self, what: str) -> None:
+        self.what = what
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        elapsed = time.perf_counter() - self.start
+        print(f"{self.desc}: {self.done}/{self.total} after {elapsed:.0f} s ({self.what})", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
 def bench(opts: Options, ranks: Ranks) -> dict[str, Any]:
     """The whole run on every rank; the report (rank 0 also writes and prints it)."""
     shapes = resolve_shapes(opts.shapes, ranks.world)
@@ -121,9 +140,12 @@ def bench(opts: Options, ranks: Ranks) -> dict[str, Any]:
     progress = None
     total = len(shapes) * len(opts.routings) * len(providers)
     if ranks.lead:
-        from tqdm import tqdm
+        if sys.stderr.isatty():
+            from tqdm import tqdm
 
-        progress = tqdm(total=total + 1, desc="mok bench", unit="case", dynamic_ncols=True, file=sys.stderr)
+            progress = tqdm(total=total + 1, desc="mok bench", unit="case", dynamic_ncols=True, file=sys.stderr)
+        else:  # a log file: a bar's redraws would all land on one line
+            progress = LineProgress(total + 1, "mok bench")
         progress.set_postfix_str("ceilings")
     ceilings = ceilings_mod.measure(ranks)
     if progress is not None:
@@ -159,6 +181,8 @@ def _print_and_write(result: dict[str, Any], opts: Options) -> None:
         print(f"  ceiling {name}: {value} ({note})")
     print()
     print(report.text_table(result["results"]))
+    for warning in result.get("warnings", []):
+        print(f"warning: {warning}")
     path = report.write_json(result, Path(opts.out))
     print(f"\nwrote {path}")
     if opts.plot:
@@ -241,10 +265,12 @@ def component_parser(prog: str, description: str, *, iters: int, warmup: int) ->
     """The options every component benchmark (`mok bench-transport`, `mok bench-quantize`) takes."""
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--shapes", default="seed", help="as for mok bench (default: seed)")
-    p.add_argument("--iters", type=int, default=iters)
-    p.add_argument("--warmup", type=int, default=warmup)
-    p.add_argument("--out", default="benchmarks/results")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--iters", type=int, default=iters, help="timed iterations (default %(default)s)")
+    p.add_argument("--warmup", type=int, default=warmup, help="untimed iterations first (default %(default)s)")
+    p.add_argument("--out", default="benchmarks/results", help="directory of the JSON (default %(default)s)")
+    p.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default="auto", help="where to run (default %(default)s)"
+    )
     return p
 
 

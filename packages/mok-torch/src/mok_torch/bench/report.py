@@ -206,6 +206,34 @@ def write_component(doc: dict[str, Any], out: str | Path, what: str) -> Path:
     return path
 
 
+# A row whose timed iterations spread more than this (slowest / fastest) is flagged.
+NOISY_SPREAD = 1.5
+
+
+def timing_warnings(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """What makes a row's times untrustworthy, one line each: a forward slower than its forward +
+    backward, or iterations that spread more than NOISY_SPREAD (a busy machine, too few
+    iterations). The ratios of such rows mean nothing."""
+    out = []
+    for r in rows:
+        if r.get("status") != "ok":
+            continue
+        what = f"{r['shape']['name']} {r['routing']} {r['provider']}"
+        ms = r["ms"]
+        if ms.get("forward") and ms.get("forward+backward") and ms["forward"] > ms["forward+backward"]:
+            out.append(
+                f"{what}: the forward ({ms['forward']:.3g} ms) took longer than the forward + backward "
+                f"({ms['forward+backward']:.3g} ms): noise"
+            )
+        for p, times in r.get("times_ms", {}).items():
+            if times and min(times) > 0 and max(times) / min(times) > NOISY_SPREAD:
+                out.append(
+                    f"{what} {p}: iterations spread {min(times):.3g}-{max(times):.3g} ms "
+                    f"({max(times) / min(times):.1f}x): noisy, more --iters or a quieter machine"
+                )
+    return out
+
+
 def make_report(
     *, device: torch.device, world: int, options: dict[str, Any], argv: list[str], ceilings: dict[str, Any], rows: list
 ) -> dict[str, Any]:
@@ -221,6 +249,7 @@ def make_report(
         "config": options,
         "ceilings": ceilings,
         "results": rows,
+        "warnings": timing_warnings(rows),
     }
 
 

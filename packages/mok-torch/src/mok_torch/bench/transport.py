@@ -259,7 +259,7 @@ def _spawned(local: int, world: int, port: int, argv: list[str]) -> None:
 
 def parser() -> argparse.ArgumentParser:
     p = component_parser("mok bench-transport", __doc__.split("\n\n")[0], iters=50, warmup=5)
-    p.add_argument("--nproc", type=int, default=1)
+    p.add_argument("--nproc", type=int, default=1, help="ranks, one process each (default %(default)s)")
     return p
 
 
