@@ -104,7 +104,7 @@ def run_functional(
     return {k: v.detach().cpu() for k, v in out.items()}
 
 
-# What the determinism contract covers across configurations and EP sizes (DESIGN.md §2).
+# What the determinism contract covers across configurations and EP sizes (docs/determinism.md).
 CONTRACT_KEYS = ("y", "dx", "d_router_weights", "dWg", "dWu", "dWd")
 
 

@@ -1,8 +1,8 @@
 """mok-bf16's CPU expert entry points against mok_torch's reference arithmetic, bit for bit.
 
-Shape letters: M rows, H hidden, I inner size, El local experts. A row carries its local
-expert, -1 for a padding row. The reference sees a padding row as a zero row of some expert
-(as the schedule's padding rows are); mok_bf16 is given garbage there, which it must not read.
+Shape letters: docs/design.md §1. A row carries its local expert, -1 for a padding row. The
+reference sees a padding row as a zero row of some expert (as the schedule's padding rows are);
+mok_bf16 is given garbage there, which it must not read.
 Everything is compared with torch.equal, except NaN payloads (bf16 and fp32 NaN bits differ
 between torch's code paths), where the NaN positions must agree and the rest be equal.
 """

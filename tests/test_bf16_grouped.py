@@ -3,10 +3,10 @@
 CPU: the reference arithmetic, bitwise the per-row entry point. CUDA (skipped, with the
 reason, without a GPU): the sm_90a tensor-core GEMMs against a float64 reference within bf16
 tolerance, h bitwise the reference's element math on the kernel's a and b, and the
-determinism contract (DESIGN.md §2) bitwise: run to run, any grid size, a row's bits
+determinism contract (docs/determinism.md) bitwise: run to run, any grid size, a row's bits
 independent of where it sits and of the other rows, a segment split over two calls.
 
-Shape letters: M rows, H hidden, I inner size, El local experts.
+Shape letters: docs/design.md §1.
 """
 
 from __future__ import annotations

@@ -5,11 +5,11 @@ same segments. CUDA (skipped, with the reason, without a GPU): each kernel again
 the kernel's own inputs (g against dy @ Wd; dx, d_w and the weight gradients against the
 intermediate arrays the kernels passed each other), the element math bitwise the reference's,
 the whole within bf16 rounding of the reference arithmetic, and the determinism contract
-(DESIGN.md §2) bitwise: run to run, any grid size, a row's bits independent of where it sits,
+(docs/determinism.md) bitwise: run to run, any grid size, a row's bits independent of where it sits,
 and the weight gradients' fp32 carry: rows split over two calls at a multiple of 64 rows from
 every segment start give the bits of one call.
 
-Shape letters: M rows, H hidden, I inner size, El local experts.
+Shape letters: docs/design.md §1.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """mok-core's schedule table, send side, combine epilogue and ring planner against the reference.
 
-Shape letters: R ranks, T tokens (Tmax: the padded maximum), K top-k, E experts, El local
-experts, H hidden, C table capacity. Each builder runs on the CPU and, where mok_core has CUDA
+Shape letters: docs/design.md §1. Each builder runs on the CPU and, where mok_core has CUDA
 and torch sees a GPU, on CUDA with device tensors; everything the determinism contract covers
 is compared bitwise (torch.equal) with mok_torch's reference backend.
 """

@@ -9,7 +9,7 @@ POSIX shared memory, on the CPU and on CUDA.
   device tensors of one GPU, the barrier and its timeout on one GPU, and the whole protocol across
   two GPUs through torch.distributed._symmetric_memory (MOK_TEST_DEVICE=cuda machines).
 
-Letters: R ranks, T_r tokens of rank r, K routes per token, C table rows (capacity), B row bytes.
+Shape letters: docs/design.md §1, and B row bytes.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ TOKENS_R = [5, 0, 7]  # one rank brings no token at all
 K = 3
 SENTINEL = 0xAB  # bytes a move must not touch
 ERROR_TIMEOUT = 1
+ERROR_OUT_OF_STEP = 2  # a peer at another barrier (kErrorOutOfStep)
+TAG_BITS = 24  # a pad slot holds epoch << TAG_BITS | the barrier's tag (transport.h)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -432,8 +434,27 @@ def test_barrier_alone_counts_epochs():
     pads = LocalPads(1)
     for e in range(1, 6):
         assert pads.barrier(0) is True
-        assert pads.epoch.item() == e and pads.pads[0][0].item() == e
+        assert pads.epoch.item() == e and pads.pads[0][0].item() == e << TAG_BITS  # (epoch, tag 0)
     assert pads.error.tolist() == [0, 0, 0, 0]
+
+
+def test_barrier_finds_a_peer_at_another_barrier():
+    """A peer at the same epoch with another tag (another stage or call), or two epochs ahead (a
+    call this rank did not make), is out of step: an error naming it, not a barrier passed."""
+    pads = LocalPads(2)
+    threads = [threading.Thread(target=pads.barrier, args=(1,), kwargs=dict(stage=5, timeout_s=5))]
+    threads[0].start()
+    assert pads.barrier(0, stage=3, timeout_s=5) is False  # rank 1 is at stage 5 of epoch 1
+    threads[0].join(timeout=10)
+    assert pads.error.tolist() == [ERROR_OUT_OF_STEP, 1, 3, 0]
+    assert pads.errors[1].tolist()[:2] == [ERROR_OUT_OF_STEP, 0]  # rank 1 saw rank 0's tag too
+    ahead = LocalPads(2)
+    ahead.pads[0][1] = 3 << TAG_BITS  # rank 1 announced epoch 3 while rank 0 is at its first
+    assert ahead.barrier(0, timeout_s=5) is False
+    assert ahead.error.tolist() == [ERROR_OUT_OF_STEP, 1, 0, 0]
+    in_step = LocalPads(2)
+    in_step.pads[0][1] = 2 << TAG_BITS | 9  # one epoch ahead, whatever its tag: it passed epoch 1
+    assert in_step.barrier(0, stage=4, timeout_s=5) is True
 
 
 def test_barrier_releases_the_gil():
@@ -453,7 +474,7 @@ def test_barrier_releases_the_gil():
     assert not thread.is_alive()
     assert results == [[True] * 20] * world
     assert [e.item() for e in pads.epochs] == [20, 20]
-    assert all(p.tolist() == [20, 20] for p in pads.pads)
+    assert all(p.tolist() == [20 << TAG_BITS] * 2 for p in pads.pads)
 
 
 def test_barrier_timeout_sets_a_sticky_error():
@@ -470,8 +491,8 @@ def test_barrier_timeout_sets_a_sticky_error():
     assert pads.barrier(0, stage=8, timeout_s=10) is False
     assert time.perf_counter() - start < 1
     assert pads.error.tolist() == [ERROR_TIMEOUT, 1, stage, 0]
-    assert [p[0].item() for p in pads.pads] == [2, 2, 2]
-    # a late rank finds the others' (larger) epochs: no reset, no hang
+    assert [p[0].item() >> TAG_BITS for p in pads.pads] == [2, 2, 2]
+    # a late rank finds the others one epoch ahead (they passed this barrier): no reset, no hang
     assert pads.barrier(1, timeout_s=5) is True
     assert pads.errors[1].tolist() == [0, 0, 0, 0]
 
@@ -845,7 +866,7 @@ def test_cpu_processes_many_barriers(cpu_world):
     for res in results:
         assert res["many"] is True
         assert res["epoch"] >= epochs
-        assert all(slot >= epochs for slot in res["pad_after_many"])
+        assert all(slot >> TAG_BITS >= epochs for slot in res["pad_after_many"])
 
 
 @pytest.mark.multiprocess
@@ -944,7 +965,7 @@ def test_cuda_barrier_alone_and_in_a_graph():
     for _ in range(10):
         assert pads.barrier(0, device="cuda") is True
     torch.cuda.synchronize()
-    assert pads.epoch.item() == 10 and pads.pads[0].tolist() == [10]
+    assert pads.epoch.item() == 10 and pads.pads[0].tolist() == [10 << TAG_BITS]
     row_src_rank_C, row_route_C = (t.cuda() for t in make_table([4], 1, num_padding=2, seed=3))
     src = random_bytes(4 * 64, 1).cuda()
     dst = torch.full((6 * 64,), SENTINEL, dtype=torch.uint8, device="cuda")

@@ -1,4 +1,4 @@
-"""The determinism contract of DESIGN.md §2, bitwise, in one process."""
+"""The determinism contract (docs/determinism.md), bitwise, in one process."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ and a dependency that never arrives becomes an error instead of a hang.
 GPU tests skip, with the reason, on a machine without an sm_90 GPU; the path-selection tests run
 everywhere.
 
-Shape letters: T tokens, H hidden, I inner size, E experts, K top-k, Is shared inner size, C the
-schedule table's capacity.
+Shape letters: docs/design.md §1.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ PyTorch composition the layer used before (the reference's `swiglu_backward_rows
 quantizer), d_w included (the reference's sequential sum). CPU always; CUDA (skipped, with the reason,
 without a GPU): the same checks, and the GPU's bytes equal to the CPU's.
 
-Shape letters: M rows, H hidden, I inner size.
+Shape letters: docs/design.md §1.
 """
 
 from __future__ import annotations

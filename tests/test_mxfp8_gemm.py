@@ -6,11 +6,11 @@ reads Wg's and Wu's transposed copies one after the other (a K split). CPU: the 
 arithmetic (32-block partials summed in fp32 in K order), against a float64 product of the
 dequantized operands. CUDA (skipped, with the reason, without a GPU): the sm_90a FP8 GEMM
 against the same float64 product (tight: only the order of the sums differs), and the
-determinism contract (DESIGN.md §2) bitwise: run to run, any grid size, a row's bits
+determinism contract (docs/determinism.md) bitwise: run to run, any grid size, a row's bits
 independent of where it sits and of the other rows, a K split the same as one weight holding
 both, bf16 outputs the rounding of the fp32 ones.
 
-Shape letters: M rows, N output columns, K reduction, El local experts.
+Shape letters: docs/design.md §1; the GEMMs here are M rows x N output columns, K their reduction (not top-k).
 """
 
 from __future__ import annotations

@@ -5,10 +5,10 @@ MXFP8 copy bitwise the reference's element math and quantizer. CUDA (skipped, wi
 without a GPU): the sm_90a FP8 GEMMs with per-32 scaling against a float64 product of the
 dequantized operands (tight: the inputs are the same, only the order of the sums differs), h
 and h_q bitwise the reference's on the kernel's a and b, close to the CPU's bits, and the
-determinism contract (DESIGN.md §2) bitwise: run to run, any grid size, a row's bits
+determinism contract (docs/determinism.md) bitwise: run to run, any grid size, a row's bits
 independent of where it sits and of the other rows, a segment split over two calls.
 
-Shape letters: M rows, H hidden, I inner size, El local experts.
+Shape letters: docs/design.md §1.
 """
 
 from __future__ import annotations

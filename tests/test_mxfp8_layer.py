@@ -1,4 +1,4 @@
-"""The MXFP8 layer mode (DESIGN.md §8): quantization points, accuracy, determinism, EP invariance.
+"""The MXFP8 layer mode (docs/mxfp8.md): quantization points, accuracy, determinism, EP invariance.
 
 - Against a float64 per-route loop that quantizes the same operands at the same points (x and
   dy before they travel, h before the down GEMM, [d_a, d_b] before the input-gradient GEMM,

@@ -1,4 +1,4 @@
-"""The schedule table of DESIGN.md §4 against a plain Python construction."""
+"""The schedule table of docs/design.md §6 against a plain Python construction."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The MoE layer as a per-token loop in float64: the ground truth of the accuracy tests.
 
 No rounding to bf16 anywhere after the inputs, no batching, no tricks: the formulas of
-DESIGN.md §1 token by token, differentiated by autograd.
+docs/design.md §2 token by token, differentiated by autograd.
 """
 
 from __future__ import annotations

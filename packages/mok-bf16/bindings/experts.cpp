@@ -38,7 +38,7 @@ void register_experts(pybind11::module_& m) {
       py::arg("w_down"), py::arg("out_a"), py::arg("out_b"), py::arg("out_y"), py::arg("num_rows"),
       py::arg("hidden"), py::arg("inner"), py::arg("num_experts"), py::arg("limit") = py::none(),
       py::arg("num_threads") = 1, py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
-      "SwiGLU expert forward on M table rows, each with its own local expert (DESIGN.md §1). "
+      "SwiGLU expert forward on M table rows, each with its own local expert (docs/design.md §2). "
       "x: bf16 [M, H]; experts: int64 [M], each in [0, num_experts) or -1 (a padding row: a, b, y "
       "= 0); w_gate, w_up: bf16 [El, I, H]; w_down: bf16 [El, H, I] (0 allowed when out_y is 0). "
       "Writes out_a = bf16(x @ Wg^T), out_b = bf16(x @ Wu^T) (bf16 [M, I]) and, unless out_y is 0, "
@@ -84,7 +84,7 @@ void register_experts(pybind11::module_& m) {
       py::arg("acc_down"), py::arg("num_rows"), py::arg("hidden"), py::arg("inner"),
       py::arg("num_experts"), py::arg("limit") = py::none(), py::arg("num_threads") = 1,
       py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
-      "SwiGLU expert backward on M table rows (DESIGN.md §1). x, dy: bf16 [M, H]; a, b: bf16 "
+      "SwiGLU expert backward on M table rows (docs/design.md §2). x, dy: bf16 [M, H]; a, b: bf16 "
       "[M, I] (the forward's pre-activations); router_weights: fp32 [M] (w of each row), or 0 for "
       "all ones (an unweighted expert); experts: int64 [M] as in swiglu_forward; weights as in "
       "swiglu_forward. Writes out_dx = bf16([d_a, d_b] @ [Wg; Wu]) (bf16 [M, H], gate part first) "

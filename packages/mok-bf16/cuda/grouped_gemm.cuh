@@ -10,8 +10,8 @@
 // owns 64 of the tile's 128 rows and issues wgmma for them, the second kLagBlocks k-blocks behind
 // the first; bf16 epilogues are deferred into the next tile's first k-blocks.
 //
-// Determinism (DESIGN.md §2): an output element is one CTA's fp32 sum over K in blocks of 64,
-// each block four wgmma k16 steps in ascending order, with no split of K. Nothing depends on
+// Determinism (docs/determinism.md): an output element is one CTA's fp32 sum over K in blocks of
+// 64, each block four wgmma k16 steps in ascending order, with no split of K. Nothing depends on
 // which CTA computes a tile, on the grid size, on where the tile's rows sit in A or on the other
 // rows of the tile: a row's result depends only on that row and the expert's weights, so the
 // GEMMs are batch invariant and invariant under any split of the rows into calls.

@@ -12,9 +12,9 @@
 // (grouped_gemm.cuh: same ring, producer and consumers). An expert with no rows in this call
 // gets C unchanged (its carried value, or +0) in the outputs.
 //
-// Determinism (DESIGN.md §2): a tile's accumulators start from C's fp32 values (or +0) and take the
-// expert's rows in blocks of 64 counted from its segment start, each four wgmma k16 steps in
-// ascending order. The last block of a segment is zero-padded in shared memory (rows past the
+// Determinism (docs/determinism.md): a tile's accumulators start from C's fp32 values (or +0) and
+// take the expert's rows in blocks of 64 counted from its segment start, each four wgmma k16 steps
+// in ascending order. The last block of a segment is zero-padded in shared memory (rows past the
 // segment belong to the next expert). So splitting an expert's rows over two calls gives the
 // bits of one call exactly when the split falls on a multiple of 64 rows from the segment start;
 // mok-torch's cuda backend uses these kernels only where every minibatch and segment boundary

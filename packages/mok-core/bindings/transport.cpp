@@ -100,10 +100,13 @@ void register_transport(pybind11::module_& m) {
       "Epoch barrier over the group (docs/core-runtime.md). epoch: address of this rank's uint64 "
       "counter (local memory); signal_pad_ptrs: address of an int64 array of the ranks' pad "
       "addresses, each pad world_size uint64 slots (shared memory, zero at the start); error: "
-      "address of int32 [4] (code, peer, stage, rank). Increments the epoch to e, stores e into "
-      "slot `rank` of every pad (release, system scope), then waits until every slot of its own "
-      "pad is >= e (acquire). A wait longer than timeout_ns writes error = (1, the missing peer, "
-      "stage, rank) and gives up; a set error is sticky: later calls still arrive but never wait. "
+      "address of int32 [4] (code, peer, stage, rank); stage: the barrier's tag in [0, 2^24), "
+      "the same on every rank in step (the caller's stage and call). Increments the epoch to e, "
+      "stores (e, stage) into slot `rank` of every pad (release, system scope), then waits until "
+      "every slot of its own pad holds an epoch >= e (acquire): a peer at e with the same stage, "
+      "or at e + 1, is in step. A wait longer than timeout_ns writes error = (1, the missing peer, "
+      "stage, rank), a peer at another barrier error = (2, that peer, stage, rank), and the call "
+      "gives up; a set error is sticky: later calls still arrive but never wait. "
       "On 'cpu' it blocks (without the GIL) and returns False on error; on 'cuda' it enqueues one "
       "kernel on `stream` and returns True (the outcome lands in `error`).");
 

@@ -80,8 +80,9 @@ __global__ void __launch_bounds__(kCopyThreads, 1) zero_rows_kernel(ZeroRows row
 //   2. every thread: fence, then a release store of the epoch into this rank's slot of its peers'
 //      pads (its own pad included).
 //   3. unless the error was already set, every thread spins (acquire loads) on its peers' slots
-//      of the local pad until they reach the epoch or %globaltimer says timeout_ns have passed;
-//      the lowest late peer is kept (atomicMin in shared memory).
+//      of the local pad until they reach the epoch or %globaltimer says timeout_ns have passed,
+//      and checks each peer's tag (transport.h); the lowest peer late or out of step is kept
+//      (atomicMin in shared memory), and the thread that found it keeps why.
 //   4. thread 0 writes the error words for that peer, the code last (release), and every thread
 //      fences so the kernels after the barrier see the peers' data.
 // Nothing ever waits without a deadline, so a missing peer costs timeout_ns, never a hang.
@@ -91,6 +92,7 @@ __global__ void __launch_bounds__(kBarrierMaxThreads)
   __shared__ std::uint64_t s_epoch;
   __shared__ int s_error_set;
   __shared__ int s_late_peer;
+  __shared__ int s_code;
   if (threadIdx.x == 0) {
     const std::uint64_t e = *epoch + 1;
     *epoch = e;
@@ -107,16 +109,20 @@ __global__ void __launch_bounds__(kBarrierMaxThreads)
   // including their stores into peers' buffers) -> the epoch stores below. The release stores
   // alone order only what this thread has observed.
   __threadfence_system();
-  transport::barrier_arrive<DeviceSync>(signal_pad_ptrs, rank, world_size, e, first, step);
+  const auto tag = static_cast<std::uint32_t>(stage);
+  transport::barrier_arrive<DeviceSync>(signal_pad_ptrs, rank, world_size, e, tag, first, step);
 
+  transport::BarrierMiss miss{-1, 0};
   if (!s_error_set) {
-    const int late = transport::barrier_wait<DeviceSync>(signal_pad_ptrs, rank, world_size, e,
-                                                         timeout_ns, first, step);
-    if (late >= 0) atomicMin(&s_late_peer, late);
+    miss = transport::barrier_wait<DeviceSync>(signal_pad_ptrs, rank, world_size, e, tag,
+                                               timeout_ns, first, step);
+    if (miss.peer >= 0) atomicMin(&s_late_peer, miss.peer);
   }
   __syncthreads();
+  if (miss.peer >= 0 && miss.peer == s_late_peer) s_code = miss.code;  // one thread: one peer
+  __syncthreads();
   if (threadIdx.x == 0 && s_late_peer < world_size) {
-    transport::record_timeout<DeviceSync>(error, s_late_peer, stage, rank);
+    transport::record_error<DeviceSync>(error, s_code, s_late_peer, stage, rank);
   }
   // fence.sc.sys: the acquire loads above -> this rank's reads of peer data in the kernels that
   // follow on the stream (a kernel boundary is not a system-scope fence by itself).

@@ -197,12 +197,13 @@ bool barrier_cpu(std::uint64_t* epoch, const std::int64_t* pad_ptrs, std::int32_
   const std::uint64_t e = ++*epoch;
   // Arrive even when the error is set, so that the count of barriers stays the same on every
   // rank and healthy peers are not held up by this one.
-  transport::barrier_arrive<HostSync>(pad_ptrs, rank, world_size, e, 0, 1);
+  const auto tag = static_cast<std::uint32_t>(stage);
+  transport::barrier_arrive<HostSync>(pad_ptrs, rank, world_size, e, tag, 0, 1);
   if (HostSync::load_acquire(error + transport::kErrorCode) != 0) return false;
-  const std::int32_t late =
-      transport::barrier_wait<HostSync>(pad_ptrs, rank, world_size, e, timeout_ns, 0, 1);
-  if (late < 0) return true;
-  transport::record_timeout<HostSync>(error, late, stage, rank);
+  const transport::BarrierMiss miss =
+      transport::barrier_wait<HostSync>(pad_ptrs, rank, world_size, e, tag, timeout_ns, 0, 1);
+  if (miss.peer < 0) return true;
+  transport::record_error<HostSync>(error, miss.code, miss.peer, stage, rank);
   return false;
 }
 
@@ -292,13 +293,14 @@ bool barrier(TransportDevice device, std::int64_t epoch, std::int64_t signal_pad
              std::int64_t timeout_ns, std::int64_t stream) {
   constexpr const char* fn = "barrier";
   constexpr std::int64_t int32_max = std::numeric_limits<std::int32_t>::max();
-  constexpr std::int64_t int32_min = std::numeric_limits<std::int32_t>::min();
   require(world_size >= 1 && world_size <= int32_max, fn,
           "world_size must be >= 1" + got(world_size));
   require(rank >= 0 && rank < world_size, fn,
           "rank must be in [0, world_size=" + std::to_string(world_size) + ")" + got(rank));
-  require(stage >= int32_min && stage <= int32_max, fn,
-          "stage must fit in int32 (it is stored in the error words)" + got(stage));
+  require(stage >= 0 && stage <= static_cast<std::int64_t>(transport::kTagMask), fn,
+          "stage must be in [0, 2^24) (the barrier's tag, announced to the peers and stored in the "
+          "error words)" +
+              got(stage));
   require(timeout_ns > 0, fn, "timeout_ns must be > 0" + got(timeout_ns));
   check_pointer(fn, "epoch", epoch, 8, false);
   check_pointer(fn, "signal_pad_ptrs", signal_pad_ptrs, 8, false);

@@ -21,10 +21,10 @@
 // A stage is 128 elements of K: A [128 x 128] and B [128 x 128] E4M3 (one 128-byte swizzle row
 // each), 4 slices. K must be a multiple of 64; the last stage may have 2 slices.
 //
-// Determinism (DESIGN.md §2): an output element is one CTA's fp32 sum of its 32-slices' scaled
-// partials in ascending K, with no split of K; nothing depends on the CTA, the grid, the tile's
-// position in A or the other rows of the tile (batch invariant, invariant under any split of the
-// rows into calls). The wgmma's partial is the tensor cores' fixed-order sum of 32 products.
+// Determinism (docs/determinism.md): an output element is one CTA's fp32 sum of its 32-slices'
+// scaled partials in ascending K, with no split of K; nothing depends on the CTA, the grid, the
+// tile's position in A or the other rows of the tile (batch invariant, invariant under any split of
+// the rows into calls). The wgmma's partial is the tensor cores' fixed-order sum of 32 products.
 #pragma once
 
 #include <cstdint>

@@ -13,10 +13,10 @@
 // 32-slice into a fresh partial, rescaled and added on the CUDA cores) with what differs: the
 // tile walk (expert, row tile of R, column tile of C: every expert has the same tiles), K per
 // tile (the expert's segment, read from device memory), both operands' scales block-major, and
-// the accumulators starting from an fp32 carry. Determinism (DESIGN.md §2): an output element is
-// one CTA's fp32 sum of its 32-row blocks' scaled partials in ascending row order, starting from
-// the carry, so a split of the rows at any multiple of 32 into calls that carry the fp32 sums
-// gives the same bits as one call.
+// the accumulators starting from an fp32 carry. Determinism (docs/determinism.md): an output
+// element is one CTA's fp32 sum of its 32-row blocks' scaled partials in ascending row order,
+// starting from the carry, so a split of the rows at any multiple of 32 into calls that carry the
+// fp32 sums gives the same bits as one call.
 #pragma once
 
 #include <cstdint>

@@ -4,7 +4,7 @@
     y = mok.moe(x, top_experts, router_weights, routed=(Wg, Wu, Wd), config=mok.MoKConfig())
     layer = mok.MoELayer(hidden_size, intermediate_size, num_experts, topk)
 
-See DESIGN.md §9 for the whole API and §2 for what "deterministic" promises.
+See docs/design.md §10 for the whole API and docs/determinism.md for what "deterministic" promises.
 """
 
 from __future__ import annotations

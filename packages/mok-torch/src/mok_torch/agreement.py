@@ -19,6 +19,7 @@ not complete, the process group itself is out of step.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -98,25 +99,57 @@ def agree(ws: Workspace, what: str, settings: dict[str, object], timeout_s: floa
     agreed.add(key)
 
 
-def _exchange(ws: Workspace, local: list[int], what: str, timeout_s: float) -> list[list[int]]:
-    """Every rank's `local` (the same length on each), in rank order: one all-gather whose wait
-    (the host's, for gloo and NCCL alike: a wait with a timeout blocks until it completes) is
-    bounded by `timeout_s`."""
-    on = ws.device if str(dist.get_backend(ws.group)).lower().startswith("nccl") else torch.device("cpu")
-    mine = torch.tensor(local, dtype=torch.int64, device=on)
-    gathered = [torch.empty_like(mine) for _ in range(ws.world_size)]
+def bounded(issue: Callable[[], Any], what: str, timeout_s: float, ws: Workspace | None = None) -> None:
+    """Run a collective mok starts (`issue` makes it with async_op=True and returns its work)
+    and wait for it at most `timeout_s` (the host's wait, for gloo and NCCL alike: a wait with a
+    timeout blocks until the work completes). Past that: a `TimeoutError` naming `what`, and `ws`
+    refused from then on (its group is out of step)."""
     try:
-        work = dist.all_gather(gathered, mine, group=ws.group, async_op=True)
+        work = issue()
         assert work is not None
         work.wait(timeout=timedelta(seconds=timeout_s))
     except RuntimeError as exc:
-        ws.state["broken"] = f"the {what} check across the group did not complete"
+        if ws is not None:
+            ws.state["broken"] = f"{what} did not complete"
         raise TimeoutError(
-            f"mok: not every rank of the expert-parallel group checked its {what} settings within timeout_s "
-            f"({timeout_s} s): a rank is missing or out of step (a call the others did not make), or the ranks "
-            f"passed different process groups ({type(exc).__name__}: {str(exc)[:200]})"
+            f"mok: {what} did not complete within timeout_s ({timeout_s:g} s): a rank is missing or out of step "
+            f"(a call the others did not make), or the ranks passed different process groups "
+            f"({type(exc).__name__}: {str(exc)[:200]})"
         ) from exc
+
+
+def _exchange(ws: Workspace, local: list[int], what: str, timeout_s: float) -> list[list[int]]:
+    """Every rank's `local` (the same length on each), in rank order: one all-gather, bounded."""
+    on = ws.device if str(dist.get_backend(ws.group)).lower().startswith("nccl") else torch.device("cpu")
+    mine = torch.tensor(local, dtype=torch.int64, device=on)
+    gathered = [torch.empty_like(mine) for _ in range(ws.world_size)]
+    issue = lambda: dist.all_gather(gathered, mine, group=ws.group, async_op=True)  # noqa: E731
+    bounded(issue, f"the {what} check across the group", timeout_s, ws)
     return [g.tolist() for g in gathered]
+
+
+# The calls a rank makes on a workspace, each a step of the group's sequence.
+CALLS = ("schedule", "forward", "backward", "recompute")
+
+
+def step_in(ws: Workspace, call: str, timeout_s: float) -> None:
+    """Count a call on `ws` and, at EP > 1 on the reference backend (whose collectives carry no
+    identity of their own), check that every rank is at the same call of the same kind: a rank
+    that made a call the others did not is found here, on every rank, before its rows move.
+    (The native backends check the same at every barrier, in mok-core.)"""
+    check_usable(ws)
+    ws.state["timeout_s"] = timeout_s  # what the backend's own collectives wait at most
+    count = ws.state["calls"] = ws.state.get("calls", 0) + 1
+    if ws.world_size == 1 or (ws.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return
+    rows = _exchange(ws, [count, CALLS.index(call)], "the call sequence", timeout_s)
+    if any(r != rows[ws.rank] for r in rows):
+        each = ", ".join(f"rank {r} at call {n} ({CALLS[k]})" for r, (n, k) in enumerate(rows))
+        ws.state["broken"] = "the ranks were out of step"
+        raise RuntimeError(
+            f"mok: the ranks of the expert-parallel group are out of step: {each} (a call, or its backward, "
+            "that one rank made and another did not); every rank raises this"
+        )
 
 
 def workspace_settings(ws: Workspace) -> dict[str, object]:

@@ -1,17 +1,17 @@
 """`moe`: the differentiable MoE layer call.
 
-Shape letters: T tokens on this rank, H hidden, K top-k, E experts, El = E / R local experts.
+Shape letters: docs/design.md §1.
 """
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from . import ops
+from .agreement import bounded
 from .config import MoKConfig
 from .validation import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, describe
 from .workspace import group_rank_and_size
@@ -27,16 +27,8 @@ def agree_max_tokens(num_tokens: int, group: Any, device: torch.device, timeout_
     top = num_tokens
     if world > 1:
         t = torch.tensor([num_tokens], dtype=torch.int64, device=device)
-        try:
-            work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True)
-            assert work is not None
-            work.wait(timeout=timedelta(seconds=timeout_s))
-        except RuntimeError as exc:
-            raise TimeoutError(
-                f"mok: the ranks did not all agree on max_tokens within timeout_s ({timeout_s} s): a rank is "
-                f"missing or out of step, or the ranks passed different process groups (pass max_tokens to skip "
-                f"this all-reduce; {type(exc).__name__}: {str(exc)[:200]})"
-            ) from exc
+        issue = lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True)  # noqa: E731
+        bounded(issue, "agreeing on max_tokens (pass max_tokens to skip this all-reduce)", timeout_s)
         top = int(t.item())
     return max(-(-top // _MAX_TOKENS_ROUNDING) * _MAX_TOKENS_ROUNDING, _MAX_TOKENS_ROUNDING)
 

@@ -1,6 +1,6 @@
 """MoKConfig: the knobs of a mok layer call.
 
-None of these knobs changes a single bit of the results (DESIGN.md §2): they trade memory
+None of these knobs changes a single bit of the results (docs/determinism.md): they trade memory
 for speed or pick an implementation. The determinism tests run every knob at several values
 and compare bitwise.
 """

@@ -1,7 +1,6 @@
-"""The functional API of DESIGN.md §9: schedule, forward, backward, recompute.
+"""The functional API (docs/design.md §10): schedule, forward, backward, recompute.
 
-Shape letters: T tokens on this rank, H hidden, K top-k, E experts, El local experts, I
-routed inner size, Is shared inner size.
+Shape letters: docs/design.md §1.
 
 These calls take bf16 activations and weights, check every argument, and run on the
 backend `config.backend` resolves to. `mok_torch.moe` wraps them in autograd.

@@ -1,6 +1,6 @@
 """MoELayer: router + routed SwiGLU experts + optional shared expert, as an nn.Module.
 
-Shape letters: T tokens, H hidden, E experts, El local experts, K top-k, I / Is inner sizes.
+Shape letters: docs/design.md §1.
 """
 
 from __future__ import annotations

@@ -8,8 +8,7 @@ of macrobatch 0) depends on the routing and is a dynamic size for the compiler. 
 ops mutates its inputs. Autograd is registered on `mok::forward`; its backward calls
 `mok::backward`.
 
-Shape letters: T tokens, H hidden, K top-k, E experts, El local experts, R ranks, C
-schedule capacity, M saved rows, I / Is inner sizes.
+Shape letters: docs/design.md §1 (M: the saved rows, those of macrobatch 0).
 """
 
 from __future__ import annotations

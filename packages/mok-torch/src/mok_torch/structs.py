@@ -1,8 +1,6 @@
 """The values that pass between the calls of the functional API.
 
-Shape letters: T tokens on this rank, K top-k, H hidden size, I routed inner size, Is shared
-inner size, E experts in all, El local experts, R ranks, C schedule capacity (rows),
-M rows of macrobatch 0 (the saved context).
+Shape letters: docs/design.md §1 (M: the rows of macrobatch 0, which the context keeps).
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ from .workspace import Workspace
 
 @dataclass(frozen=True, eq=False)
 class Schedule:
-    """The schedule table of DESIGN.md §4 for one call, plus what the source side needs.
+    """The schedule table (docs/design.md §6) for one call, plus what the source side needs.
 
     Expert side (the rows this rank's experts process, on the device):
         row_src_rank_C: source rank of each row, -1 for padding rows.
@@ -67,7 +65,7 @@ class Schedule:
 
 @dataclass(frozen=True, eq=False)
 class ForwardContext:
-    """What the forward pass keeps for the backward pass (DESIGN.md §1, §6).
+    """What the forward pass keeps for the backward pass (docs/design.md §2, §8).
 
     Only macrobatch 0 of the routed rows is kept (the ring ends holding it); the backward
     pass replays the others. Nothing of size rows x H is kept beyond `x_routed_MH`.

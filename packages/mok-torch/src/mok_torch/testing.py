@@ -1,6 +1,6 @@
 """Routing and input generators shared by the tests, the benchmarks and the demo.
 
-Shape letters: T tokens, H hidden, I / Is inner sizes, E experts, K top-k.
+Shape letters: docs/design.md §1.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A workspace fixes what every rank of the expert-parallel group must agree on before any
 data moves: the group, the largest token count a rank may bring (`max_tokens`), the hidden
 size, top-k, the number of experts and the expert alignment. From these follows the
-worst-case capacity of the schedule table (DESIGN.md §4), so no call can overflow it and
+worst-case capacity of the schedule table (docs/design.md §6), so no call can overflow it and
 no token is ever dropped. Backends keep their buffers in `Workspace.state`.
 """
 

@@ -1,10 +1,10 @@
-// The routed SwiGLU experts on rows of the schedule table (DESIGN.md §1), in BF16: the entry
+// The routed SwiGLU experts on rows of the schedule table (docs/design.md §2), in BF16: the entry
 // points mok-torch's native backends call between the pulls and the pushes.
 //
-// Shape letters: M rows, H hidden, I inner size, El local experts. Rows are flat, each with
-// its own local expert (the "PerRow" layout of mok_torch/backends/reference/experts.py): a row
-// is one route placed in an expert's input; a row whose expert is -1 is padding (alignment,
-// or past the last segment), which no output reads. Weights use the nn.Linear convention:
+// Shape letters: docs/design.md §1 (M: the rows of a call). Rows are flat, each with its own
+// local expert (the "PerRow" layout of mok_torch/backends/reference/experts.py): a row is one
+// route placed in an expert's input; a row whose expert is -1 is padding (alignment, or past
+// the last segment), which no output reads. Weights use the nn.Linear convention:
 //
 //   w_gate, w_up: bf16 [El, I, H]     w_down: bf16 [El, H, I]
 //
@@ -91,7 +91,7 @@ struct SwigluBackwardArgs {
 };
 
 // grouped_forward: the forward over experts' segments of consecutive rows, the layout of the
-// schedule table (DESIGN.md §4): rows [offsets[e], offsets[e+1]) belong to local expert e.
+// schedule table (docs/design.md §6): rows [offsets[e], offsets[e+1]) belong to local expert e.
 //
 //   [a, b] = x @ [Wg_e; Wu_e]^T,  h = bf16(silu(a_c) * b_c),  y = h @ Wd_e^T
 //

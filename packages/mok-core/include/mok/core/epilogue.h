@@ -1,4 +1,4 @@
-// The fixed-order combine epilogue (DESIGN.md §2, docs/core-runtime.md "Epilogue"): the
+// The fixed-order combine epilogue (docs/design.md §2, docs/core-runtime.md "Epilogue"): the
 // per-element arithmetic, shared by the CPU loop (src/epilogue.cpp) and the CUDA kernel
 // (cuda/epilogue.cu) so both give the reference's bits.
 //

@@ -1,4 +1,4 @@
-// The per-element arithmetic of the experts (DESIGN.md §1, docs/determinism.md "The reference
+// The per-element arithmetic of the experts (docs/design.md §2, docs/determinism.md "The reference
 // backend's arithmetic"), shared by every precision package's CPU loops and CUDA kernels, so
 // that all give the bits of mok-torch's reference backend
 // (mok_torch/backends/reference/arith.py and experts.py).

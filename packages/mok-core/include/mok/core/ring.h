@@ -1,4 +1,4 @@
-// The ring planner (DESIGN.md §6, docs/core-runtime.md "Ring planner"): the tasks of one pass
+// The ring planner (docs/design.md §8, docs/core-runtime.md "Ring planner"): the tasks of one pass
 // over the table's rows, with their dependencies, as host/device code.
 //
 // Rows [0, num_rows) split into macrobatches of `macrobatch` rows (the ring: the routed

@@ -1,4 +1,4 @@
-// The schedule table (DESIGN.md §4, docs/core-runtime.md "Schedule"): the integer pieces that
+// The schedule table (docs/design.md §6, docs/core-runtime.md "Schedule"): the integer pieces that
 // the CPU build (src/schedule.cpp), the CUDA kernels (cuda/schedule.cu) and the precision
 // packages' fused kernels share.
 //

@@ -1,4 +1,4 @@
-// The transport protocol of mok-core (docs/core-runtime.md, "Transport"; DESIGN.md §5), shared
+// The transport protocol of mok-core (docs/core-runtime.md, "Transport"; docs/design.md §7), shared
 // by the CPU and CUDA backends: which bytes each schedule-table row moves, how the work is split,
 // the epoch barrier over signal pads, and the error words a timed-out wait leaves behind.
 //
@@ -22,11 +22,12 @@ namespace mok::core::transport {
 // written last, with release semantics, so a reader that sees it set (acquire) sees the rest.
 // A set code is sticky: later barriers still arrive but never wait (nothing hangs).
 inline constexpr int kErrorWords = 4;
-inline constexpr int kErrorCode = 0;   // 0 = no error, kErrorTimeout = a wait timed out
-inline constexpr int kErrorPeer = 1;   // the lowest rank still missing at the deadline
-inline constexpr int kErrorStage = 2;  // the caller's stage id of the barrier that gave up
+inline constexpr int kErrorCode = 0;   // 0 = no error, else kErrorTimeout or kErrorOutOfStep
+inline constexpr int kErrorPeer = 1;   // the lowest rank missing at the deadline, or out of step
+inline constexpr int kErrorStage = 2;  // the caller's stage (its barrier tag) where it gave up
 inline constexpr int kErrorRank = 3;   // the rank that gave up
-inline constexpr std::int32_t kErrorTimeout = 1;
+inline constexpr std::int32_t kErrorTimeout = 1;    // a peer did not arrive within timeout_ns
+inline constexpr std::int32_t kErrorOutOfStep = 2;  // a peer arrived at another barrier
 
 // The most workers (CPU threads, CUDA CTAs) one row move may use: far above the SMs of any GPU
 // and the cores of any host we run on; a larger value is a caller's bug, refused up front.
@@ -124,11 +125,21 @@ MOK_HD inline int common_alignment(const void* a, const void* b) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Epoch barrier. Rank r's signal pad holds world_size uint64 slots; slot s is the last epoch rank
-// s announced to r. A barrier bumps the caller's local epoch to e, stores e into its own slot of
-// every pad (release, system scope), then waits until every slot of its own pad is >= e
-// (acquire). Epochs only grow, so a pad is never reset and a fast rank's next epoch cannot be
-// confused with this one: it only makes the >= test pass sooner.
+// Epoch barrier. Rank r's signal pad holds world_size uint64 slots; slot s is the last word rank
+// s announced to r: its epoch e in the high bits and the barrier's tag (the caller's identity of
+// this barrier: its stage and which call it is in, kTagBits bits) in the low ones. A barrier bumps
+// the caller's local epoch to e, stores (e, tag) into its own slot of every pad (release, system
+// scope), then waits until every slot of its own pad holds an epoch >= e (acquire). Epochs only
+// grow, so a pad is never reset. A peer in step holds epoch e with the same tag, or e + 1 (it has
+// passed this barrier: it saw this rank's word and checked the tag itself); any other word (the
+// same epoch at another barrier, or an epoch further ahead: a call this rank did not make) is a
+// rank out of step, reported as such instead of being passed.
+inline constexpr int kTagBits = 24;
+inline constexpr std::uint64_t kTagMask = (std::uint64_t{1} << kTagBits) - 1;
+
+MOK_HD inline std::uint64_t barrier_word(std::uint64_t epoch, std::uint32_t tag) {
+  return (epoch << kTagBits) | (tag & kTagMask);
+}
 
 // Slot `slot` of rank `pad_rank`'s pad.
 MOK_HD inline std::uint64_t* signal_slot(const std::int64_t* pad_ptrs, std::int32_t pad_rank,
@@ -140,43 +151,56 @@ MOK_HD inline std::uint64_t* signal_slot(const std::int64_t* pad_ptrs, std::int3
 // int32, store_relaxed on int32, now_ns() and pause(spins). The loops below take (first, step)
 // so that a CUDA block spreads the peers over its threads and a CPU thread walks all of them.
 
-// Announces `epoch` to the peers first, first + step, ...
+// Announces (epoch, tag) to the peers first, first + step, ...
 template <class Sync>
 MOK_HD void barrier_arrive(const std::int64_t* pad_ptrs, std::int32_t rank, std::int32_t world_size,
-                           std::uint64_t epoch, std::int32_t first, std::int32_t step) {
+                           std::uint64_t epoch, std::uint32_t tag, std::int32_t first,
+                           std::int32_t step) {
   for (std::int32_t p = first; p < world_size; p += step) {
     // Release: everything this rank wrote before the barrier -> the peer's acquire of this slot.
-    Sync::store_release(signal_slot(pad_ptrs, p, rank), epoch);
+    Sync::store_release(signal_slot(pad_ptrs, p, rank), barrier_word(epoch, tag));
   }
 }
 
-// Waits for the peers first, first + step, ... to announce `epoch`; returns -1 when they all did,
-// else the first of them still missing when timeout_ns had passed.
+// What barrier_wait found: every peer in step (peer = -1), or the first peer that was not.
+struct BarrierMiss {
+  std::int32_t peer;
+  std::int32_t code;  // kErrorTimeout or kErrorOutOfStep
+};
+
+// Waits for the peers first, first + step, ... to announce `epoch` with `tag` (or to be one
+// barrier ahead); the first peer still missing when timeout_ns had passed, or out of step.
 template <class Sync>
-MOK_HD std::int32_t barrier_wait(const std::int64_t* pad_ptrs, std::int32_t rank,
-                                 std::int32_t world_size, std::uint64_t epoch,
-                                 std::int64_t timeout_ns, std::int32_t first, std::int32_t step) {
+MOK_HD BarrierMiss barrier_wait(const std::int64_t* pad_ptrs, std::int32_t rank,
+                                std::int32_t world_size, std::uint64_t epoch, std::uint32_t tag,
+                                std::int64_t timeout_ns, std::int32_t first, std::int32_t step) {
   const std::int64_t start = Sync::now_ns();
   for (std::int32_t p = first; p < world_size; p += step) {
     const std::uint64_t* slot = signal_slot(pad_ptrs, rank, p);
     // Acquire: peer p's release store of this slot -> this rank's reads of p's data afterwards.
-    for (std::uint32_t spins = 0; Sync::load_acquire(slot) < epoch; ++spins) {
-      if (Sync::now_ns() - start > timeout_ns) return p;
+    std::uint64_t word = Sync::load_acquire(slot);
+    for (std::uint32_t spins = 0; (word >> kTagBits) < epoch; ++spins) {
+      if (Sync::now_ns() - start > timeout_ns) return {p, kErrorTimeout};
       Sync::pause(spins);
+      word = Sync::load_acquire(slot);
     }
+    const std::uint64_t at = word >> kTagBits;
+    const bool in_step = at == epoch ? (word & kTagMask) == (tag & kTagMask) : at == epoch + 1;
+    if (!in_step) return {p, kErrorOutOfStep};
   }
-  return -1;
+  return {-1, 0};
 }
 
-// Fills the error words for a wait on `peer` that timed out (call only while the code is 0).
+// Fills the error words for a wait on `peer` that failed with `code` (call only while the code
+// is 0).
 template <class Sync>
-MOK_HD void record_timeout(std::int32_t* error, std::int32_t peer, std::int32_t stage,
-                           std::int32_t rank) {
+MOK_HD void record_error(std::int32_t* error, std::int32_t code, std::int32_t peer,
+                         std::int32_t stage, std::int32_t rank) {
   Sync::store_relaxed(error + kErrorPeer, peer);
   Sync::store_relaxed(error + kErrorStage, stage);
   Sync::store_relaxed(error + kErrorRank, rank);
   // Release: the peer/stage/rank words above -> whoever acquires the code (host or device).
-  Sync::store_release(error + kErrorCode, kErrorTimeout);
+  Sync::store_release(error + kErrorCode, code);
 }
 
 }  // namespace mok::core::transport

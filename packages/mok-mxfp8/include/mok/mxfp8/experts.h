@@ -1,5 +1,5 @@
-// The MXFP8 expert entry points: the routed SwiGLU experts of DESIGN.md §1 on MXFP8 operands
-// (DESIGN.md §8, docs/mxfp8.md "Where the layer quantizes" and "Arithmetic").
+// The MXFP8 expert entry points: the routed SwiGLU experts of docs/design.md §2 on MXFP8
+// operands (docs/mxfp8.md "Where the layer quantizes" and "Arithmetic").
 //
 // Rows are table rows, each with its local expert (-1: a padding row). Activations x and dy
 // come as MXFP8 rows (H E4M3 bytes, then H/32 E8M0 scales, row-major); weights as

@@ -1,4 +1,4 @@
-"""The layer benchmark (BENCHMARKS.md): `mok bench`, or `python -m mok_torch.bench`.
+"""The layer benchmark (docs/benchmarks.md): `mok bench`, or `python -m mok_torch.bench`.
 
 shapes    the seed slices, public models, custom and quick shapes, resolved per EP size
 inputs    one rank's random weights, activations and routing of a case

@@ -1,4 +1,4 @@
-"""`mok bench-experts`: the BF16 expert GEMMs' component benchmark (issue 4, BENCHMARKS.md).
+"""`mok bench-experts`: the BF16 expert GEMMs' component benchmark (issue 4, docs/benchmarks.md).
 
 For every shape, on one GPU, the routed SwiGLU experts' forward over the rows one rank
 receives (T * K rows, `--routing` balanced or skewed over its El local experts, each
@@ -8,7 +8,7 @@ expert's rows rounded up to 16 as the schedule's alignment does) with:
   down), its gate+up GEMM alone (`mok-gate-up`), and that GEMM writing a and b only
   (`mok-gate-up-ab`: the difference is what the SwiGLU in the epilogue costs);
 - `torch-grouped-mm`: `torch._grouped_mm` for gate, up and down with `silu(gate) * up`
-  between (what BENCHMARKS.md measured at 500-692 TFLOP/s);
+  between;
 
 and forward + backward (unweighted rows, so both compute the same gradients):
 

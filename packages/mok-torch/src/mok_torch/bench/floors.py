@@ -1,11 +1,10 @@
 """Flop counts and floors: the least work and traffic a layer call must have.
 
-Shape letters: T tokens per rank, H hidden, I routed inner size, Is shared inner size, K
-top-k, El local experts, R ranks. N_r: routes that land on rank r's experts (from every
+Shape letters: docs/design.md §1, and N_r: routes that land on rank r's experts (from every
 rank, counted from the actual routing); P[s, d]: tokens of rank s with at least one route
 to an expert of rank d (each such token must cross from s to d once).
 
-Throughput is counted as the seed counts it (BENCHMARKS.md): forward
+Throughput is counted as the seed counts it (docs/benchmarks.md "Throughput"): forward
 `6 * (T*Is/I + T*K) * H * I` flops, backward twice that, whatever the routing.
 
 The floor of a call is `max(flops / matmul rate, HBM bytes / HBM rate, NVLink bytes /

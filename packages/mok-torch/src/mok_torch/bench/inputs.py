@@ -1,7 +1,6 @@
 """One rank's inputs of a benchmarked layer call, made on its device.
 
-Shape letters: T tokens on this rank, H hidden, I / Is inner sizes, E experts in all,
-El = E / R local experts, K top-k.
+Shape letters: docs/design.md §1.
 
 Activations and weights are random bf16 scaled by 1/sqrt(fan_in) as in
 `mok_torch.testing.make_inputs` (never zeros: a zero operand would flatter a GEMM), drawn

@@ -45,7 +45,7 @@ def _csv(text: str) -> list[str]:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mok bench",
-        description="The layer benchmark of BENCHMARKS.md: mok against baselines, with ceilings, floors and a plot.",
+        description="The layer benchmark (docs/benchmarks.md): mok against baselines, with ceilings, floors, a plot.",
         epilog="Several GPUs: torchrun --standalone --nproc-per-node=N -m mok_torch.bench ... (or --nproc N).",
     )
     p.add_argument(

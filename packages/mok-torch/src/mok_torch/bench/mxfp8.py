@@ -1,4 +1,4 @@
-"""`mok bench-mxfp8`: the MXFP8 expert GEMMs' component benchmark (issue 6, BENCHMARKS.md).
+"""`mok bench-mxfp8`: the MXFP8 expert GEMMs' component benchmark (issue 6, docs/benchmarks.md).
 
 For every shape, on one GPU, the routed SwiGLU experts' forward over the rows one rank receives
 (T * K rows, `--routing` balanced or skewed over its El local experts, rounded up to 16 per
@@ -9,10 +9,10 @@ expert, as `mok bench-experts` makes them), the same inputs for every provider:
   `mok-mxfp8-gate-up`: its gate+up GEMM alone (a and b);
 - `mok-bf16`, `mok-bf16-gate-up`: mok-bf16's grouped forward and its gate+up GEMM writing a and b
   only, on the bf16 values;
-- `torch-scaled`: `torch._scaled_grouped_mm` (FP8 rowwise scales, what BENCHMARKS.md measured at
-  308 TFLOP/s) for gate+up in one call and down, with `silu(gate) * up` and the rowwise
-  quantization of h between; `torch-scaled-gate-up`: its gate+up call alone; both with
-  `use_fast_accum=False` (the default: partial sums promoted to fp32 as they go);
+- `torch-scaled`: `torch._scaled_grouped_mm` (FP8 rowwise scales) for gate+up in one call and
+  down, with `silu(gate) * up` and the rowwise quantization of h between;
+  `torch-scaled-gate-up`: its gate+up call alone; both with `use_fast_accum=False` (the
+  default: partial sums promoted to fp32 as they go);
   `torch-scaled-fast-gate-up`: the gate+up call with `use_fast_accum=True` (the whole K summed
   inside the FP8 tensor-core accumulator: fastest, least precise);
 - the input gradients' two GEMMs, on MXFP8 rows of a random dy [M, H] and d_ab [M, 2I]:

@@ -1,7 +1,6 @@
 """The benchmark's providers: mok and the baselines, each a named way to run one layer call.
 
-Shape letters: T tokens on this rank, H hidden, I / Is inner sizes, E experts in all,
-El local experts, K top-k, R ranks, N rows this rank's experts receive, P those rows padded
+Shape letters: docs/design.md §1, and N rows this rank's experts receive, P those rows padded
 per expert.
 
 A provider says why it cannot run a shape (`unavailable`, reported as "skipped: ...") or

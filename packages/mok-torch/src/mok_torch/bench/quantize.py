@@ -1,4 +1,4 @@
-"""`mok bench-quantize`: the MXFP8 quantizer's component benchmark (DESIGN.md §8).
+"""`mok bench-quantize`: the MXFP8 quantizer's component benchmark (docs/benchmarks.md).
 
 For every shape (seed slices by default; `--shapes quick` for a CPU smoke run) it times, on
 one device, the quantization a training step does:

@@ -264,8 +264,18 @@ def write_json(report: dict[str, Any], out_dir: Path) -> Path:
 # the plot
 
 
+def _case_label(r: dict[str, Any]) -> str:
+    """A case on the plot's axis: the shape's name and sizes, then the routing."""
+    sh = r["shape"]
+    sizes = " ".join(f"{k}{sh[k]}" for k in ("T", "H", "I", "E", "K") if k in sh)
+    if sh.get("Is"):
+        sizes += f" Is{sh['Is']}"
+    return f"{sh['name']}\n{sizes}\n{r['routing']}"
+
+
 def plot(report: dict[str, Any], path: Path) -> bool:
-    """Two panels: time per provider per case, and the fraction of the floor. False without matplotlib."""
+    """Time per provider per case, each bar with its value; and, where the ceilings were measured
+    (GPUs), a second panel of the fraction of the floor. False without matplotlib."""
     try:
         import matplotlib
 
@@ -277,14 +287,16 @@ def plot(report: dict[str, Any], path: Path) -> bool:
     cases: list[str] = []
     providers: list[str] = []
     for r in rows:
-        case = f"{r['shape']['name']}\n{r['routing']}"
+        case = _case_label(r)
         if case not in cases:
             cases.append(case)
         if r["provider"] not in providers and r["status"] == "ok":
             providers.append(r["provider"])
     timed = "forward+backward" if any("forward+backward" in r["ms"] for r in rows) else "forward"
-    width_in = min(max(8.0, 1.3 * len(cases) + 3), 30.0)
-    fig, (ax_t, ax_f) = plt.subplots(2, 1, figsize=(width_in, 8), constrained_layout=True)
+    floors = any(r["status"] == "ok" and r["floor_fraction"].get(timed) is not None for r in rows)
+    width_in = min(max(8.0, 1.6 * len(cases) + 3), 30.0)
+    fig, axes = plt.subplots(2 if floors else 1, 1, figsize=(width_in, 9 if floors else 5), constrained_layout=True)
+    ax_t, ax_f = (axes[0], axes[1]) if floors else (axes, None)
     width = 0.8 / max(len(providers), 1)
     top_fraction = 0.0
     for i, name in enumerate(providers):
@@ -292,7 +304,7 @@ def plot(report: dict[str, Any], path: Path) -> bool:
         for r in rows:
             if r["provider"] != name or r["status"] != "ok" or timed not in r["ms"]:
                 continue
-            x = cases.index(f"{r['shape']['name']}\n{r['routing']}") + (i - (len(providers) - 1) / 2) * width
+            x = cases.index(_case_label(r)) + (i - (len(providers) - 1) / 2) * width
             xs.append(x)
             times.append(r["ms"][timed])
             frac = r["floor_fraction"].get(timed)
@@ -301,11 +313,15 @@ def plot(report: dict[str, Any], path: Path) -> bool:
                 fracs.append(frac)
         # One colour per provider in both panels; one that never ran stays out of the legends.
         if xs:
-            ax_t.bar(xs, times, width, label=name, color=f"C{i}")
-        if fracs:
+            bars = ax_t.bar(xs, times, width, label=name, color=f"C{i}")
+            ax_t.bar_label(bars, labels=[f"{t:.3g}" for t in times], fontsize=7, padding=1)
+        if fracs and ax_f is not None:
             top_fraction = max(top_fraction, *fracs)
-            ax_f.bar(fxs, fracs, width, label=name, color=f"C{i}")
+            bars = ax_f.bar(fxs, fracs, width, label=name, color=f"C{i}")
+            ax_f.bar_label(bars, labels=[f"{f:.2f}" for f in fracs], fontsize=7, padding=1)
     for ax in (ax_t, ax_f):
+        if ax is None:
+            continue
         ax.set_xticks(range(len(cases)), cases, fontsize=8, rotation=30 if len(cases) > 10 else 0)
         ax.set_xlim(-0.5, len(cases) - 0.5)
     ax_t.set_yscale("log")
@@ -313,12 +329,13 @@ def plot(report: dict[str, Any], path: Path) -> bool:
     if ax_t.get_legend_handles_labels()[0]:
         ax_t.legend(fontsize=8)
     dev = report["device"]["name"]
-    ax_t.set_title(f"mok layer benchmark, {dev}, EP {report['world_size']}, {report['config']['precision']}")
-    ax_f.set_ylabel(f"fraction of floor ({timed})")
-    ax_f.set_ylim(0, max(1.05, 1.05 * top_fraction))
-    if top_fraction == 0.0:
-        ax_f.text(0.5, 0.5, "no floor: ceilings are measured on GPUs only", ha="center", transform=ax_f.transAxes)
-    else:
+    title = f"mok layer benchmark, {dev}, EP {report['world_size']}, {report['config']['precision']}"
+    if not floors:
+        title += "\nno floors: the ceilings are measured on GPUs only"
+    ax_t.set_title(title)
+    if ax_f is not None:
+        ax_f.set_ylabel(f"fraction of floor ({timed})")
+        ax_f.set_ylim(0, max(1.05, 1.1 * top_fraction))
         ax_f.legend(fontsize=8)
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -1,7 +1,6 @@
-"""The benchmark's layer shapes (BENCHMARKS.md), per GPU, resolved for an expert-parallel size.
+"""The benchmark's layer shapes (docs/benchmarks.md "Shapes"), per GPU, resolved for an EP size.
 
-Shape letters: T tokens per GPU, H hidden, I routed inner size, Is shared inner size,
-E experts in all (over every rank), El = E / R local experts, K top-k, R ranks.
+Shape letters: docs/design.md §1.
 
 Two families:
 
@@ -64,7 +63,7 @@ PUBLIC_MODELS = (
     PublicModel("sonic-7b", 128, 1536, 256, 8, 0, tokens=24576),
     PublicModel("deepseek-v3-e32", 32, 7168, 2048, 8, 0),
 )
-# The shapes of the one-GPU comparison with SonicMoE (BENCHMARKS.md): `--shapes sonic`.
+# The shapes of the one-GPU comparison with SonicMoE (docs/benchmarks.md): `--shapes sonic`.
 SONIC_SHAPES = ("sonic-7b", "qwen3-30b-a3b", "deepseek-v3-e32", "mixtral-8x7b")
 
 

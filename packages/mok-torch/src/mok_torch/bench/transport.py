@@ -1,4 +1,4 @@
-"""`mok bench-transport`: the core runtime's component benchmark (DESIGN.md §4-§5).
+"""`mok bench-transport`: the core runtime's component benchmark (docs/benchmarks.md).
 
 For every shape (seed slices by default, balanced routing) it builds the native backend's
 workspace and schedule and measures, in one process per GPU:

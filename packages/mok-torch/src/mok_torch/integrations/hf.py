@@ -1,7 +1,6 @@
 """Hugging Face transformers (v5): mok as an experts implementation, and a mok sparse MoE block.
 
-Shape letters: T tokens, H hidden, E experts in all, El = E / R local experts, I expert inner
-size, K top-k.
+Shape letters: docs/design.md §1.
 
 Both ways in take the standard v5 experts (classes decorated `@use_experts_implementation`):
 `gate_up_proj [E, 2I, H]` (the I gate rows, then the I up rows), `down_proj [E, H, I]`, SiLU

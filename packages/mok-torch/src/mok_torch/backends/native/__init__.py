@@ -33,7 +33,7 @@ rows (H E4M3 bytes then H/32 scales, in the first bytes of the bf16-sized source
 shared expert stays bf16, on mok-bf16's kernels where the BF16 mode would run it there (else in
 the reference's arithmetic).
 
-Shape letters: T tokens, K top-k, H hidden, I inner size, El local experts, C capacity.
+Shape letters: docs/design.md §1.
 """
 
 from __future__ import annotations
@@ -397,6 +397,7 @@ class NativeBackend:
         if tr is None:
             tr = ws.state["native"] = Transport(ws, cfg.timeout_s)
         tr.timeout_ns = cfg.timeout_ns
+        tr.calls += 1  # a call of the group's sequence: every rank in step counts alike
         self._check_errors(tr)
         if cfg.dispatch == "push":
             tr.ensure("dispatch")

@@ -9,7 +9,7 @@ fixed order, so a row's bits depend only on that row and its expert's weights (n
 reference's sequential sum: docs/determinism.md "The GPU GEMMs"). On the CPU it runs the
 reference arithmetic.
 
-Shape letters: M rows, H hidden, I inner size, El local experts.
+Shape letters: docs/design.md §1.
 """
 
 from __future__ import annotations

@@ -5,8 +5,7 @@ gate/up tiles gather their x rows from the token rows by the schedule table, the
 wait on per-row-tile counters and store each output row at its route. The cuda backend calls it
 between the schedule and the combine; its bits are those of the chain of grouped kernels.
 
-Shape letters: T tokens, H hidden, I inner size, K top-k, El local experts, C the schedule
-table's capacity.
+Shape letters: docs/design.md §1.
 """
 
 from __future__ import annotations

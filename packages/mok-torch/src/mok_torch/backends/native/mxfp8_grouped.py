@@ -8,7 +8,7 @@ tensor-core GEMMs with per-32 scaling (`packages/mok-mxfp8/cuda/fp8_gemm.cuh`): 
 and batch invariant, within a tight tolerance of the reference's bits (the FP8 wgmma's partial
 of 32 products is not a sequential fp32 sum). On the CPU it runs the reference arithmetic.
 
-Shape letters: M rows, H hidden, I inner size, El local experts.
+Shape letters: docs/design.md §1.
 """
 
 from __future__ import annotations

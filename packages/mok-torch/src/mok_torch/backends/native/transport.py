@@ -35,7 +35,6 @@ from __future__ import annotations
 import ctypes
 import uuid
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -45,6 +44,7 @@ from ...workspace import Workspace
 
 _ALIGN = 256
 # Barrier stages, named in timeout errors.
+OUT_OF_STEP = 2  # the error code of a barrier that met a peer elsewhere (mok-core's kErrorOutOfStep)
 STAGES = {
     1: "schedule: routes written",
     2: "schedule: routes read",
@@ -133,6 +133,10 @@ class Transport:
         # (host copy of the error flag, event) of the last GPU call, read by the next one
         self.pending: tuple[torch.Tensor, Any] | None = None
         self.error = torch.zeros(4, dtype=torch.int32, device=self.device)
+        # The layer calls made on this transport (schedule, forward, backward, recompute): every
+        # barrier's tag carries it beside the stage, so ranks out of step are found at the next
+        # barrier (the barrier in mok-core/include/mok/core/transport.h).
+        self.calls = 0
 
     def _add_segment(self, fields: dict[str, Field], nbytes: int) -> None:
         """Allocate one segment of `fields` on every rank (collective): typed views, pointer arrays."""
@@ -179,13 +183,13 @@ class Transport:
         # CPU: POSIX shared memory. Rank 0 draws a random tag that names every rank's segment
         # (a tensor broadcast: object collectives would need numpy).
         tag = torch.tensor([uuid.uuid4().int & ((1 << 62) - 1)], dtype=torch.int64)
-        self._wait(dist.broadcast(tag, src=dist.get_global_rank(ws.group, 0), group=ws.group, async_op=True))
+        self._wait(lambda: dist.broadcast(tag, src=dist.get_global_rank(ws.group, 0), group=ws.group, async_op=True))
         names = [f"/mok-{int(tag):016x}-{r}" for r in range(ws.world_size)]
         own = self.core.ShmSegment(names[ws.rank], nbytes, True)
         try:
-            self._wait(dist.barrier(group=ws.group, async_op=True))  # every segment exists
+            self._wait(lambda: dist.barrier(group=ws.group, async_op=True))  # every segment exists
             segments = [own if r == ws.rank else self.core.ShmSegment(n, nbytes, False) for r, n in enumerate(names)]
-            self._wait(dist.barrier(group=ws.group, async_op=True))  # every rank has mapped every segment
+            self._wait(lambda: dist.barrier(group=ws.group, async_op=True))  # every rank mapped every segment
         finally:
             own.unlink()  # the names can go (and on a failure no segment is left behind)
         self._segments.extend(segments)
@@ -193,23 +197,18 @@ class Transport:
         self._segments.append(buf)
         return torch.frombuffer(buf, dtype=torch.uint8), [s.address for s in segments]
 
-    def _wait(self, work: Any) -> None:
-        """Wait for a collective of the shared-memory set-up, at most timeout_s; past that the
-        workspace is refused (its group is out of step)."""
-        timeout_s = self.timeout_ns / 1e9
-        try:
-            work.wait(timeout=timedelta(seconds=timeout_s))
-        except RuntimeError as exc:
-            self.ws.state["broken"] = "setting up the shared memory across the group did not complete"
-            raise TimeoutError(
-                f"mok: setting up the shared memory across the group did not complete within timeout_s ({timeout_s:g} "
-                f"s): a rank is missing or out of step ({type(exc).__name__}: {str(exc)[:200]})"
-            ) from exc
+    def _wait(self, issue: Any) -> None:
+        """A collective of the shared-memory set-up, its wait bounded by timeout_s."""
+        from ...agreement import bounded
+
+        bounded(issue, "setting up the shared memory across the group", self.timeout_ns / 1e9, self.ws)
 
     def _stream(self) -> int:
         return torch.cuda.current_stream(self.device).cuda_stream if self.dev == "cuda" else 0
 
     def barrier(self, stage: int) -> None:
+        """Meet the group at `stage` (STAGES) of the current call; the tag every rank in step
+        announces alike is (the call count mod 2^16, the stage)."""
         if self.ws.world_size == 1:
             return  # no peer to meet: the stream already orders this rank's own work
         ok = self.core.barrier(
@@ -219,7 +218,7 @@ class Transport:
             self.ws.rank,
             self.ws.world_size,
             self.error.data_ptr(),
-            stage,
+            barrier_tag(self.calls, stage),
             self.timeout_ns,
             self._stream(),
         )
@@ -297,13 +296,26 @@ class Transport:
         )  # fmt: skip
 
 
+def barrier_tag(call: int, stage: int) -> int:
+    """The 24-bit tag of a barrier: the stage (< 256) in the low byte, the call count above."""
+    return (call & 0xFFFF) << 8 | (stage & 0xFF)
+
+
 def raise_transport_error(error: list[int], timeout_ns: int, ws: Workspace | None = None) -> None:
-    """Raise the timeout the error words record, if any; `ws` is then refused from now on (its
-    group is out of step: agreement.check_usable)."""
-    code, peer, stage, rank = error
+    """Raise the failed wait the error words record, if any; `ws` is then refused from now on
+    (its group is out of step: agreement.check_usable)."""
+    code, peer, tag, rank = error
     if code == 0:
         return
-    what = f"rank {rank} waited more than {timeout_ns / 1e9:g} s for rank {peer} at stage '{STAGES.get(stage, stage)}'"
+    stage, call = tag & 0xFF, tag >> 8
+    where = f"stage '{STAGES.get(stage, stage)}'" + (f" of call {call}" if call else "")
+    if code == OUT_OF_STEP:
+        what = (
+            f"rank {rank} met rank {peer} at another barrier at {where}: the ranks are out of step "
+            "(a call, or a stage of one, that one rank made and another did not)"
+        )
+    else:
+        what = f"rank {rank} waited more than {timeout_ns / 1e9:g} s for rank {peer} at {where}"
     if ws is not None:
         ws.state["broken"] = what
     raise RuntimeError(f"mok: {what} (MoKConfig.timeout_s); the expert-parallel group is out of step")

@@ -1,8 +1,8 @@
 """The reference backend: the MoE layer in plain PyTorch, on any device.
 
-It is the executable statement of DESIGN.md: the schedule table of §4, the transfer
-directions of §5, the ring of §6 and the fixed reduction orders of §2, with torch
-collectives for transport. It reads sizes on the host and is slow; it is always available
+It is the executable statement of docs/design.md: the schedule table of §6, the transfer
+directions of §7, the ring of §8 and the fixed reduction orders of §2 (docs/determinism.md),
+with torch collectives for transport. It reads sizes on the host and is slow; it is always available
 and every other backend is tested against its contract.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ...agreement import step_in
 from ...config import MoKConfig
 from ...mxfp8 import MXFP8Tensor, mxfp8_quantize, pack_rows, unpack_rows
 from ...structs import ForwardContext, Grads, Schedule
@@ -64,6 +65,7 @@ class ReferenceBackend:
         return None  # bf16 and mxfp8, on any device
 
     def build_schedule(self, ws: Workspace, cfg: MoKConfig, top_experts_TK: torch.Tensor) -> Schedule:
+        step_in(ws, "schedule", cfg.timeout_s)
         return _build_schedule(ws, top_experts_TK)
 
     def _routed_pass(
@@ -108,6 +110,7 @@ class ReferenceBackend:
         routed: Weights3,
         shared: Weights3 | None,
     ) -> tuple[torch.Tensor, ForwardContext]:
+        step_in(ws, "forward", cfg.timeout_s)
         T, K = sched.num_tokens, sched.topk
         out_C, ring_x, ring_a, ring_b = self._routed_pass(cfg, sched, x_TH, expert_weights(cfg, routed), outputs=True)
         assert out_C is not None
@@ -126,6 +129,7 @@ class ReferenceBackend:
         routed: Weights3,
         shared: Weights3 | None,
     ) -> ForwardContext:
+        step_in(ws, "recompute", cfg.timeout_s)
         _, ring_x, ring_a, ring_b = self._routed_pass(cfg, sched, x_TH, expert_weights(cfg, routed), outputs=False)
         _, shared_a, shared_b = shared_forward(x_TH, shared, cfg.swiglu_limit, outputs=False)
         return ForwardContext(sched, self.name, ring_x, ring_a, ring_b, shared_a, shared_b)
@@ -143,6 +147,7 @@ class ReferenceBackend:
         shared: Weights3 | None,
         wgrad_dtype: torch.dtype,
     ) -> Grads:
+        step_in(ws, "backward", cfg.timeout_s)
         T, K, H = sched.num_tokens, sched.topk, ws.hidden_size
         El = ws.num_local_experts
         weights = expert_weights(cfg, routed)

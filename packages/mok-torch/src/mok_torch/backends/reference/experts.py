@@ -1,12 +1,13 @@
-"""The expert math of DESIGN.md §1 on groups of row segments, in the reference arithmetic.
+"""The expert math of docs/design.md §2 on groups of row segments, in the reference arithmetic.
 
-Shape letters: n experts in a chunk, L rows per expert (padded), H hidden, I inner size.
+Shape letters: docs/design.md §1, and n experts in a chunk, L rows per expert (padded); in a
+GEMM's weight `w_EKN`, K is the reduction and N the output columns.
 Rows are processed as [n, L, ...] blocks: the rows of each expert in the chunk, padded
 with zero rows. A zero row contributes exact zeros to every sum and never lands anywhere,
 so the padding cannot change a bit (an fp32 accumulator that starts at +0 never becomes
 -0, and adding +-0 to it leaves it unchanged).
 
-MXFP8 (DESIGN.md §8; `ExpertWeights.block` = 32): every GEMM operand holds MXFP8 values
+MXFP8 (docs/mxfp8.md; `ExpertWeights.block` = 32): every GEMM operand holds MXFP8 values
 (E4M3 times a per-32 power-of-two scale, quantized along the GEMM's reduction dimension),
 and each reduction is cut into blocks of 32: a block's partial is a sequential fp32 sum
 from +0 (the products of MXFP8 values are exact in fp32), and the partials are added in
@@ -214,7 +215,7 @@ def row_backward(
     limit: float | None,
     layout: Layout = GROUPED,
 ) -> RowGrads:
-    """Per-row backward of DESIGN.md §1 (w_nL None means weight 1: the shared expert)."""
+    """Per-row backward of docs/design.md §2 (w_nL None means weight 1: the shared expert)."""
     g = w.mm(layout, w.operand(dy_nLH), w.down_EHI)  # unweighted down-projection input gradient
     h, d_w, d_ab = swiglu_backward_rows(g, a_nLI, b_nLI, w_nL, limit)
     dx = w.mm(layout, w.operand(d_ab), w.gate_up_E2IH).to(BF16)
@@ -225,7 +226,7 @@ def swiglu_backward_rows(
     g: torch.Tensor, a_nLI: torch.Tensor, b_nLI: torch.Tensor, w_nL: torch.Tensor | None, limit: float | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(h, d_w, [d_a, d_b]) of rows from g = dy @ Wd (fp32, unweighted), the element math of
-    DESIGN.md §1: h and d_ab in bf16, d_w = <g, h> summed in order, no division by w."""
+    docs/design.md §2: h and d_ab in bf16, d_w = <g, h> summed in order, no division by w."""
     af, bf = _clamped(a_nLI, b_nLI, limit)
     s = sigmoid(af)
     silu = af * s

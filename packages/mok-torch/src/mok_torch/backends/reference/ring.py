@@ -1,4 +1,4 @@
-"""Ring planning of the reference backend (DESIGN.md §6), and row blocks.
+"""Ring planning of the reference backend (docs/design.md §8), and row blocks.
 
 Rows of the schedule table are processed in minibatches, grouped into macrobatches; the
 routed activation buffers (the ring) hold one macrobatch. Forward walks macrobatches from

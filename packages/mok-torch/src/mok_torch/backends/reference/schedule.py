@@ -1,4 +1,4 @@
-"""The schedule table (DESIGN.md §4), built with integer tensor ops only.
+"""The schedule table (docs/design.md §6), built with integer tensor ops only.
 
 `table_from_routes` is the definition every other builder (the C++ CPU one, the CUDA
 kernels) is tested against bitwise. It needs no host synchronisation: counts come from
@@ -12,6 +12,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from ...agreement import bounded
 from ...structs import Schedule
 from ...workspace import Workspace
 
@@ -138,11 +139,12 @@ def _all_gather_routes(ws: Workspace, top_experts_TK: torch.Tensor) -> tuple[tor
         return top_experts_TK.reshape(1, T, K), torch.tensor([T], device=ws.device)
     tokens = torch.tensor([T], dtype=torch.int64, device=ws.device)
     tokens_all = [torch.empty_like(tokens) for _ in range(ws.world_size)]
-    dist.all_gather(tokens_all, tokens, group=ws.group)
+    timeout_s = ws.state.get("timeout_s", 300.0)
+    bounded(lambda: dist.all_gather(tokens_all, tokens, group=ws.group, async_op=True), "the schedule", timeout_s, ws)
     padded = torch.full((ws.max_tokens, K), -1, dtype=torch.int32, device=ws.device)
     padded[:T] = top_experts_TK
     routes_all = [torch.empty_like(padded) for _ in range(ws.world_size)]
-    dist.all_gather(routes_all, padded, group=ws.group)
+    bounded(lambda: dist.all_gather(routes_all, padded, group=ws.group, async_op=True), "the schedule", timeout_s, ws)
     return torch.stack(routes_all), torch.cat(tokens_all)
 
 

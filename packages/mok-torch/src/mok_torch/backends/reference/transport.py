@@ -1,6 +1,6 @@
 """Row transport of the reference backend, over torch.distributed collectives.
 
-The directions are those of DESIGN.md §5: the rank that owns an expert *pulls* the input
+The directions are those of docs/design.md §7: the rank that owns an expert *pulls* the input
 row of every route in its table (forward x, backward dy and the router weight), and
 *pushes* every output row back to the source rank, into one slot per route (t*K + k), so
 nothing is summed in flight. Here a pull or a push is one `all_to_all_single` whose split
@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ...agreement import bounded
 from ...structs import Schedule
 
 
@@ -33,7 +34,9 @@ def _exchange(sched: Schedule, send: torch.Tensor, send_counts: list[int], recv_
     if ws.world_size == 1:
         return send
     recv = send.new_empty((sum(recv_counts),) + tuple(send.shape[1:]))
-    dist.all_to_all_single(recv, send.contiguous(), recv_counts, send_counts, group=ws.group)
+    send = send.contiguous()
+    issue = lambda: dist.all_to_all_single(recv, send, recv_counts, send_counts, group=ws.group, async_op=True)  # noqa: E731
+    bounded(issue, "moving rows across the group", ws.state.get("timeout_s", 300.0), ws)
     return recv
 
 

@@ -9,9 +9,9 @@ is made, each with an error that names the setting and its range.
   bound passes its argument checks, the one past it does not.
 - The boundary configs run forward and backward on the backend under test (EP 1, and EP 2 for
   the barriers' and torch's waits) with bitwise the results of the default config: the knobs do
-  not change a bit (DESIGN.md §2).
+  not change a bit (docs/determinism.md).
 
-Letters: T tokens, H hidden, I expert intermediate, E experts, K top-k, Is shared intermediate.
+Shape letters: docs/design.md §1.
 """
 
 from __future__ import annotations
@@ -334,7 +334,7 @@ def test_config_boundaries_run_across_ranks():
     """The longest timeout and the most comm SMs through a real barrier and row moves (EP 2)."""
     if DEVICE == "cuda" and torch.cuda.device_count() < 2:
         pytest.skip(f"EP 2 on cuda needs 2 GPUs, found {torch.cuda.device_count()}")
-    results = run_ranks(2, "test_config.boundary_ranks", DEVICE, device=DEVICE)
+    results = run_ranks(2, "test_config_limits.boundary_ranks", DEVICE, device=DEVICE)
     want = run_functional(_inputs(), config(expert_alignment=ALIGN))
     token_keys = ("y", "dx", "d_router_weights")
     got = {k: torch.cat([r[k] for r in results]) for k in token_keys}
