@@ -3,6 +3,7 @@
 nox -s tests     # CPU test suite, once per backend (asserts that backend ran)
 nox -s demo      # the main job: train a small MoE model, check bitwise reproducibility
 nox -s lint      # ruff format + lint, clang-format, mypy
+nox -s torchtitan # mok inside torchtitan 0.3.0 (off by default: torchtitan is heavy)
 nox -s gpu_tests # on a GPU machine (off by default)
 nox -s bench     # on a GPU machine (off by default)
 """
@@ -67,6 +68,27 @@ def lint(session: nox.Session) -> None:
     session.run("clang-format", "--dry-run", "--Werror", *sources)
     session.install(TORCH)
     session.run("mypy")
+
+
+# torchtitan is installed without its requirements (they would replace the torch mok is built
+# against, and pull datasets, wandb, tensorboard the MoE modules never import); these are the
+# ones its MoE, config and distributed modules import.
+TORCHTITAN = "torchtitan==0.3.0"
+TORCHTITAN_DEPS = ["spmd_types==0.2.3", "tyro", "triton"]
+
+
+@nox.session(default=False)
+def torchtitan(session: nox.Session) -> None:
+    """tests/test_torchtitan.py against torchtitan 0.3.0 (the CPU suite skips it without torchtitan)."""
+    install_mok(session)
+    session.install(*_groups("test"))
+    version = ["python", "-c", "import torch; print(torch.__version__)"]
+    before = session.run(*version, silent=True)
+    session.install("--no-deps", TORCHTITAN)
+    session.install(*TORCHTITAN_DEPS)
+    if session.run(*version, silent=True) != before:
+        session.error("installing torchtitan changed torch")
+    session.run("python", "-m", "pytest", "tests/test_torchtitan.py", *session.posargs)
 
 
 @nox.session(python=False, default=False)

@@ -4,5 +4,5 @@ Each integration lives in its own module and imports its framework only when tha
 imported, so `import mok_torch` never pulls one in:
 
     from mok_torch.integrations import hf           # Hugging Face transformers v5 (pip install mok-torch[hf])
-    from mok_torch.integrations import torchtitan   # a torchtitan-style token dispatcher (no extra dependency)
+    from mok_torch.integrations import torchtitan   # torchtitan 0.3.0's dispatcher and experts (docs/torchtitan.md)
 """
