@@ -1,5 +1,6 @@
 """Sessions of the mok monorepo.
 
+nox -s wheels    # the four packages' wheels for this source state, in dist/<key>/ (built once)
 nox -s tests     # CPU test suite, once per backend (asserts that backend ran)
 nox -s demo      # the main job: train a small MoE model, check bitwise reproducibility
 nox -s lint      # ruff format + lint, clang-format, mypy
@@ -10,7 +11,10 @@ nox -s bench     # on a GPU machine (off by default)
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import nox
@@ -35,14 +39,75 @@ def _groups(*names: str) -> list[str]:
     return deps
 
 
-def install_mok(session: nox.Session) -> None:
-    """torch, then the compiled packages (mok-core first: the others build against it), then mok-torch."""
+PACKAGES = [*COMPILED, "packages/mok-torch"]
+MOK_TORCH_REQUIRES = nox.project.load_toml(ROOT / "packages/mok-torch/pyproject.toml")["project"]["dependencies"]
+NAMES = [Path(p).name for p in PACKAGES]
+
+
+def _sources(pkg: str) -> list[Path]:
+    """The files a package is built from: git's tracked and untracked-but-not-ignored files (a
+    build's outputs, ignored, never count)."""
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "--", pkg],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    return sorted(ROOT / f for f in listed if (ROOT / f).is_file())
+
+
+def source_key() -> str:
+    """A digest of every file the four packages are built from (paths and bytes), with the torch
+    they build against: the wheels of one key are the same wheels."""
+    digest = hashlib.sha256(TORCH.encode())
+    for pkg in PACKAGES:
+        for path in _sources(pkg):
+            digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def wheel_dir() -> Path:
+    return ROOT / "dist" / source_key()
+
+
+def _have_wheels(where: Path) -> bool:
+    return all(any(where.glob(f"{name.replace('-', '_')}-*.whl")) for name in NAMES)
+
+
+def build_wheels(session: nox.Session) -> Path:
+    """The four packages' wheels for this source state in dist/<key>/, built once (mok-core is
+    installed first: the others build against its headers and library)."""
+    where = wheel_dir()
     session.install(TORCH, *_groups("build"))
-    jobs = str(os.cpu_count() or 2)
-    env = {"CMAKE_BUILD_PARALLEL_LEVEL": jobs}
-    for pkg in COMPILED:
-        session.install("--no-build-isolation", "--no-deps", pkg, env=env)
-    session.install("--no-build-isolation", "packages/mok-torch")
+    if _have_wheels(where):
+        session.log(f"wheels of this source state: {where.relative_to(ROOT)} (reused)")
+        return where
+    partial = where.with_name(where.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    env = {"CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2)}
+    wheel = ["python", "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-w", str(partial)]
+    for pkg in PACKAGES:
+        session.run(*wheel, pkg, env=env)
+        if pkg == "packages/mok-core":  # what the others build against
+            session.install("--no-index", "--no-deps", "--find-links", str(partial), "mok-core")
+    partial.rename(where)  # only a complete set is ever found
+    return where
+
+
+def install_mok(session: nox.Session) -> None:
+    """torch, then this source state's wheels (built once, by the first session that needs them;
+    `nox -s wheels` builds them alone), then mok-torch's own requirements."""
+    where = build_wheels(session)
+    # mok's own packages only from these wheels (never an index's namesakes); the rest first.
+    session.install(*MOK_TORCH_REQUIRES)
+    session.install("--no-index", "--find-links", str(where), "mok-torch[all]")
+
+
+@nox.session
+def wheels(session: nox.Session) -> None:
+    """Wheels of mok-core, mok-bf16, mok-mxfp8 and mok-torch for this source state in dist/<key>/
+    (the other sessions reuse them; `pip install --find-links dist/<key> 'mok-torch[bf16]'`
+    installs from them with no network but torch's and numpy's)."""
+    where = build_wheels(session)
+    session.log(f"pip install --find-links {where.relative_to(ROOT)} 'mok-torch[all]'")
 
 
 @nox.session
