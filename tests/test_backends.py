@@ -88,3 +88,23 @@ def test_installed_compiled_packages_describe_themselves():
     for name, info in mok.compiled_packages().items():
         assert {"package", "version", "devices", "build"} <= set(info), name
         assert "cpu" in info["devices"]
+
+
+def test_check_errors_asks_every_backend_that_has_the_hook(monkeypatch):
+    """mok.check_errors reaches the backends through their `check_errors` hook, not their state."""
+    import mok_torch.backends as backends
+
+    seen = []
+
+    class Recorder(ReferenceBackend):
+        name = "recorder"
+
+        def check_errors(self, ws):
+            seen.append(ws)
+            raise RuntimeError("recorded earlier")
+
+    ws = mok.get_workspace(config(), None, device="cpu", max_tokens=4, hidden_size=8, topk=1, num_experts=2)
+    monkeypatch.setattr(backends, "registered_backends", lambda: {"reference": ReferenceBackend(), "r": Recorder()})
+    with pytest.raises(RuntimeError, match="recorded earlier"):
+        mok.check_errors(ws)
+    assert seen == [ws]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import agreement
-from .backends import resolve_backend
+from .backends import check_backend_errors, resolve_backend
 from .config import MoKConfig
 from .mxfp8 import MXFP8Tensor
 from .structs import ForwardContext, Grads, Schedule
@@ -146,18 +146,11 @@ def check_errors(ws: Workspace) -> None:
 
     Native GPU calls never wait for the host, so a timeout on the device is recorded in the
     workspace and raised by the next call that finds it; this waits for the device and
-    raises at once. The reference backend records nothing.
+    raises at once (each backend's `check_errors` hook). The reference backend records nothing.
     """
     if not isinstance(ws, Workspace):
         raise TypeError(f"ws must be a Workspace, got {type(ws).__name__}")
-    tr = ws.state.get("native")
-    if tr is None:
-        return
-    if tr.dev == "cuda":
-        torch.cuda.synchronize(ws.device)
-    from .backends.native.transport import raise_transport_error
-
-    raise_transport_error(tr.error.tolist(), tr.timeout_ns, ws)
+    check_backend_errors(ws)
 
 
 def build_schedule(ws: Workspace, cfg: MoKConfig, top_experts: torch.Tensor) -> Schedule:

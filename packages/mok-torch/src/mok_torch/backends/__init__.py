@@ -123,6 +123,16 @@ def registered_backends() -> dict[str, Backend]:
     return _REGISTRY.backends
 
 
+def check_backend_errors(ws: Any) -> None:
+    """Every registered backend's `check_errors(ws)` hook (optional: a backend whose calls can
+    record an error for a later call to raise, as the native GPU backend's device-side waits do,
+    has one; the hook waits for what it needs and raises what it finds)."""
+    for backend in registered_backends().values():
+        hook = getattr(backend, "check_errors", None)
+        if hook is not None:
+            hook(ws)
+
+
 def _missing_reason(name: str) -> str:
     pkgs = compiled_packages()
     installed = ", ".join(

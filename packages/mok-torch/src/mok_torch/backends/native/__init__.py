@@ -405,6 +405,17 @@ class NativeBackend:
             tr.ensure("combine")
         return tr
 
+    def check_errors(self, ws: Workspace) -> None:
+        """The hook of `mok.check_errors`: wait for this device's work on `ws`, then raise what its
+        transport's error words record."""
+        tr = ws.state.get("native")
+        if tr is None or ws.device.type != self.device_type:
+            return
+        if tr.dev == "cuda":
+            torch.cuda.synchronize(ws.device)
+        tr.pending = None  # read now, in full
+        raise_transport_error(tr.error.tolist(), tr.timeout_ns, ws)
+
     def _check_errors(self, tr: Transport) -> None:
         """Raise a transport error a previous GPU call recorded (read without waiting)."""
         pending = tr.pending
