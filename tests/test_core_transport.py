@@ -1019,7 +1019,7 @@ def test_cuda_barrier_timeout_on_one_gpu():
     torch.cuda.synchronize()
     assert time.perf_counter() - start < 1
     assert pads.error.tolist() == [ERROR_TIMEOUT, 1, 4, 0]
-    assert pads.pads[1].tolist() == [2, 0], "rank 0 still arrived twice"
+    assert pads.pads[1].tolist() == [2 << TAG_BITS | 5, 0], "rank 0 still arrived twice (epoch 2, stage 5)"
     pads.barrier(1, device="cuda")  # the late rank passes at once: epochs only grow
     torch.cuda.synchronize()
     assert pads.errors[1].tolist() == [0, 0, 0, 0]
