@@ -73,8 +73,10 @@ def core_table(
     alignment: int,
     capacity: int,
     device: str,
+    error: list[int] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """mok_core.build_table on per-rank tensors (as the all-gather leaves them); CPU results."""
+    """mok_core.build_table on per-rank tensors (as the all-gather leaves them); CPU results.
+    `error` given: the error words the build starts from, returned as "error"."""
     R, Tmax, K = routes_RTK.shape
     El = num_local_experts
     dev = _torch_device(device)
@@ -85,6 +87,8 @@ def core_table(
     route_rows = [torch.full((Tmax * K,), -7, dtype=torch.int32, device=dev) for _ in range(R)]
     route_row_ptrs = _ptr_array(route_rows, dev)
     _, scratch = _scratch(device, mok_core.schedule_scratch_bytes(R, Tmax, K, El))
+
+    words = None if error is None else torch.tensor(error, dtype=torch.int32, device=dev)
 
     # Poisoned outputs: every element must be written.
     def poisoned(n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -113,10 +117,13 @@ def core_table(
         stream=_stream(device),
         route_row_ptrs=route_row_ptrs.data_ptr(),
         scratch=scratch,
+        error=0 if words is None else words.data_ptr(),
     )
     _sync(device)
     got = {k: v.cpu() for k, v in out.items()}
     got["route_rows"] = torch.stack([r.cpu() for r in route_rows]) if R else torch.empty(0)
+    if words is not None:
+        got["error"] = words.cpu()
     return got
 
 
@@ -220,6 +227,63 @@ def test_table_out_of_range_tokens_and_ids(device: str) -> None:
     routes = torch.tensor([[[0, 5], [1, -7]], [[2, 3], [99, 1]]], dtype=torch.int32)  # R=2, Tmax=2, K=2, El=2
     for tokens in ([2, 2], [5, 1], [-3, 2], [0, 0]):
         assert_table_matches_reference(routes, torch.tensor(tokens), 2, 4, device)
+
+
+def first_bad_route(routes_RTK: torch.Tensor, tokens_R: torch.Tensor, E: int) -> tuple[int, int] | None:
+    """(s * Tmax * K + i, id) of the first route (source rank, then route index i) whose id lies
+    outside [0, E), among each source's first tokens (clamped to [0, Tmax]); None if none."""
+    R, Tmax, K = routes_RTK.shape
+    for s in range(R):
+        n = min(max(int(tokens_R[s]), 0), Tmax) * K
+        flat = routes_RTK[s].reshape(-1)[:n]
+        bad = ((flat < 0) | (flat >= E)).nonzero().flatten()
+        if bad.numel():
+            i = int(bad[0])
+            return s * Tmax * K + i, int(flat[i])
+    return None
+
+
+def decode_bad_expert(words: torch.Tensor) -> tuple[int, int]:
+    """(flat route, id) from error words of code 3 (mok-core's schedule.h, bad_expert_word)."""
+    low, high = (int(w) & 0xFFFFFFFF for w in words[2:4].tolist())
+    return 0x7FFFFFFF - high, low - (1 << 32) if low & 0x80000000 else low
+
+
+@pytest.mark.parametrize("device", SORT_DEVICES)
+def test_table_records_the_first_bad_id(device: str) -> None:
+    """Given the error words, the table build records the first route with an id outside [0, E)
+    (the smallest source rank, then route index, whichever CTA meets it), leaves the words zero when
+    every id is good, and keeps another error that came first; the table itself is as without."""
+    g = torch.Generator().manual_seed(11)
+    R, Tmax, K, El = 2, 3000, 4, 3  # > 2048 routes per source: several CTAs per source
+    E = R * El
+    for case in range(6):
+        routes = torch.randint(0, E, (R, Tmax, K), generator=g, dtype=torch.int32)
+        tokens = torch.tensor([Tmax, Tmax - 17 * case])
+        if case > 0:  # bad ids strewn over both sources, some past a source's token count
+            n = 1 + 40 * case
+            where = torch.randint(0, R * Tmax * K, (n,), generator=g)
+            values = torch.tensor([-1, E, E + 5, -(2**31), 2**31 - 1], dtype=torch.int32)
+            routes.view(-1)[where] = values[torch.arange(n) % 5]
+        want = first_bad_route(routes, tokens, E)
+        capacity = mok_core.schedule_capacity(R, Tmax, K, El, 8)
+        base = core_table(routes, tokens, rank=1, num_local_experts=El, alignment=8, capacity=capacity, device=device)
+        got = core_table(
+            routes, tokens, rank=1, num_local_experts=El, alignment=8, capacity=capacity, device=device, error=[0] * 4
+        )
+        for name, t in base.items():
+            assert torch.equal(got[name], t), (case, name)
+        if want is None:
+            assert got["error"].tolist() == [0, 0, 0, 0], case
+        else:
+            assert int(got["error"][0]) == 3, (case, got["error"])
+            assert decode_bad_expert(got["error"]) == want, case
+        # An error already recorded (a timed-out barrier) stays as it was.
+        kept = core_table(
+            routes, tokens, rank=0, num_local_experts=El, alignment=8, capacity=capacity, device=device,
+            error=[1, 1, 5, 0],
+        )  # fmt: skip
+        assert kept["error"].tolist() == [1, 1, 5, 0], case
 
 
 def test_capacity_matches_workspace(monkeypatch: pytest.MonkeyPatch) -> None:

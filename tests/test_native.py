@@ -160,6 +160,34 @@ def test_rank_that_never_arrives_times_out():
     assert "the next call: mok: this workspace is unusable" in msg, msg
 
 
+def test_bad_expert_words_name_the_route():
+    """The error words the table build leaves for a bad id (mok-core, on the CPU here) decode to
+    the ValueError the native GPU backend raises: the id and its [t, k]."""
+    import mok_core
+    from mok_torch.backends.native.transport import raise_transport_error
+
+    T, K, E = 5, 3, 4
+    ws = mok.create_workspace(config(), None, device="cpu", max_tokens=T, hidden_size=8, topk=K, num_experts=E)
+    for value, (t, k) in ((-9, (0, 0)), (E, (4, 2)), (2**31 - 1, (2, 1))):
+        routes = torch.zeros(T, K, dtype=torch.int32)
+        routes[t, k] = value
+        routes[4, 2] = E + 1 if (t, k) != (4, 2) else routes[4, 2]  # a later bad route: not named
+        tokens = torch.tensor([T], dtype=torch.int64)
+        ptr = lambda *ts: torch.tensor([x.data_ptr() for x in ts], dtype=torch.int64)  # noqa: E731
+        rows = torch.empty(ws.capacity, dtype=torch.int32)
+        out = [torch.empty(ws.capacity, dtype=torch.int32), torch.empty(E + 1, dtype=torch.int32)]
+        out += [torch.empty(E, dtype=torch.int32), torch.empty(1, dtype=torch.int64), torch.empty(1, dtype=torch.int64)]
+        words = torch.zeros(4, dtype=torch.int32)
+        routes_ptrs, tokens_ptrs = ptr(routes), ptr(tokens)
+        mok_core.build_table(
+            "cpu", routes_ptrs.data_ptr(), tokens_ptrs.data_ptr(), 1, T, K, 0, E, 1, ws.capacity, rows.data_ptr(),
+            *(o.data_ptr() for o in out), error=words.data_ptr(),
+        )  # fmt: skip
+        with pytest.raises(ValueError, match=rf"top_experts holds expert id {value} at position \[{t}, {k}\], outside"):
+            raise_transport_error(words.tolist(), 10**9, ws)
+        assert "broken" not in ws.state  # at R = 1 the workspace serves on
+
+
 # ---------------------------------------------------------------------------- GPU
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")
@@ -243,6 +271,97 @@ def assert_replays_match(results: list[dict]) -> None:
         assert len(res["replayed"]) == len(res["eager"]) > 0
         for a, b in zip(res["replayed"], res["eager"], strict=True):
             assert torch.equal(a, b)
+
+
+@gpu
+@pytest.mark.parametrize("dims", ["small", "kernels"])
+def test_cuda_bad_expert_id_is_raised_by_the_next_call(dims):
+    """On a GPU the schedule kernel checks the expert ids, so the host reads nothing: a call with
+    an id outside [0, E) returns; mok.check_errors, or the next call once the device is done,
+    raises the ValueError naming the first bad route; at EP 1 the workspace then serves on with
+    the bits of a fresh call. The layer's router replay and a CUDA graph replay report alike.
+    dims "kernels": H, I multiples of 64 (mok-bf16's GEMMs, the megakernel on sm_90)."""
+    dev = torch.device("cuda")
+    T, H, I, E, K = (24, 32, 16, 4, 2) if dims == "small" else (40, 128, 128, 4, 2)
+    cfg = config(backend="cuda", expert_alignment=8 if dims == "small" else 128)
+    inp = make_inputs(T, H, I, E, K, 0, seed=5).to(dev)
+
+    def call(top: torch.Tensor) -> torch.Tensor:
+        return mok.moe(inp.x_TH, top, inp.router_weights_TK, inp.routed, config=cfg, max_tokens=T)
+
+    good = call(inp.top_experts_TK)
+    mok.check_errors()
+    bad = inp.top_experts_TK.clone()
+    bad[7, 1], bad[9, 0], bad[20, 1] = E + 3, -2, E
+    first = rf"top_experts holds expert id {E + 3} at position \[7, 1\], outside \[0, {E}\)"
+    with pytest.raises(ValueError, match=first):
+        call(bad)  # may raise itself, if its forward finds the schedule kernel done
+        mok.check_errors()
+    assert torch.equal(call(inp.top_experts_TK), good)
+    with pytest.raises(ValueError, match=first):
+        call(bad)
+        torch.cuda.synchronize()
+        call(inp.top_experts_TK)  # the next call finds the finished call's words
+    assert torch.equal(call(inp.top_experts_TK), good)
+    mok.check_errors()
+
+    layer = mok.MoELayer(H, I, E, K, config=cfg, max_tokens=T).to(dev)
+    layer(inp.x_TH, top_experts=inp.top_experts_TK)
+    mok.check_errors()
+    with pytest.raises(ValueError, match=first):
+        layer(inp.x_TH, top_experts=bad)  # the router's gather reads clamped ids: no device assert
+        mok.check_errors()
+
+    static = inp.top_experts_TK.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call(static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = call(static)
+    graph.replay()
+    mok.check_errors()
+    assert torch.equal(replayed, good)
+    static.copy_(bad)
+    graph.replay()
+    with pytest.raises(ValueError, match=first):
+        mok.check_errors()
+    static.copy_(inp.top_experts_TK)
+    graph.replay()
+    mok.check_errors()
+    assert torch.equal(replayed, good)
+
+
+@gpu
+@pytest.mark.parametrize("dims", ["small", "kernels"])
+def test_cuda_call_never_waits_for_the_device(dims):
+    """A layer call's forward and backward on a GPU issue no synchronizing CUDA call (torch's sync
+    debug mode turns one into an error), once the first call has set up the workspace."""
+    dev = torch.device("cuda")
+    T, H, I, E, K, Is = (24, 32, 16, 4, 2, 8) if dims == "small" else (40, 128, 128, 4, 2, 64)
+    cfg = config(backend="cuda", expert_alignment=8 if dims == "small" else 128)
+    inp = make_inputs(T, H, I, E, K, Is, seed=6).to(dev)
+    weights = [w.detach().clone().requires_grad_() for w in (*inp.routed, *inp.shared)]
+    x = inp.x_TH.detach().clone().requires_grad_()
+
+    def step() -> None:
+        y = mok.moe(
+            x, inp.top_experts_TK, inp.router_weights_TK, tuple(weights[:3]), tuple(weights[3:]),
+            config=cfg, max_tokens=T,
+        )  # fmt: skip
+        y.backward(inp.dy_TH)
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    mok.check_errors()
 
 
 @gpu

@@ -29,7 +29,8 @@ void register_schedule(pybind11::module_& m) {
          std::int64_t num_local_experts, std::int64_t alignment, std::int64_t capacity,
          std::uintptr_t row_src_rank, std::uintptr_t row_route, std::uintptr_t expert_offsets,
          std::uintptr_t expert_counts, std::uintptr_t recv_counts, std::uintptr_t tokens_per_rank,
-         std::uintptr_t stream, std::uintptr_t route_row_ptrs, std::uintptr_t scratch) {
+         std::uintptr_t stream, std::uintptr_t route_row_ptrs, std::uintptr_t scratch,
+         std::uintptr_t error) {
         TableArgs a;
         a.routes_ptrs = routes_ptrs;
         a.tokens_ptrs = tokens_ptrs;
@@ -48,6 +49,7 @@ void register_schedule(pybind11::module_& m) {
         a.tokens_per_rank = tokens_per_rank;
         a.route_row_ptrs = route_row_ptrs;
         a.scratch = scratch;
+        a.error = error;
         build_table(device, a, stream);
       },
       py::arg("device"), py::arg("routes_ptrs"), py::arg("tokens_ptrs"), py::arg("world_size"),
@@ -55,7 +57,7 @@ void register_schedule(pybind11::module_& m) {
       py::arg("alignment"), py::arg("capacity"), py::arg("row_src_rank"), py::arg("row_route"),
       py::arg("expert_offsets"), py::arg("expert_counts"), py::arg("recv_counts"),
       py::arg("tokens_per_rank"), py::arg("stream") = 0, py::arg("route_row_ptrs") = 0,
-      py::arg("scratch") = 0, py::call_guard<py::gil_scoped_release>(),
+      py::arg("scratch") = 0, py::arg("error") = 0, py::call_guard<py::gil_scoped_release>(),
       "The schedule table of `rank` from every rank's routes. routes_ptrs / tokens_ptrs: address "
       "of an int64 [R] array of pointers to rank s's int32 [max_tokens, K] routes / int64 token "
       "count (host memory on \"cpu\", device memory on \"cuda\"). Writes row_src_rank, row_route "
@@ -65,7 +67,11 @@ void register_schedule(pybind11::module_& m) {
       "route_row_ptrs (optional): address of an int64 [R] array of pointers to rank s's int32 "
       "[max_tokens * K] array, which gets each of its routes' rows in this table. scratch "
       "(optional, \"cuda\"): schedule_scratch_bytes(...) bytes of device memory; given, many CTAs "
-      "build the table (two kernels, the same bits), else one.");
+      "build the table (two kernels, the same bits), else one. error (optional): address of the "
+      "transport's int32 [4] error words (8-byte aligned); an expert id outside [0, R * El) routes "
+      "nowhere, and the first such route (smallest source rank, then route index) is recorded "
+      "there: code 3, words 2-3 as one uint64 whose high half is INT32_MAX - (s * max_tokens * K "
+      "+ i) and whose low half is the id.");
 
   m.def(
       "build_send_side",

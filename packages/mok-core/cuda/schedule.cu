@@ -13,6 +13,7 @@
 
 #include "device_kind.h"
 #include "mok/core/schedule.h"
+#include "mok/core/transport.h"
 #include "schedule_impl.h"
 
 namespace mok::core {
@@ -159,7 +160,23 @@ struct TableParams {
   std::int64_t* recv_counts;
   std::int64_t* tokens_per_rank;
   const std::int64_t* route_row_ptrs;  // or null
+  std::int32_t* error;                 // the transport's error words, or null
 };
+
+// Route i of source s has expert id `id`; one outside [0, R * El) is recorded in the error words
+// (schedule.h, bad_expert_word): the largest word is the first such route, whichever thread sees
+// it first. Called by the table's counting pass, once per route.
+__device__ __forceinline__ void check_expert_id(const TableParams& p, int s, std::int64_t i,
+                                                std::int32_t id) {
+  const std::int64_t E = static_cast<std::int64_t>(p.world_size) * p.num_local_experts;
+  if ((id >= 0 && id < E) || p.error == nullptr) return;
+  using namespace transport;
+  const int was = atomicCAS(p.error + kErrorCode, 0, kErrorBadExpert);
+  if (was != 0 && was != kErrorBadExpert) return;  // another error came first: it stays
+  const std::int64_t flat = static_cast<std::int64_t>(s) * p.max_tokens * p.topk + i;
+  atomicMax(reinterpret_cast<unsigned long long*>(p.error + kErrorStage),
+            static_cast<unsigned long long>(bad_expert_word(flat, id)));
+}
 
 // The schedule table of one rank, one CTA of W warps (W <= 32, from the shared memory the
 // buckets need). Shared memory: warp_rows [W][stride], next [El], one scratch counter.
@@ -191,6 +208,7 @@ __global__ void __launch_bounds__(1024) schedule_table_kernel(TableParams p) {
     const std::int32_t* routes = routes_of(s);
     int to_me = 0;
     count_buckets(num_routes(s), El, next, [&](std::int64_t i) {
+      check_expert_id(p, s, i, routes[i]);
       const int e = local_expert(routes[i], p.rank, El);
       to_me += e < El;
       return e;
@@ -301,6 +319,12 @@ struct TableSort {
     return local_expert(reinterpret_cast<const std::int32_t*>(p.routes_ptrs[s])[i], p.rank,
                         p.num_local_experts);
   }
+  // The key in the counting pass, which also checks the id.
+  __device__ int count_key(int s, std::int64_t i) const {
+    const std::int32_t id = reinterpret_cast<const std::int32_t*>(p.routes_ptrs[s])[i];
+    check_expert_id(p, s, i, id);
+    return local_expert(id, p.rank, p.num_local_experts);
+  }
   __device__ int weight(int count) const { return static_cast<int>(align_up(count, p.alignment)); }
   __device__ void emit(int s, std::int64_t i, int row) const {
     p.row_src_rank[row] = s;
@@ -357,6 +381,7 @@ struct SendSort {
   __device__ int key(int, std::int64_t i) const {
     return send_bucket(p.top_experts[i], p.num_local_experts * p.world_size);
   }
+  __device__ int count_key(int s, std::int64_t i) const { return key(s, i); }
   __device__ int weight(int count) const { return count; }
   __device__ void emit(int, std::int64_t i, int position) const { p.send_order[position] = i; }
   __device__ void finish(const int* start, const int*, int, const int*) const {
@@ -379,7 +404,7 @@ __global__ void __launch_bounds__(kSortThreads)
   const std::int64_t m = lo < n ? (n - lo < kSortChunkRoutes ? n - lo : kSortChunkRoutes) : 0;
   for (int b = threadIdx.x; b < B; b += blockDim.x) hist[b] = 0;
   __syncthreads();
-  count_buckets(m, B, hist, [&](std::int64_t i) { return sort.key(s, lo + i); });
+  count_buckets(m, B, hist, [&](std::int64_t i) { return sort.count_key(s, lo + i); });
   __syncthreads();
   for (int b = threadIdx.x; b < B; b += blockDim.x) {
     counts[static_cast<std::int64_t>(blockIdx.x) * B + b] = hist[b];
@@ -536,6 +561,7 @@ void build_table_cuda(const TableArgs& a, std::uintptr_t stream_handle) {
   p.recv_counts = reinterpret_cast<std::int64_t*>(a.recv_counts);
   p.tokens_per_rank = reinterpret_cast<std::int64_t*>(a.tokens_per_rank);
   p.route_row_ptrs = reinterpret_cast<const std::int64_t*>(a.route_row_ptrs);
+  p.error = reinterpret_cast<std::int32_t*>(a.error);
   if (a.scratch != 0) {
     const std::int64_t routes = a.max_tokens * a.topk;
     const int chunks = static_cast<int>((routes + kSortChunkRoutes - 1) / kSortChunkRoutes);

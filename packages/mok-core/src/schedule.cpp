@@ -7,10 +7,12 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
 #include "device_kind.h"
+#include "mok/core/transport.h"
 #include "schedule_impl.h"
 
 namespace mok::core {
@@ -19,6 +21,17 @@ namespace {
 constexpr std::int64_t kInt32Max = INT32_MAX;
 
 std::string str(std::int64_t v) { return std::to_string(v); }
+
+// The CPU build's record of its first bad expert id (schedule.h, bad_expert_word), on one thread;
+// the CUDA build does the same with atomics. A code already set by another error stays.
+void record_bad_expert(std::int32_t* error, std::uint64_t word) {
+  using namespace transport;
+  if (error[kErrorCode] != 0 && error[kErrorCode] != kErrorBadExpert) return;
+  std::uint64_t held = 0;
+  std::memcpy(&held, error + kErrorStage, sizeof(held));
+  if (word > held) std::memcpy(error + kErrorStage, &word, sizeof(word));
+  error[kErrorCode] = kErrorBadExpert;
+}
 
 void check_at_least(std::string_view fn, const char* name, std::int64_t value, std::int64_t min) {
   if (value < min)
@@ -106,6 +119,7 @@ void build_table(std::string_view device, const TableArgs& a, std::uintptr_t str
   check_pointer(fn, "tokens_per_rank", a.tokens_per_rank, 8);
   check_pointer(fn, "route_row_ptrs", a.route_row_ptrs, 8, false);
   check_pointer(fn, "scratch", a.scratch, 4, false);
+  check_pointer(fn, "error", a.error, 8, false);
   if (kind == DeviceKind::kCpu) {
     // Host memory: the per-rank pointers can be checked before anything is written.
     const auto* routes = reinterpret_cast<const std::int64_t*>(a.routes_ptrs);
@@ -152,12 +166,17 @@ void build_table_cpu(const TableArgs& a) {
     num_routes[s] = clamp_tokens(tokens, a.max_tokens) * K;
   }
 
-  // Pass 1: routes per local expert and per source.
+  // Pass 1: routes per local expert and per source (and the first id outside [0, E)).
   std::vector<std::int64_t> next(El, 0);
+  std::uint64_t bad = 0;
+  const std::int64_t E = static_cast<std::int64_t>(R) * El;
   for (int s = 0; s < R; ++s) {
     const std::int32_t* routes = routes_of(s);
     std::int64_t mine = 0;
     for (std::int64_t i = 0; i < num_routes[s]; ++i) {
+      if (bad == 0 && (routes[i] < 0 || routes[i] >= E)) {
+        bad = bad_expert_word(s * a.max_tokens * K + i, routes[i]);
+      }
       const int e = local_expert(routes[i], rank, El);
       if (e < El) {
         ++next[e];
@@ -168,6 +187,7 @@ void build_table_cpu(const TableArgs& a) {
   }
   for (int e = 0; e < El; ++e) counts[e] = static_cast<std::int32_t>(next[e]);
   segment_offsets(counts, El, a.alignment, offsets);
+  if (bad != 0 && a.error != 0) record_bad_expert(reinterpret_cast<std::int32_t*>(a.error), bad);
 
   // Pass 2: every row padding first, then each route at its expert's running position.
   std::fill(row_src, row_src + a.capacity, -1);

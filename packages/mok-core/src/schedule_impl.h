@@ -31,6 +31,9 @@ struct TableArgs {
   // Optional (CUDA): int32 scratch of schedule_scratch_bytes(...) bytes; given, the table is built
   // by many CTAs (two kernels), else by one.
   std::uintptr_t scratch = 0;
+  // Optional: the transport's int32 [4] error words (8-byte aligned), which get the first route
+  // with an expert id outside [0, R * El) (schedule.h, bad_expert_word); 0: not recorded.
+  std::uintptr_t error = 0;
 };
 
 struct SendSideArgs {

@@ -26,6 +26,7 @@ def build_table(
     stream: int = 0,
     route_row_ptrs: int = 0,
     scratch: int = 0,
+    error: int = 0,
 ) -> None: ...
 def build_send_side(
     device: str,

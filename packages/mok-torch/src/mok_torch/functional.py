@@ -11,12 +11,12 @@ from __future__ import annotations
 import torch
 
 from . import agreement
-from .backends import check_backend_errors, resolve_backend
+from .backends import check_backend_errors, checks_expert_ids_on_device, resolve_backend
 from .config import MoKConfig
 from .mxfp8 import MXFP8Tensor
 from .structs import ForwardContext, Grads, Schedule
 from .validation import FLOAT_DTYPES, INDEX_DTYPES, check_expert_ids, check_tensor, check_weights, describe
-from .workspace import Workspace
+from .workspace import Workspace, cached_workspaces
 
 BF16 = (torch.bfloat16,)
 Weights3 = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -141,15 +141,21 @@ def _agree_weights(ws: Workspace, cfg: MoKConfig, inner: tuple[int, int | None])
     agreement.agree(ws, "weights", settings, cfg.timeout_s)
 
 
-def check_errors(ws: Workspace) -> None:
-    """Raise the transport error (a wait that timed out) recorded in `ws`, if any.
+def check_errors(ws: Workspace | None = None) -> None:
+    """Raise the error recorded in `ws` (None: in every workspace of `get_workspace`'s cache,
+    which mok.moe and MoELayer use), if any.
 
-    Native GPU calls never wait for the host, so a timeout on the device is recorded in the
-    workspace and raised by the next call that finds it; this waits for the device and
-    raises at once (each backend's `check_errors` hook). The reference backend records nothing.
+    Native GPU calls never wait for the host, so what the device finds (a wait that timed out,
+    an expert id outside [0, E) in top_experts) is recorded in the workspace and raised by the
+    next call that finds it; this waits for the device and raises at once (each backend's
+    `check_errors` hook). The reference backend records nothing: it raises as it goes.
     """
+    if ws is None:
+        for cached in cached_workspaces():
+            check_backend_errors(cached)
+        return
     if not isinstance(ws, Workspace):
-        raise TypeError(f"ws must be a Workspace, got {type(ws).__name__}")
+        raise TypeError(f"ws must be a Workspace or None, got {type(ws).__name__}")
     check_backend_errors(ws)
 
 
@@ -173,11 +179,16 @@ def build_schedule(ws: Workspace, cfg: MoKConfig, top_experts: torch.Tensor) -> 
         raise ValueError(
             f"top_experts has {te.shape[0]} tokens, more than the workspace's max_tokens ({ws.max_tokens})"
         )
-    if not (te.is_cuda and torch.cuda.is_current_stream_capturing()):
-        # reading a flag on the host is not allowed in a CUDA graph capture: the table
-        # builder ignores ids outside [0, E) there (see docs/core-runtime.md)
+    # The ids are read on the host where that costs no wait (CPU tensors). On a GPU a backend that
+    # checks them on the device (the native one) records a bad id for the next call to raise, so
+    # that the host never waits for the GPU; in a CUDA graph capture no host read is allowed
+    # (docs/core-runtime.md "Schedule").
+    if not te.is_cuda:
         check_expert_ids("top_experts", te, ws.num_experts)
     backend = resolve_backend(cfg, ws.device)
+    if te.is_cuda and not torch.cuda.is_current_stream_capturing():
+        if not checks_expert_ids_on_device(backend, te.device):
+            check_expert_ids("top_experts", te, ws.num_experts)
     # Before any buffer is made or row moves: every rank holds the same workspace and config.
     agreement.agree(ws, "workspace", agreement.workspace_settings(ws), cfg.timeout_s)
     agreement.agree(ws, "config", agreement.config_settings(cfg, backend.name), cfg.timeout_s)

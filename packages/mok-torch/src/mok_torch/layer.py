@@ -42,7 +42,9 @@ def route(
     logits = logits_TE.to(torch.promote_types(logits_TE.dtype, torch.float32))
     scores = torch.softmax(logits, dim=-1) if score_func == "softmax" else torch.sigmoid(logits)
     top = stable_topk(scores.detach(), topk) if top_experts_TK is None else top_experts_TK.to(torch.int64)
-    weights = scores.gather(1, top)
+    # A replayed id outside [0, E) is mok.moe's to report (on a GPU without a host read); the
+    # gather reads a clamped id so that it never indexes out of bounds first.
+    weights = scores.gather(1, top if top_experts_TK is None else top.clamp(0, scores.shape[1] - 1))
     if norm_topk_prob:
         denom = weights[:, 0]
         for k in range(1, topk):  # k ascending, whatever the shape
@@ -187,11 +189,10 @@ class MoELayer(nn.Module):
                     f"top_experts must have shape {list(lead) + [self.topk]} ([..., K]), got {list(top_experts.shape)}"
                 )
             top_TK = top_experts.reshape(-1, self.topk)
-            # Checked here, not only in mok.moe: the router's gather below would index out of
-            # bounds first. Not while compiling (a host read breaks the graph) nor in a CUDA
-            # graph capture (no host reads there).
-            capturing = top_experts.is_cuda and torch.cuda.is_current_stream_capturing()
-            if not torch.compiler.is_compiling() and not capturing:
+            # Checked here, before the router, where it costs no wait for a device: on a GPU
+            # mok.moe's schedule kernel checks the ids without a host read (route() clamps its
+            # gather). Not while compiling either (a host read breaks the graph).
+            if not top_experts.is_cuda and not torch.compiler.is_compiling():
                 check_expert_ids("top_experts", top_experts, self.num_experts)
         logits = F.linear(x_TH.float(), self.router.weight.float())
         top_TK, weights_TK = route(

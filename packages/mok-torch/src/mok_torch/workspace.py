@@ -239,6 +239,12 @@ def get_workspace(
     return ws
 
 
+def cached_workspaces() -> list[Workspace]:
+    """The workspaces `get_workspace` holds (those mok.moe and MoELayer calls use)."""
+    with _CACHE_LOCK:
+        return list(_CACHE.values())
+
+
 def clear_workspace_cache() -> None:
     """Drop every cached workspace (and the buffers backends keep in them)."""
     with _CACHE_LOCK:

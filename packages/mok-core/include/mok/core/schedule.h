@@ -45,6 +45,16 @@ MOK_HD inline int local_expert(std::int32_t global_expert, int rank, int num_loc
   return (local >= 0 && local < num_local_experts) ? static_cast<int>(local) : num_local_experts;
 }
 
+// A route whose expert id lies outside [0, E) routes nowhere. A table build given the error
+// words (transport.h) also records the first such route, (source s, route index i) smallest, as
+// code kErrorBadExpert and this word over error words 2-3 (the largest word is the first route):
+// the high half INT32_MAX - (s * max_tokens * K + i), the low half the id. The table's rows
+// (R * max_tokens * K < 2^31, schedule_capacity) keep the flat index in int32.
+MOK_HD inline std::uint64_t bad_expert_word(std::int64_t flat_route, std::int32_t id) {
+  return (static_cast<std::uint64_t>(INT32_MAX - flat_route) << 32) |
+         static_cast<std::uint32_t>(id);
+}
+
 // The send side sorts a rank's routes stably by global expert id. The counting sort behind it
 // has num_experts + 2 buckets: ids below 0 first (bucket 0), then experts 0..E-1 (buckets
 // 1..E), then ids >= E (bucket E+1). Valid ids (what mok-torch passes) sort exactly like the

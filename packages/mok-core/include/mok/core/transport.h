@@ -22,12 +22,15 @@ namespace mok::core::transport {
 // written last, with release semantics, so a reader that sees it set (acquire) sees the rest.
 // A set code is sticky: later barriers still arrive but never wait (nothing hangs).
 inline constexpr int kErrorWords = 4;
-inline constexpr int kErrorCode = 0;   // 0 = no error, else kErrorTimeout or kErrorOutOfStep
+inline constexpr int kErrorCode = 0;   // 0 = no error, else one of the kError* codes below
 inline constexpr int kErrorPeer = 1;   // the lowest rank missing at the deadline, or out of step
 inline constexpr int kErrorStage = 2;  // the caller's stage (its barrier tag) where it gave up
 inline constexpr int kErrorRank = 3;   // the rank that gave up
 inline constexpr std::int32_t kErrorTimeout = 1;    // a peer did not arrive within timeout_ns
 inline constexpr std::int32_t kErrorOutOfStep = 2;  // a peer arrived at another barrier
+// The schedule table met an expert id outside [0, E) (schedule.h, bad_expert_word): words
+// kErrorStage and kErrorRank then hold, as one little-endian uint64, which route and which id.
+inline constexpr std::int32_t kErrorBadExpert = 3;
 
 // The most workers (CPU threads, CUDA CTAs) one row move may use: far above the SMs of any GPU
 // and the cores of any host we run on; a larger value is a caller's bug, refused up front.

@@ -133,6 +133,14 @@ def check_backend_errors(ws: Any) -> None:
             hook(ws)
 
 
+def checks_expert_ids_on_device(backend: Backend, device: torch.device) -> bool:
+    """Whether `backend` finds expert ids outside [0, E) on `device` itself (optional hook
+    `checks_expert_ids_on_device(device)`): it then records a bad id in its error words, for its
+    next call or `mok.check_errors` to raise, and mok-torch does not read the ids on the host."""
+    hook = getattr(backend, "checks_expert_ids_on_device", None)
+    return bool(hook(device)) if hook is not None else False
+
+
 def _missing_reason(name: str) -> str:
     pkgs = compiled_packages()
     installed = ", ".join(

@@ -76,7 +76,7 @@ from .mxfp8_grouped import (
     mxfp8_grouped_wgrad,
     mxfp8_swiglu_backward,
 )
-from .transport import Transport, raise_transport_error
+from .transport import Transport
 
 Weights3 = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 log = logging.getLogger("mok")
@@ -405,6 +405,11 @@ class NativeBackend:
             tr.ensure("combine")
         return tr
 
+    def checks_expert_ids_on_device(self, device: torch.device) -> bool:
+        """On a GPU the schedule kernel checks the expert ids (mok-core's build_table with the
+        error words): the route of a bad id is left out and the next call raises the ValueError."""
+        return device.type == "cuda" and self.device_type == "cuda"
+
     def check_errors(self, ws: Workspace) -> None:
         """The hook of `mok.check_errors`: wait for this device's work on `ws`, then raise what its
         transport's error words record."""
@@ -414,7 +419,7 @@ class NativeBackend:
         if tr.dev == "cuda":
             torch.cuda.synchronize(ws.device)
         tr.pending = None  # read now, in full
-        raise_transport_error(tr.error.tolist(), tr.timeout_ns, ws)
+        tr.raise_error(tr.error.tolist())
 
     def _check_errors(self, tr: Transport) -> None:
         """Raise a transport error a previous GPU call recorded (read without waiting)."""
@@ -423,7 +428,7 @@ class NativeBackend:
             return  # no event queries inside a capture
         if pending is not None and pending[1].query():
             tr.pending = None
-            raise_transport_error(pending[0].tolist(), tr.timeout_ns, tr.ws)
+            tr.raise_error(pending[0].tolist())
 
     def _after_call(self, tr: Transport) -> None:
         if tr.dev != "cuda" or torch.cuda.is_current_stream_capturing():
@@ -624,6 +629,7 @@ class NativeBackend:
             dev, tr.ptrs["routes"].data_ptr(), tr.ptrs["tokens"].data_ptr(), R, ws.max_tokens, K, ws.rank, El,
             ws.expert_alignment, C, row_src.data_ptr(), row_route.data_ptr(), offsets.data_ptr(), counts.data_ptr(),
             recv.data_ptr(), tokens.data_ptr(), stream, route_row_ptrs=tr.ptrs["route_row"].data_ptr(), scratch=scratch,
+            error=tr.error.data_ptr(),
         )  # fmt: skip
         send_order, send_counts = new(T * K, torch.int64), new(R, torch.int64)
         core.build_send_side(

@@ -45,6 +45,7 @@ from ...workspace import Workspace
 _ALIGN = 256
 # Barrier stages, named in timeout errors.
 OUT_OF_STEP = 2  # the error code of a barrier that met a peer elsewhere (mok-core's kErrorOutOfStep)
+BAD_EXPERT = 3  # the schedule table met an expert id outside [0, E) (mok-core's kErrorBadExpert)
 STAGES = {
     1: "schedule: routes written",
     2: "schedule: routes read",
@@ -206,6 +207,13 @@ class Transport:
     def _stream(self) -> int:
         return torch.cuda.current_stream(self.device).cuda_stream if self.dev == "cuda" else 0
 
+    def raise_error(self, words: list[int]) -> None:
+        """raise_transport_error on words read from `error`. A bad expert id at R = 1 clears the
+        words first: no peer can be out of step, so the workspace serves on."""
+        if words[0] == BAD_EXPERT and self.ws.world_size == 1:
+            self.error.zero_()
+        raise_transport_error(words, self.timeout_ns, self.ws)
+
     def barrier(self, stage: int) -> None:
         """Meet the group at `stage` (STAGES) of the current call; the tag every rank in step
         announces alike is (the call count mod 2^16, the stage)."""
@@ -223,7 +231,7 @@ class Transport:
             self._stream(),
         )
         if self.dev == "cpu" and not ok:
-            raise_transport_error(self.error.tolist(), self.timeout_ns, self.ws)
+            self.raise_error(self.error.tolist())
 
     def pull(
         self,
@@ -301,12 +309,36 @@ def barrier_tag(call: int, stage: int) -> int:
     return (call & 0xFFFF) << 8 | (stage & 0xFF)
 
 
+def bad_expert_error(error: list[int], ws: Workspace) -> ValueError:
+    """The ValueError of error words with code BAD_EXPERT: the first route of the group (source
+    rank, then t, k) whose expert id lay outside [0, E) (mok-core's schedule.h, bad_expert_word)."""
+    _, _, low, high = error
+    flat = 0x7FFFFFFF - (high & 0xFFFFFFFF)
+    per_rank = ws.max_tokens * ws.topk
+    source, route = divmod(flat, per_rank)
+    t, k = divmod(route, ws.topk)
+    low &= 0xFFFFFFFF
+    value = low - (1 << 32) if low & 0x80000000 else low  # the word's low half, as int32
+    whose = f" of rank {source}" if ws.world_size > 1 else ""
+    return ValueError(
+        f"top_experts{whose} holds expert id {value} at position [{t}, {k}], outside [0, {ws.num_experts}) "
+        f"(E = {ws.num_experts}); found on the GPU by the schedule kernel, which left the route out of "
+        "that call (its result is not to be used; mok.check_errors() right after a call raises this at once)"
+    )
+
+
 def raise_transport_error(error: list[int], timeout_ns: int, ws: Workspace | None = None) -> None:
-    """Raise the failed wait the error words record, if any; `ws` is then refused from now on
-    (its group is out of step: agreement.check_usable)."""
+    """Raise the error the error words record, if any. A failed wait leaves `ws` refused from now
+    on (its group is out of step: agreement.check_usable); so does a bad expert id at R > 1 (a rank
+    may already be a call ahead), while at R = 1 the caller clears the words and `ws` serves on."""
     code, peer, tag, rank = error
     if code == 0:
         return
+    if code == BAD_EXPERT and ws is not None:
+        exc = bad_expert_error(error, ws)
+        if ws.world_size > 1:
+            ws.state["broken"] = str(exc)
+        raise exc
     stage, call = tag & 0xFF, tag >> 8
     where = f"stage '{STAGES.get(stage, stage)}'" + (f" of call {call}" if call else "")
     if code == OUT_OF_STEP:
