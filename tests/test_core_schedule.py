@@ -441,6 +441,52 @@ def test_combine_special_values(device: str) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("with_weights", [False, True])
+def test_combine_through_a_row_index(device: str, with_weights: bool) -> None:
+    """With a row index the combine reads each route's row of a table-ordered buffer (no copy into
+    route order): the bits of the plain combine over the rows gathered in route order. A route
+    whose row lies outside [0, num_rows) adds no term (as if its slot were dropped)."""
+    g = torch.Generator().manual_seed(13 + with_weights)
+    for T, K, H, extra, offset in [(1, 1, 8, 0, 0), (5, 2, 33, 3, 1), (17, 4, 64, 11, 0), (64, 8, 256, 40, 0)]:
+        num_rows = T * K + extra
+        table = random_bf16(g, (num_rows, H), scale=3.0)
+        index = torch.randperm(num_rows, generator=g)[: T * K].to(torch.int32)
+        base = random_bf16(g, (T, H))
+        weights = torch.rand(T, K, generator=g) if with_weights else None
+        for drop in (False, True):
+            idx = index.clone()
+            if drop:  # some routes left out: rows -1 and num_rows
+                idx[::3] = -1
+                idx[1::5] = num_rows
+            kept = ((idx >= 0) & (idx < num_rows)).reshape(T, K)
+            gathered = table[idx.clamp(0, num_rows - 1).long()].reshape(T, K, H)
+            want = base.float()
+            for k in range(K):  # the reference's order, dropped slots skipped
+                term = gathered[:, k].float() * (weights[:, k : k + 1] if weights is not None else 1.0)
+                want = torch.where(kept[:, k : k + 1], want + term, want)
+            want = want.to(torch.bfloat16)
+
+            def place(t: torch.Tensor, offset: int = offset) -> torch.Tensor:
+                buf = torch.empty(t.numel() + offset, dtype=t.dtype, device=device)
+                view = buf[offset:].view(t.shape)
+                view.copy_(t)
+                return view
+
+            rows_d, idx_d, base_d = place(table), place(idx), place(base)
+            w_d = None if weights is None else place(weights.reshape(-1))
+            out = place(torch.full((T, H), float("nan"), dtype=torch.bfloat16))
+            mok_core.combine(
+                device, out.data_ptr(), base_d.data_ptr(), rows_d.data_ptr(), 0 if w_d is None else w_d.data_ptr(),
+                T, K, H, stream=_stream(device), row_index=idx_d.data_ptr(), num_rows=num_rows,
+            )  # fmt: skip
+            _sync(device)
+            assert_bits_equal(out.cpu(), want, f"T={T} K={K} H={H} drop={drop} w={with_weights}")
+            if not drop:  # the plain combine over the gathered rows: the same bits
+                plain = core_combine(base, gathered, weights, device)
+                assert_bits_equal(out.cpu(), plain, f"T={T} K={K} H={H} vs the plain combine")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_combine_in_place(device: str) -> None:
     g = torch.Generator().manual_seed(9)
     T, K, H = 6, 2, 16
@@ -703,6 +749,8 @@ def test_send_side_and_combine_bad_arguments(device: str) -> None:
         ({"out": 0}, "out"),
         ({"rows": 0}, "rows"),
         ({"weights": out.data_ptr() + 2}, "weights"),  # misaligned fp32
+        ({"row_index": out.data_ptr() + 2, "num_rows": 8}, "row_index"),  # misaligned int32
+        ({"row_index": out.data_ptr(), "num_rows": -1}, "num_rows"),
         ({"device": "mps"}, "device"),
     ]:
         with pytest.raises(ValueError, match=name):

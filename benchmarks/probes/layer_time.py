@@ -3,12 +3,17 @@ work at all), the host time to issue it, and torch.profiler's kernels, for the m
 the chain of kernels (MoKConfig.megakernel=False).
 
     python3 benchmarks/probes/layer_time.py [shape ...] [--profile FILE] [--host-profile FILE]
+                                            [--host-layers FILE]
 
 Shapes by bench name (default qwen3-30b-a3b), balanced routing, no shared expert unless the shape
 has one. Prints one line per (shape, path, pass): eager ms, graph ms, host ms; with --profile, the
 profiler's table of one forward + backward per (shape, path) goes to FILE; with --host-profile,
 cProfile's view of the host's Python while it issues forwards and forward + backwards of the
-megakernel path (the device synchronized only around the batch: what the host itself spends).
+megakernel path (the device synchronized only around the batch: what the host itself spends;
+its self times are not to be trusted across torch's custom-op layer, whose Dynamo-disabled frames
+cProfile attributes to their caller as well); with --host-layers, the host time of one forward
+of the megakernel path issued at each layer of mok's stack, from mok.moe down to the backend,
+each the median of 30 calls on an idle device: the differences are what each layer costs.
 """
 
 from __future__ import annotations
@@ -73,9 +78,10 @@ def main() -> None:
     p.add_argument("shapes", nargs="*", default=["qwen3-30b-a3b"])
     p.add_argument("--profile", default=None)
     p.add_argument("--host-profile", default=None)
+    p.add_argument("--host-layers", default=None)
     ns = p.parse_args()
     ranks = Ranks(torch.device("cuda", 0), None, 0, 1)
-    report, report_host = [], []
+    report, report_host, report_layers = [], [], []
     for shape in resolve_shapes(",".join(ns.shapes), 1):
         call = make_call(shape, "balanced", make_weights(shape, ranks), ranks)
         for fused in (True, False):
@@ -117,12 +123,80 @@ def main() -> None:
                 report.append(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
             if ns.host_profile and fused:
                 report_host.append(host_profile(shape.name, forward, forward_backward))
+            if ns.host_layers and fused:
+                report_layers.extend(host_layers(shape, call, cfg))
     if ns.profile:
         with open(ns.profile, "w") as f:
             f.write("\n".join(report))
     if ns.host_profile:
         with open(ns.host_profile, "w") as f:
             f.write("\n".join(report_host))
+    if ns.host_layers:
+        with open(ns.host_layers, "w") as f:
+            f.write("\n".join(report_layers) + "\n")
+        print("\n".join(report_layers), flush=True)
+
+
+def host_layers(shape, call, cfg: mok.MoKConfig) -> list[str]:
+    """Host ms of one forward (megakernel path) issued at each layer of mok's stack."""
+    from mok_torch.backends import resolve_backend
+
+    T, H = call.x_TH.shape
+    K = call.top_experts_TK.shape[1]
+    El = call.routed[0].shape[0]
+    bf16 = torch.bfloat16
+    x, w = call.x_TH.detach().to(bf16), call.router_weights_TK.detach()
+    routed = tuple(t.detach().to(bf16) for t in call.routed)
+    shared = None if call.shared is None else tuple(t.detach().to(bf16) for t in call.shared)
+    top = call.top_experts_TK
+    ws = mok.get_workspace(cfg, None, device=x.device, max_tokens=T, hidden_size=H, topk=K, num_experts=El)
+    backend = resolve_backend(cfg, ws.device)
+    s = (None, None, None) if shared is None else shared
+    top32 = top.to(torch.int32).contiguous()
+
+    def moe() -> None:
+        mok.moe(call.x_TH, top, call.router_weights_TK, call.routed, call.shared, config=cfg, max_tokens=T)
+
+    def moe_no_grad() -> None:
+        with torch.no_grad():
+            mok.moe(x, top, w, routed, shared, config=cfg, max_tokens=T)
+
+    def custom_ops() -> None:
+        with torch.no_grad():
+            sched = torch.ops.mok.build_schedule(top.contiguous(), "", T, H, El, cfg.key)
+            torch.ops.mok.forward(x, w, *routed, *s, sched, top, "", T, cfg.key)
+
+    def functional() -> None:
+        sched = mok.build_schedule(ws, cfg, top)
+        mok.forward(cfg, ws, sched, x, w, routed, shared)
+
+    def backend_calls() -> None:
+        sched = backend.build_schedule(ws, cfg, top32)
+        backend.forward(cfg, ws, sched, x, w, routed, shared)
+
+    sched = backend.build_schedule(ws, cfg, top32)
+
+    def backend_forward() -> None:
+        backend.forward(cfg, ws, sched, x, w, routed, shared)
+
+    def empties() -> None:
+        for _ in range(10):
+            torch.empty(64, device=x.device)
+
+    rows = []
+    for label, fn in (
+        ("mok.moe (autograd)", moe),
+        ("mok.moe (no_grad)", moe_no_grad),
+        ("torch.ops.mok.build_schedule + forward", custom_ops),
+        ("mok.build_schedule + mok.forward", functional),
+        ("backend.build_schedule + forward", backend_calls),
+        ("backend.build_schedule", lambda: backend.build_schedule(ws, cfg, top32)),
+        ("backend.forward", backend_forward),
+        ("10 x torch.empty (a yardstick)", empties),
+    ):
+        fn()
+        rows.append(f"{shape.name:16s} host {host_ms(fn, iters=30) * 1e3:8.1f} us  {label}")
+    return rows
 
 
 def host_profile(name: str, forward, forward_backward, calls: int = 50) -> str:

@@ -21,6 +21,8 @@ struct CombineParams {
   const std::uint16_t* base;
   const std::uint16_t* rows;
   const float* weights;
+  const std::int32_t* row_index;  // or null
+  std::int64_t num_rows;
   std::int64_t num_tokens;
   std::int64_t topk;
   std::int64_t hidden;
@@ -65,9 +67,11 @@ __global__ void __launch_bounds__(kThreads) combine_bf16_kernel(CombineParams p)
       }
       for (std::int64_t k = 0; k < p.topk; ++k) {
         const std::int64_t route = t * p.topk + k;
+        const std::int64_t row = combine_row(route, p.row_index, p.num_rows);
+        if (row < 0) continue;
         const float w = weighted ? __ldg(p.weights + route) : 1.0f;
         std::uint16_t r[kVec];
-        unpack(__ldg(reinterpret_cast<const uint4*>(p.rows + route * p.hidden + h0)), r);
+        unpack(__ldg(reinterpret_cast<const uint4*>(p.rows + row * p.hidden + h0)), r);
 #pragma unroll
         for (int i = 0; i < kVec; ++i) acc[i] = combine_step(acc[i], r[i], weighted, w);
       }
@@ -82,8 +86,8 @@ __global__ void __launch_bounds__(kThreads) combine_bf16_kernel(CombineParams p)
     } else {
       const std::int64_t h_end = h0 + kVec < p.hidden ? h0 + kVec : p.hidden;
       for (std::int64_t h = h0; h < h_end; ++h) {
-        p.out[t * p.hidden + h] =
-            combine_element(p.base, p.rows, p.weights, t, h, p.topk, p.hidden);
+        p.out[t * p.hidden + h] = combine_element(p.base, p.rows, p.weights, p.row_index,
+                                                  p.num_rows, t, h, p.topk, p.hidden);
       }
     }
   }
@@ -107,6 +111,8 @@ void combine_cuda(const CombineArgs& a, std::uintptr_t stream_handle) {
   p.base = reinterpret_cast<const std::uint16_t*>(a.base);
   p.rows = reinterpret_cast<const std::uint16_t*>(a.rows);
   p.weights = reinterpret_cast<const float*>(a.weights);
+  p.row_index = reinterpret_cast<const std::int32_t*>(a.row_index);
+  p.num_rows = a.num_rows;
   p.num_tokens = a.num_tokens;
   p.topk = a.topk;
   p.hidden = a.hidden;

@@ -51,6 +51,12 @@ void combine(std::string_view device, const CombineArgs& a, std::uintptr_t strea
   check_pointer(fn, "base", a.base, 2, false);
   check_pointer(fn, "rows", a.rows, 2, any);
   check_pointer(fn, "weights", a.weights, 4, false);
+  check_pointer(fn, "row_index", a.row_index, 4, false);
+  if (a.row_index != 0) {
+    check_size("num_rows", a.num_rows, 0);
+    if (a.hidden > 0 && a.num_rows > INT64_MAX / 4 / a.hidden)
+      invalid_argument(fn, "num_rows * hidden is too large");
+  }
   if (!any) return;
   if (kind == DeviceKind::kCpu) {
     combine_cpu(a);
@@ -68,6 +74,7 @@ void combine_cpu(const CombineArgs& a) {
   const auto* base = reinterpret_cast<const std::uint16_t*>(a.base);
   const auto* rows = reinterpret_cast<const std::uint16_t*>(a.rows);
   const auto* weights = reinterpret_cast<const float*>(a.weights);
+  const auto* row_index = reinterpret_cast<const std::int32_t*>(a.row_index);
   const std::int64_t K = a.topk;
   const std::int64_t H = a.hidden;
   // combine_element's sequence, with h innermost so that the compiler can vectorize each step
@@ -77,7 +84,9 @@ void combine_cpu(const CombineArgs& a) {
     for (std::int64_t h = 0; h < H; ++h) acc[h] = combine_init(base, t * H + h);
     for (std::int64_t k = 0; k < K; ++k) {
       const std::int64_t route = t * K + k;
-      const std::uint16_t* row = rows + route * H;
+      const std::int64_t r = combine_row(route, row_index, a.num_rows);
+      if (r < 0) continue;
+      const std::uint16_t* row = rows + r * H;
       const bool weighted = weights != nullptr;
       const float w = weighted ? weights[route] : 1.0f;
       for (std::int64_t h = 0; h < H; ++h) acc[h] = combine_step(acc[h], row[h], weighted, w);

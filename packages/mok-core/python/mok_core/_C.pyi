@@ -51,6 +51,8 @@ def combine(
     topk: int,
     hidden: int,
     stream: int = 0,
+    row_index: int = 0,
+    num_rows: int = 0,
 ) -> None: ...
 def plan_ring(
     pass_: int, num_rows: int, macrobatch: int, minibatch: int

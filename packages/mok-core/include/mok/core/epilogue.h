@@ -3,7 +3,11 @@
 // (cuda/epilogue.cu) so both give the reference's bits.
 //
 //   out[t, h] = bf16(acc),  acc = fp32(base[t, h]) or +0,
-//               then for k ascending: acc = acc + fl(w[t, k] * fp32(rows[t*K + k, h]))
+//               then for k ascending: acc = acc + fl(w[t, k] * fp32(rows[r(t*K + k), h]))
+//
+// where r(route) = route, or with a row index (a route's row in a table-ordered `rows`, as the
+// schedule's route_row) r(route) = row_index[route]; a route whose row lies outside
+// [0, num_rows) (a route the schedule left out) adds no term.
 //
 // Every step rounds to fp32 on its own: the product before the add (never a fused
 // multiply-add), the add before the next k. On the device __fmul_rn/__fadd_rn forbid nvcc's
@@ -30,15 +34,28 @@ MOK_HD inline float combine_step(float acc, std::uint16_t row, bool weighted, fl
   return add_rn(acc, weighted ? mul_rn(w, term) : term);
 }
 
-// out[t, h] of one element: base and rows have row stride `hidden`, weights are [T*K] or null.
+// The row of `rows` that holds `route`'s term: the route itself, or row_index[route]; -1 when
+// that row lies outside [0, num_rows) (no term).
+MOK_HD inline std::int64_t combine_row(std::int64_t route, const std::int32_t* row_index,
+                                       std::int64_t num_rows) {
+  if (row_index == nullptr) return route;
+  const std::int64_t row = row_index[route];
+  return row >= 0 && row < num_rows ? row : -1;
+}
+
+// out[t, h] of one element: base and rows have row stride `hidden`, weights are [T*K] or null,
+// row_index [T*K] or null (then num_rows is unused).
 MOK_HD inline std::uint16_t combine_element(const std::uint16_t* base, const std::uint16_t* rows,
-                                            const float* weights, std::int64_t t, std::int64_t h,
+                                            const float* weights, const std::int32_t* row_index,
+                                            std::int64_t num_rows, std::int64_t t, std::int64_t h,
                                             std::int64_t topk, std::int64_t hidden) {
   float acc = combine_init(base, t * hidden + h);
   for (std::int64_t k = 0; k < topk; ++k) {
     const std::int64_t route = t * topk + k;
+    const std::int64_t row = combine_row(route, row_index, num_rows);
+    if (row < 0) continue;
     const float w = weights != nullptr ? weights[route] : 1.0f;
-    acc = combine_step(acc, rows[route * hidden + h], weights != nullptr, w);
+    acc = combine_step(acc, rows[row * hidden + h], weights != nullptr, w);
   }
   return float_to_bf16(acc);
 }

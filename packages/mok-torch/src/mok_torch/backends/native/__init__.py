@@ -666,11 +666,15 @@ class NativeBackend:
         T: int,
         K: int,
         H: int,
+        row_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The fixed-order combine of `rows` (route order, or with `row_index` [T*K] int32 each
+        route's row of a table-ordered `rows`) onto `base`."""
         out = torch.empty(T, H, dtype=BF16, device=rows.device)
         tr.core.combine(
             tr.dev, out.data_ptr(), 0 if base is None else base.data_ptr(), rows.data_ptr(),
             0 if weights is None else weights.data_ptr(), T, K, H, tr._stream(),
+            row_index=0 if row_index is None else row_index.data_ptr(), num_rows=rows.shape[0],
         )  # fmt: skip
         return out
 
@@ -985,6 +989,10 @@ class NativeBackend:
             experts_R = _row_experts(sched, rows)
         elif not (gpu_backward or fp8_backward):  # the rows' loop below: the reference's weights
             weights = expert_weights(cfg, routed)
+        # One rank, one macrobatch, a push combine: the combine reads dx and d_w where the GEMMs
+        # left them, in table order, through each route's row (no push into route order).
+        direct = gpu_backward and ws.world_size == 1 and cfg.combine == "push" and macro >= rows
+        table_dx = table_dw = None
         for m, lo in enumerate(range(0, rows, macro)):  # first to last
             hi = min(lo + macro, rows)
             if fp8_backward:
@@ -1037,6 +1045,9 @@ class NativeBackend:
                 out = None if dx_out is None or dw_out is None else GroupedBackward(dx_out, dw_out)
                 dx, d_w = grouped_backward(xs, seg, a, b, dys, wr, wg_k, wu_k, wd_k, acc, cfg.swiglu_limit, out=out,
                                            carry_in=m > 0, wgrad_out=final if last and not fp32 else None)  # fmt: skip
+                if direct:
+                    table_dx, table_dw = dx, d_w
+                    continue
                 self._give(cfg, tr, sched, dx, "rows", "y_send", lo, nw)
                 self._give(cfg, tr, sched, d_w, "d_w", "dw_send", lo, nw)
                 continue
@@ -1091,6 +1102,12 @@ class NativeBackend:
                 self._give(cfg, tr, sched, dx, "rows", "y_send", mlo, nw)
                 self._give(cfg, tr, sched, d_w, "d_w", "dw_send", mlo, nw)
         dxs, d_shared = self._shared_backward(cfg, x_TH, dy_TH, ctx.shared_a_TIs, ctx.shared_b_TIs, shared, wgrad_dtype)
+        if table_dx is not None and table_dw is not None:
+            route_row = sched.route_row_TK.reshape(-1)
+            dx = self._combine(tr, dxs, table_dx, None, T, K, H, row_index=route_row)
+            d_router = table_dw[route_row.long()].view(T, K).to(router_weights_TK.dtype)
+            self._after_call(tr)
+            return Grads(dx, d_router, final, d_shared)
         tr.barrier(6)  # every push has landed (or every output row is there to pull)
         self._collect(cfg, ws, tr, sched, d_w=True)
         dx = self._combine(tr, dxs, tr.view["rows"][: T * K], None, T, K, H)
