@@ -51,3 +51,29 @@ def run_ranks(world: int, target: str, *args: Any, device: str = "cpu") -> list[
     with tempfile.TemporaryDirectory() as outdir:
         mp.spawn(_worker, args=(world, _free_port(), device, target, args, outdir), nprocs=world, join=True)
         return [torch.load(os.path.join(outdir, f"rank{r}.pt")) for r in range(world)]
+
+
+def run_ranks_with_faults(
+    world: int, target: str, *args: Any, survivors: list[int], device: str = "cpu", deadline_s: float = 120.0
+) -> tuple[list[Any], list[int | None]]:
+    """`target` on ranks 0..world-1 where the ranks not in `survivors` may die, exit early or hang:
+    (results, exit codes) once every survivor has exited (at most `deadline_s`), a result None for
+    a rank that saved none. A rank still running then is killed (its exit code is negative)."""
+    import time
+
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as outdir:
+        port = _free_port()
+        procs = [ctx.Process(target=_worker, args=(r, world, port, device, target, args, outdir)) for r in range(world)]
+        for p in procs:
+            p.start()
+        end = time.monotonic() + deadline_s
+        while time.monotonic() < end and any(procs[r].is_alive() for r in survivors):
+            time.sleep(0.1)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+        paths = [os.path.join(outdir, f"rank{r}.pt") for r in range(world)]
+        results = [torch.load(path) if os.path.exists(path) else None for path in paths]
+        return results, [p.exitcode for p in procs]

@@ -92,3 +92,49 @@ def test_recompute_forward_context_matches_forward():
         torch.utils._pytree.tree_leaves(tuple(g1)), torch.utils._pytree.tree_leaves(tuple(g2)), strict=True
     ):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "kw", [dict(expert_alignment=8), dict(expert_alignment=8, minibatch_size=8, macrobatch_size=16)]
+)
+def test_calls_in_flight_eager_and_custom_ops(kw):
+    """Two mok.moe calls before either backward (gradient checkpointing, microbatches in flight):
+    each call's gradients are its own, and mok.moe's eager path (autograd.Layer) gives the bits of
+    the custom ops that torch.compile traces (torch.ops.mok.*, called here as mok.moe does there)."""
+    cfg = config(**kw)
+    first = make_inputs(30, 32, 16, 4, 2, 8, "skewed", seed=21).to(DEVICE)
+    second = make_inputs(30, 32, 16, 4, 2, 8, "balanced", seed=22).to(DEVICE)
+    E = 4
+
+    def leaves(inp):
+        return [
+            t.detach().clone().requires_grad_() for t in (inp.x_TH, inp.router_weights_TK, *inp.routed, *inp.shared)
+        ]
+
+    def eager(inp, p):
+        return mok.moe(p[0], inp.top_experts_TK, p[1], tuple(p[2:5]), tuple(p[5:8]), config=cfg, max_tokens=30)
+
+    def custom_ops(inp, p):
+        H = p[0].shape[1]
+        sched = torch.ops.mok.build_schedule(inp.top_experts_TK, "", 30, H, E, cfg.key)
+        out = torch.ops.mok.forward(p[0], p[1], *p[2:8], sched, inp.top_experts_TK, "", 30, cfg.key)
+        return out[0]
+
+    results = {}
+    for name, fn in (("eager", eager), ("custom ops", custom_ops)):
+        pa, pb = leaves(first), leaves(second)
+        ya, yb = fn(first, pa), fn(second, pb)  # both forwards, then both backwards
+        yb.backward(second.dy_TH)
+        ya.backward(first.dy_TH)
+        results[name] = [ya.detach(), yb.detach()] + [t.grad for t in pa + pb]
+    for (name, ref), alone in zip((("first", first), ("second", second)), (0, 1), strict=True):
+        p = leaves(ref)
+        y = eager(ref, p)
+        y.backward(ref.dy_TH)
+        got = results["eager"]
+        assert torch.equal(got[alone], y.detach()), f"{name} call's y with another call in flight"
+        grads = got[2 + 8 * alone : 10 + 8 * alone]
+        for i, (g, want) in enumerate(zip(grads, [t.grad for t in p], strict=True)):
+            assert g is not None and torch.equal(g, want), f"{name} call's gradient {i} with another call in flight"
+    for a, b in zip(results["eager"], results["custom ops"], strict=True):
+        assert torch.equal(a, b), "eager mok.moe and the custom ops differ"

@@ -10,11 +10,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import ops
+from . import functional, ops
 from .agreement import bounded
 from .config import MoKConfig
+from .structs import ForwardContext
 from .validation import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, describe
-from .workspace import group_rank_and_size
+from .workspace import get_workspace, group_rank_and_size
 
 Weights3 = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 _MAX_TOKENS_ROUNDING = 128  # agreed max_tokens is rounded up so workspaces are reused
@@ -103,8 +104,52 @@ def moe(
         if world > 1 and torch.compiler.is_compiling():
             raise ValueError("max_tokens: under torch.compile with an expert-parallel group, pass max_tokens")
         max_tokens = agree_max_tokens(T, group, x.device, cfg.timeout_s)
+    s = (None, None, None) if shared is None else tuple(shared)
+    if not torch.compiler.is_compiling():
+        # Eager: the same functional calls as the custom ops, without their dispatch (about half
+        # of the host's time to issue a call, docs/megakernel.md).
+        ws = get_workspace(
+            cfg, group, device=x.device, max_tokens=max_tokens, hidden_size=H, topk=top_experts.shape[1],
+            num_experts=num_experts,
+        )  # fmt: skip
+        sched = functional.build_schedule(ws, cfg, top_experts)
+        return Layer.apply(cfg, ws, sched, x, router_weights, *routed, *s)
     name = ops.group_name(group) if _group_name is None else _group_name
     schedule = torch.ops.mok.build_schedule(top_experts.contiguous(), name, max_tokens, H, num_experts, cfg.key)
-    s = (None, None, None) if shared is None else tuple(shared)
     outputs = torch.ops.mok.forward(x, router_weights, *routed, *s, schedule, top_experts, name, max_tokens, cfg.key)
     return outputs[0]
+
+
+class Layer(torch.autograd.Function):
+    """mok.moe outside torch.compile: `mok::forward` and `mok::backward`'s arithmetic (ops.run_forward,
+    ops.run_backward) on the schedule object itself, with none of the custom ops' dispatch. Under
+    torch.compile, mok.moe calls the custom ops instead; both give the same bits."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, cfg: MoKConfig, ws: Any, sched: Any, x: torch.Tensor, router_weights: torch.Tensor,
+        *weights: torch.Tensor | None,
+    ) -> torch.Tensor:  # fmt: skip
+        routed, shared = weights[:3], weights[3:]
+        y, fctx = ops.run_forward(cfg, ws, sched, x, router_weights, routed, shared)  # type: ignore[arg-type]
+        ctx.meta = (cfg, ws, sched, fctx.backend, fctx.shared_a_TIs is not None)
+        # What the context keeps in a workspace buffer (the chain's ring) is copied, as the custom
+        # op's outputs are: the next call rewrites those buffers before this backward runs.
+        inputs = tuple(t for t in (x, router_weights, *weights) if t is not None)
+        empty = x.new_empty(0, dtype=torch.bfloat16)
+        parts = (fctx.x_routed_MH, fctx.a_MI, fctx.b_MI, fctx.shared_a_TIs, fctx.shared_b_TIs)
+        kept = ops.owned([empty if t is None else t for t in parts], inputs)
+        ctx.save_for_backward(x, router_weights, *weights, *kept)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        x, router_weights, *rest = ctx.saved_tensors
+        weights, (x_routed, a, b, shared_a, shared_b) = rest[:6], rest[6:]
+        cfg, ws, sched, backend, has_shared = ctx.meta
+        if not has_shared:
+            shared_a = shared_b = None
+        fctx = ForwardContext(sched, backend, x_routed, a, b, shared_a, shared_b)
+        g = ops.run_backward(cfg, ws, sched, fctx, dy, x, router_weights, tuple(weights[:3]), tuple(weights[3:]))
+        shared = (None, None, None) if g.d_shared is None else g.d_shared
+        return None, None, None, g.dx, g.d_router_weights, *g.d_routed, *shared

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from . import functional
 from .config import MoKConfig
-from .structs import ForwardContext, Schedule
+from .structs import ForwardContext, Grads, Schedule
 from .workspace import Workspace, get_workspace, schedule_capacity
 
 BF16 = torch.bfloat16
@@ -72,7 +72,7 @@ def _schedule(ws: Workspace, top_experts: torch.Tensor, tensors: list[torch.Tens
     return Schedule(workspace=ws, backend=backend, top_experts_TK=top, **fields)  # type: ignore[arg-type]
 
 
-def _owned(outputs: list[torch.Tensor], inputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+def owned(outputs: list[torch.Tensor], inputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
     """`outputs` as a custom op may return them: each one that is a view, or shares storage with an
     input or an earlier output (a workspace buffer, say), is cloned; the rest (fresh tensors, the
     usual case) go out as they are, with no copy on the hot path."""
@@ -99,6 +99,28 @@ def _three(a: torch.Tensor | None, b: torch.Tensor | None, c: torch.Tensor | Non
     return (_bf16(a), _bf16(b), _bf16(c))
 
 
+def run_forward(
+    cfg: MoKConfig, ws: Workspace, sched: Schedule, x: torch.Tensor, router_weights: torch.Tensor,
+    routed: tuple[torch.Tensor, ...], shared: tuple[torch.Tensor | None, ...],
+) -> tuple[torch.Tensor, ForwardContext]:  # fmt: skip
+    """y in x's dtype and the context, on the functional API: what `mok::forward` runs, and what
+    mok.moe runs outside torch.compile (autograd.Layer), so both give the same bits."""
+    y, ctx = functional.forward(cfg, ws, sched, _bf16(x), router_weights.contiguous(), _three(*routed), _three(*shared))
+    return y.to(x.dtype), ctx
+
+
+def run_backward(
+    cfg: MoKConfig, ws: Workspace, sched: Schedule, ctx: ForwardContext, dy: torch.Tensor, x: torch.Tensor,
+    router_weights: torch.Tensor, routed: tuple[torch.Tensor, ...], shared: tuple[torch.Tensor | None, ...],
+) -> Grads:  # fmt: skip
+    """The gradients with dx in x's dtype (`mok::backward`'s and autograd.Layer's)."""
+    grads = functional.backward(
+        cfg, ws, sched, ctx, _bf16(dy), _bf16(x), router_weights.contiguous(), _three(*routed), _three(*shared),
+        wgrad_dtype=_wgrad_dtype(routed[0]),
+    )  # fmt: skip
+    return grads._replace(dx=grads.dx.to(x.dtype))
+
+
 # ---------------------------------------------------------------------------- schedule
 
 
@@ -110,7 +132,7 @@ def build_schedule_op(
     cfg = MoKConfig.from_key(config)
     ws = _workspace(top_experts.device, group, max_tokens, hidden_size, top_experts.shape[1], num_experts, cfg)
     sched = functional.build_schedule(ws, cfg, top_experts.contiguous())
-    return _owned([getattr(sched, f) for f in SCHEDULE_FIELDS], (top_experts,))
+    return owned([getattr(sched, f) for f in SCHEDULE_FIELDS], (top_experts,))
 
 
 @build_schedule_op.register_fake
@@ -164,16 +186,14 @@ def forward_op(
     ws = _workspace(x.device, group, max_tokens, H, top_experts.shape[1], wg.shape[0] * _world(group), cfg)
     backend = functional.resolve_backend(cfg, ws.device).name
     sched = _schedule(ws, top_experts, schedule, backend)
-    y, ctx = functional.forward(
-        cfg, ws, sched, _bf16(x), router_weights.contiguous(), _three(wg, wu, wd), _three(wg_s, wu_s, wd_s)
-    )
+    y, ctx = run_forward(cfg, ws, sched, x, router_weights, (wg, wu, wd), (wg_s, wu_s, wd_s))
     shared_a = x.new_empty(0, dtype=BF16) if ctx.shared_a_TIs is None else ctx.shared_a_TIs
     shared_b = x.new_empty(0, dtype=BF16) if ctx.shared_b_TIs is None else ctx.shared_b_TIs
-    outputs = [y.to(x.dtype), ctx.x_routed_MH, ctx.a_MI, ctx.b_MI, shared_a, shared_b]
+    outputs = [y, ctx.x_routed_MH, ctx.a_MI, ctx.b_MI, shared_a, shared_b]
     inputs = tuple(
         t for t in (x, router_weights, wg, wu, wd, wg_s, wu_s, wd_s, top_experts, *schedule) if t is not None
     )
-    return _owned(outputs, inputs)
+    return owned(outputs, inputs)
 
 
 @forward_op.register_fake
@@ -250,20 +270,9 @@ def backward_op(
     ctx = ForwardContext(
         sched, backend, x_routed, a, b, shared_a if has_shared else None, shared_b if has_shared else None
     )
-    grads = functional.backward(
-        cfg,
-        ws,
-        sched,
-        ctx,
-        _bf16(dy),
-        _bf16(x),
-        router_weights.contiguous(),
-        _three(wg, wu, wd),
-        _three(wg_s, wu_s, wd_s),
-        wgrad_dtype=_wgrad_dtype(wg),
-    )
+    grads = run_backward(cfg, ws, sched, ctx, dy, x, router_weights, (wg, wu, wd), (wg_s, wu_s, wd_s))
     shared = list(grads.d_shared) if grads.d_shared is not None else [x.new_empty(0, dtype=BF16) for _ in range(3)]
-    return [grads.dx.to(x.dtype), grads.d_router_weights, *grads.d_routed, *shared]
+    return [grads.dx, grads.d_router_weights, *grads.d_routed, *shared]
 
 
 @backward_op.register_fake

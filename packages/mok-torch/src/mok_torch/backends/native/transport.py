@@ -175,6 +175,11 @@ class Transport:
             if hasattr(symm_mem, "enable_symm_mem_for_group"):
                 symm_mem.enable_symm_mem_for_group(ws.group.group_name)
             base = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
+            # symm_mem's rendezvous takes no timeout: meet first with a wait bounded by timeout_s,
+            # so that a missing rank is an error here and the rendezvous only follows a meeting
+            # every rank has reached.
+            present = torch.ones(1, dtype=torch.int32, device=self.device)
+            self._wait(lambda: dist.all_reduce(present, group=ws.group, async_op=True))
             handle = symm_mem.rendezvous(base, ws.group)
             base.zero_()
             self._segments.append(handle)
