@@ -1,7 +1,7 @@
 """Sessions of the mok monorepo.
 
 nox -s wheels    # the four packages' wheels for this source state, in dist/<key>/ (built once)
-nox -s tests     # CPU test suite, once per backend (asserts that backend ran)
+nox -s tests     # CPU test suite: all of it on the reference backend, the backend tests on cpu
 nox -s demo      # the main job: train a small MoE model, check bitwise reproducibility
 nox -s lint      # ruff format + lint, clang-format, mypy
 nox -s torchtitan # mok inside torchtitan 0.3.0 (off by default: torchtitan is heavy)
@@ -54,10 +54,22 @@ def _sources(pkg: str) -> list[Path]:
     return sorted(ROOT / f for f in listed if (ROOT / f).is_file())
 
 
+def _gpu_visible() -> bool:
+    nvidia_smi = shutil.which("nvidia-smi")
+    return nvidia_smi is not None and subprocess.run([nvidia_smi, "-L"], capture_output=True).returncode == 0
+
+
+def cuda_mode() -> str:
+    """MOK_CUDA for the compiled packages: the environment's, else AUTO (CUDA code wherever nvcc
+    is found) on a machine that shows a GPU and OFF on one that does not, where the CUDA code
+    could not run and would take minutes of nvcc (`MOK_CUDA=AUTO nox -s wheels` builds it there)."""
+    return os.environ.get("MOK_CUDA", "").upper() or ("AUTO" if _gpu_visible() else "OFF")
+
+
 def source_key() -> str:
     """A digest of every file the four packages are built from (paths and bytes), with the torch
-    they build against: the wheels of one key are the same wheels."""
-    digest = hashlib.sha256(TORCH.encode())
+    they build against and the CUDA mode: the wheels of one key are the same wheels."""
+    digest = hashlib.sha256(f"{TORCH}\0MOK_CUDA={cuda_mode()}".encode())
     for pkg in PACKAGES:
         for path in _sources(pkg):
             digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
@@ -82,7 +94,8 @@ def build_wheels(session: nox.Session) -> Path:
         return where
     partial = where.with_name(where.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    env = {"CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2)}
+    env = {"CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2), "MOK_CUDA": cuda_mode()}
+    session.log(f"building the wheels with MOK_CUDA={env['MOK_CUDA']}")
     wheel = ["python", "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-w", str(partial)]
     for pkg in PACKAGES:
         session.run(*wheel, pkg, env=env)
@@ -113,9 +126,13 @@ def wheels(session: nox.Session) -> None:
 @nox.session
 @nox.parametrize("backend", CPU_BACKENDS)
 def tests(session: nox.Session, backend: str) -> None:
+    """The CPU suite with `backend` under test: the first backend runs every test, the others
+    only the tests that run the backend under test (tests/conftest.py; the rest do not change)."""
     install_mok(session)
     session.install(*_groups("test"))
-    session.run("python", "-m", "pytest", *session.posargs, env={"MOK_TEST_BACKEND": backend})
+    only = "0" if backend == CPU_BACKENDS[0] else "1"
+    env = {"MOK_TEST_BACKEND": backend, "MOK_TEST_BACKEND_TESTS_ONLY": only}
+    session.run("python", "-m", "pytest", *session.posargs, env=env)
 
 
 @nox.session
@@ -144,7 +161,7 @@ TORCHTITAN_DEPS = ["spmd_types==0.2.3", "tyro", "triton"]
 
 @nox.session(default=False)
 def torchtitan(session: nox.Session) -> None:
-    """tests/test_torchtitan.py against torchtitan 0.3.0 (the CPU suite skips it without torchtitan)."""
+    """tests/integrations/test_torchtitan.py against torchtitan 0.3.0 (the CPU suite skips it without torchtitan)."""
     install_mok(session)
     session.install(*_groups("test"))
     version = ["python", "-c", "import torch; print(torch.__version__)"]
@@ -153,7 +170,7 @@ def torchtitan(session: nox.Session) -> None:
     session.install(*TORCHTITAN_DEPS)
     if session.run(*version, silent=True) != before:
         session.error("installing torchtitan changed torch")
-    session.run("python", "-m", "pytest", "tests/test_torchtitan.py", *session.posargs)
+    session.run("python", "-m", "pytest", "tests/integrations/test_torchtitan.py", *session.posargs)
 
 
 @nox.session(python=False, default=False)

@@ -24,7 +24,7 @@ HEURISTIC_TILE_N = 128
 
 # The limits of mok-core (packages/mok-core) and of torch's waits, checked where a config is made,
 # so that every backend accepts the same configs (the reference one never reaches mok-core) and an
-# error names the setting. tests/test_config.py holds them against mok-core and torch.
+# error names the setting. tests/layer/test_config_limits.py holds them against mok-core and torch.
 # The most workers one row move may use: transport::kMaxWorkers (include/mok/core/transport.h).
 MAX_COMM_SMS = 1024
 # Rows of the schedule table, int32 indices: kMaxTableRows (include/mok/core/schedule.h).

@@ -2,7 +2,7 @@
 // points mok-torch's native backends call between the pulls and the pushes.
 //
 // Shape letters: docs/design.md §1 (M: the rows of a call). Rows are flat, each with its own
-// local expert (the "PerRow" layout of mok_torch/backends/reference/experts.py): a row is one
+// local expert (the "PerRow" layout of mok_torch/spec/experts.py): a row is one
 // route placed in an expert's input; a row whose expert is -1 is padding (alignment, or past
 // the last segment), which no output reads. Weights use the nn.Linear convention:
 //

@@ -1,7 +1,7 @@
 // The per-element arithmetic of the experts (docs/design.md §2, docs/determinism.md "The reference
 // backend's arithmetic"), shared by every precision package's CPU loops and CUDA kernels, so
 // that all give the bits of mok-torch's reference backend
-// (mok_torch/backends/reference/arith.py and experts.py).
+// (mok_torch/spec/arith.py and experts.py).
 //
 // Every operation rounds on its own, in the order the reference writes it: a product before
 // the add that follows it, never a fused multiply-add. On the device the __f*_rn/__d*_rn

@@ -48,16 +48,14 @@ import torch
 
 from ...config import MoKConfig, resolve_batching
 from ...mxfp8 import MXFP8Tensor, mxfp8_quantize, pack_rows, unpack_rows
-from ...structs import ForwardContext, Grads, Schedule
-from ...workspace import Workspace
-from ..reference import expert_weights
-from ..reference.experts import (
+from ...spec.experts import (
     BF16,
     ExpertWeights,
     Grouped,
     PerRow,
     accumulate_wgrads,
     down,
+    expert_weights,
     gate_up,
     routed_wgrads,
     row_backward,
@@ -65,7 +63,9 @@ from ..reference.experts import (
     shared_forward,
     swiglu,
 )
-from ..reference.ring import Block, replays_in_backward
+from ...spec.ring import Block, RingPlan, plan_ring, replays_in_backward
+from ...structs import ForwardContext, Grads, Schedule
+from ...workspace import Workspace
 from . import megakernel
 from .grouped import GroupedBackward, GroupedForward, grouped_backward, grouped_forward
 from .mxfp8_grouped import (
@@ -186,6 +186,13 @@ class ExpertPath(NamedTuple):
 
     forward: str  # "megakernel", "tensor-cores", "fp8-cores", "cpu-kernels" or "reference"
     backward: str  # "tensor-cores", "fp8-cores", "cpu-kernels" or "reference"
+
+
+def static_ring_plan(cfg: MoKConfig, ws: Workspace, inner: int) -> RingPlan:
+    """The GPU's ring walk: every row of the capacity, whatever the routing (no host read; the
+    segment offsets stay on the device, padding rows are zero)."""
+    minibatch, macrobatch = resolve_batching(cfg, ws.hidden_size, inner, ws.num_sms)
+    return RingPlan(num_rows=ws.capacity, macrobatch=macrobatch or ws.capacity, minibatch=minibatch, offsets=None)
 
 
 def expert_path(cfg: MoKConfig, ws: Workspace, inner: int) -> ExpertPath:
@@ -562,19 +569,12 @@ class NativeBackend:
         """The GEMM operand view of pulled rows (MXFP8 rows as their float32 values)."""
         return unpack_rows(rows, H) if cfg.precision == "mxfp8" else rows
 
-    def _rows_plan(
-        self, cfg: MoKConfig, ws: Workspace, sched: Schedule, inner: int
-    ) -> tuple[int, int, int, tuple[int, ...] | None]:
-        """(rows to walk, macrobatch, minibatch, host offsets or None)."""
-        minibatch, macrobatch = resolve_batching(cfg, ws.hidden_size, inner, ws.num_sms)
+    def _rows_plan(self, cfg: MoKConfig, ws: Workspace, sched: Schedule, inner: int) -> RingPlan:
+        """The ring's walk over the rows (spec.ring): on the CPU the rows in use (offsets read on
+        the host), on the GPU static_ring_plan."""
         if self.device_type == "cpu":
-            offsets = tuple(sched.expert_offsets_El1.tolist())
-            rows = offsets[-1]
-        else:
-            offsets, rows = None, ws.capacity  # static: every row of the capacity
-        if macrobatch is None:
-            macrobatch = max(-(-rows // minibatch) * minibatch, minibatch)
-        return rows, macrobatch, minibatch, offsets
+            return plan_ring(cfg, ws, sched, inner)
+        return static_ring_plan(cfg, ws, inner)
 
     # ------------------------------------------------------------------ entry points
 
@@ -682,7 +682,8 @@ class NativeBackend:
         self, cfg: MoKConfig, ws: Workspace, sched: Schedule, tr: Transport, routed: Weights3, *, outputs: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         H, K, inner = ws.hidden_size, ws.topk, routed[2].shape[2]
-        rows, macro, mini, offsets = self._rows_plan(cfg, ws, sched, inner)
+        plan = self._rows_plan(cfg, ws, sched, inner)
+        rows, offsets = plan.num_rows, plan.offsets
         experts = self._routed_experts(cfg, routed)
         El = routed[0].shape[0]
         tensor_cores = experts is None and gpu_forward_kernels(cfg, ws.device, H, inner, El)
@@ -697,7 +698,7 @@ class NativeBackend:
             segments = sched.expert_offsets_El1.to(torch.int64)
         else:
             weights = expert_weights(cfg, routed)
-        ring_rows = min(macro, rows)
+        ring_rows = plan.ring_rows
         dev = ws.device
         ring_x = self._pulled_rows(cfg, ring_rows, H, dev)
         if fp8_cores:  # 16-byte aligned rows for the copy engine; the context keeps H + H/32 bytes
@@ -705,7 +706,7 @@ class NativeBackend:
         ring_a = torch.zeros(ring_rows, inner, dtype=BF16, device=dev)
         ring_b = torch.zeros(ring_rows, inner, dtype=BF16, device=dev)
         ring_h = torch.empty(ring_rows, inner, dtype=BF16, device=dev) if tensor_cores and outputs else None
-        macrobatches = [(lo, min(lo + macro, rows)) for lo in range(0, rows, macro)]
+        macrobatches = plan.macrobatches()
         # Last to first: the ring ends holding macrobatch 0 (without outputs only it is needed).
         for lo, hi in reversed(macrobatches) if outputs else macrobatches[:1]:
             if fp8_cores:  # as the BF16 GEMMs below: the whole macrobatch in one call
@@ -746,8 +747,7 @@ class NativeBackend:
                 if y_rows is not None:
                     self._give(cfg, tr, sched, y_rows, "rows", "y_send", lo, nw)
                 continue
-            for mlo in range(lo, hi, mini):
-                mhi = min(mlo + mini, hi)
+            for mlo, mhi in plan.minibatches(lo, hi):
                 ring = slice(mlo - lo, mhi - lo)
                 xs = self._receive(cfg, tr, sched, "x", ring_x[ring], mlo, K, cfg.fwd_num_comm_sms)
                 y: torch.Tensor | None = None
@@ -943,7 +943,8 @@ class NativeBackend:
         w_TK = router_weights_TK.float().reshape(-1).contiguous()
         self._send_inputs(cfg, ws, tr, sched, x=x_TH if replay or not kept else None, dy=dy_TH, w=w_TK)
         tr.barrier(5)
-        rows, macro, mini, offsets = self._rows_plan(cfg, ws, sched, inner)
+        plan = self._rows_plan(cfg, ws, sched, inner)
+        rows, macro, offsets = plan.num_rows, plan.macrobatch, plan.offsets
         dev, nw = ws.device, cfg.bwd_num_comm_sms
         experts = self._routed_experts(cfg, routed)
         # A replay recomputes a and b with the GEMMs the forward used (so their bits match).
@@ -993,8 +994,7 @@ class NativeBackend:
         # left them, in table order, through each route's row (no push into route order).
         direct = gpu_backward and ws.world_size == 1 and cfg.combine == "push" and macro >= rows
         table_dx = table_dw = None
-        for m, lo in enumerate(range(0, rows, macro)):  # first to last
-            hi = min(lo + macro, rows)
+        for m, (lo, hi) in enumerate(plan.macrobatches()):  # first to last
             if fp8_backward:
                 n, nw = hi - lo, self._movers(cfg, ws, backward=True)
                 mx_bytes = (n, _mx_row_bytes(H))
@@ -1051,8 +1051,7 @@ class NativeBackend:
                 self._give(cfg, tr, sched, dx, "rows", "y_send", lo, nw)
                 self._give(cfg, tr, sched, d_w, "d_w", "dw_send", lo, nw)
                 continue
-            for mlo in range(lo, hi, mini):
-                mhi = min(mlo + mini, hi)
+            for mlo, mhi in plan.minibatches(lo, hi):
                 ring = slice(mlo - lo, mhi - lo)
                 x_kernel = None  # MXFP8 rows the FP8 kernels read, for a replay's pre-activations
                 if m == 0:

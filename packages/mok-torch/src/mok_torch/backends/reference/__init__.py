@@ -12,16 +12,14 @@ import torch
 
 from ...agreement import step_in
 from ...config import MoKConfig
-from ...mxfp8 import MXFP8Tensor, mxfp8_quantize, pack_rows, unpack_rows
-from ...structs import ForwardContext, Grads, Schedule
-from ...workspace import Workspace
-from . import transport
-from .experts import (
+from ...mxfp8 import pack_rows, unpack_rows
+from ...spec.experts import (
     BF16,
     ExpertWeights,
     accumulate_wgrads,
     combine_epilogue,
     down,
+    expert_weights,
     gate_up,
     routed_wgrads,
     row_backward,
@@ -29,19 +27,13 @@ from .experts import (
     shared_forward,
     swiglu,
 )
-from .ring import Block, plan_ring, replays_in_backward
+from ...spec.ring import plan_ring, replays_in_backward
+from ...structs import ForwardContext, Grads, Schedule
+from ...workspace import Workspace
+from . import transport
 from .schedule import build_schedule as _build_schedule
 
 Weights3 = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-
-
-def expert_weights(cfg: MoKConfig, routed: tuple) -> ExpertWeights:
-    """The routed experts' GEMM weights; MXFP8 weights may come as bf16 (quantized here) or
-    as MXFP8Tensor (the user's, with both copies)."""
-    if cfg.precision == "mxfp8":
-        q = [r if isinstance(r, MXFP8Tensor) else mxfp8_quantize(r, compiled=False) for r in routed]
-        return ExpertWeights.from_mxfp8(*q)
-    return ExpertWeights.from_weights(*routed)
 
 
 def pull_activations(cfg: MoKConfig, sched: Schedule, rows_TH: torch.Tensor) -> torch.Tensor:
@@ -91,7 +83,7 @@ class ReferenceBackend:
         for lo, hi in reversed(macrobatches) if outputs else macrobatches[:1]:
             for mlo, mhi in plan.minibatches(lo, hi):
                 ring_x[mlo - lo : mhi - lo] = x_C[mlo:mhi]
-                block = Block(plan.offsets, mlo, mhi, x_TH.device)
+                block = plan.block(mlo, mhi, x_TH.device)
                 w = weights.select(block.first, block.last)
                 a, b = gate_up(activation_values(cfg, block.gather(ring_x, lo), ws.hidden_size), w)
                 block.scatter(a, ring_a, lo)
@@ -164,7 +156,7 @@ class ReferenceBackend:
         d_down = torch.zeros(El, H, inner, dtype=torch.float32, device=dy_TH.device)
         for m, (lo, hi) in enumerate(plan.macrobatches()):  # first to last
             for mlo, mhi in plan.minibatches(lo, hi):
-                block = Block(plan.offsets, mlo, mhi, dy_TH.device)
+                block = plan.block(mlo, mhi, dy_TH.device)
                 w = weights.select(block.first, block.last)
                 if m == 0:
                     xs = activation_values(cfg, block.gather(ctx.x_routed_MH, lo), H)

@@ -18,8 +18,8 @@ import torch
 from helpers import GROUPED_CASES
 
 from mok_torch.backends.native.mxfp8_grouped import MxGroupedForward, mxfp8_grouped_forward
-from mok_torch.backends.reference.experts import swiglu
 from mok_torch.mxfp8 import MXFP8Tensor, mxfp8_quantize, pack_rows, quantize_rows_torch, unpack_rows
+from mok_torch.spec.experts import swiglu
 
 mok_mxfp8 = pytest.importorskip("mok_mxfp8", reason="mok-mxfp8 is not installed")
 if not hasattr(mok_mxfp8, "grouped_forward"):

@@ -17,7 +17,7 @@ from helpers import GROUPED_CASES
 
 import mok_bf16
 from mok_torch.backends.native.grouped import GroupedForward, grouped_backward, grouped_forward
-from mok_torch.backends.reference.experts import swiglu
+from mok_torch.spec.experts import swiglu
 
 BF16 = torch.bfloat16
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")

@@ -15,8 +15,8 @@ import torch
 
 import mok_core
 import mok_torch as mok
-from mok_torch.backends.reference.experts import combine_epilogue
-from mok_torch.backends.reference.schedule import send_side, table_from_routes
+from mok_torch.spec.experts import combine_epilogue
+from mok_torch.spec.schedule import send_side, table_from_routes
 
 
 def _cuda_skip_reason() -> str | None:
@@ -520,7 +520,7 @@ PULL, COMPUTE, PUSH = 0, 1, 2
 
 def expected_minibatches(pass_: int, num_rows: int, macro: int, mini: int) -> list[tuple[int, int, int, int]]:
     """(macrobatch, slot, row_begin, row_end) in issue order, from the reference's RingPlan."""
-    from mok_torch.backends.reference.ring import RingPlan
+    from mok_torch.spec.ring import RingPlan
 
     plan = RingPlan(num_rows=num_rows, macrobatch=macro, minibatch=mini, offsets=(0, num_rows))
     macros = list(enumerate(plan.macrobatches()))

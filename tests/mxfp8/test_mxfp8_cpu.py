@@ -1,6 +1,6 @@
 """mok-mxfp8's CPU expert entry points (swiglu_forward / swiglu_backward) against the reference.
 
-The reference is mok-torch's own MXFP8 expert arithmetic (backends/reference/experts.py) on
+The reference is mok-torch's own MXFP8 expert arithmetic (mok_torch/spec/experts.py) on
 the same flat rows; the entry points must give its bits: outputs, router-weight gradients and
 the weight-gradient accumulators, for any thread count and any split of the rows into calls
 at 32-row boundaries.
@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mok_torch.backends.reference.experts import (
+from mok_torch.mxfp8 import mxfp8_quantize, pack_rows, unpack_rows
+from mok_torch.spec.experts import (
     ExpertWeights,
     PerRow,
     accumulate_wgrads,
@@ -20,7 +21,6 @@ from mok_torch.backends.reference.experts import (
     row_backward,
     swiglu,
 )
-from mok_torch.mxfp8 import mxfp8_quantize, pack_rows, unpack_rows
 
 mok_mxfp8 = pytest.importorskip("mok_mxfp8", reason="mok-mxfp8 is not installed")
 if not hasattr(mok_mxfp8, "swiglu_forward"):

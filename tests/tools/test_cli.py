@@ -14,7 +14,7 @@ import torch
 from mok_torch import demo
 from mok_torch.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_info(capsys):

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ...mxfp8 import MXFP8Tensor, fake_quantize
+from ..config import MoKConfig
+from ..mxfp8 import MXFP8Tensor, fake_quantize, mxfp8_quantize
 from .arith import (
     seq_matmul,
     seq_matmul_rows,
@@ -159,6 +160,15 @@ class ExpertWeights:
             part = torch.zeros_like(out)
             layout.rows(r0, r1).outer_sum(aq[..., r0:r1, :], bq[..., r0:r1, :], part)
             out.add_(part)
+
+
+def expert_weights(cfg: MoKConfig, routed: tuple) -> ExpertWeights:
+    """The routed experts' GEMM weights; MXFP8 weights may come as bf16 (quantized here) or
+    as MXFP8Tensor (the user's, with both copies)."""
+    if cfg.precision == "mxfp8":
+        q = [r if isinstance(r, MXFP8Tensor) else mxfp8_quantize(r, compiled=False) for r in routed]
+        return ExpertWeights.from_mxfp8(*q)
+    return ExpertWeights.from_weights(*routed)
 
 
 def _pad_to(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:

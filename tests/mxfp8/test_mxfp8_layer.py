@@ -325,16 +325,8 @@ def test_cpu_backend_in_mxfp8_is_bitwise_the_reference(per_row, kernels, monkeyp
     if not kernels:
         monkeypatch.setattr(native, "_mxfp8_kernels", lambda device_type: None)
 
-    if per_row:
-        plan = native.NativeBackend._rows_plan
-
-        def gpu_plan(self, cfg, ws, sched, inner):
-            rows, macro, mini, _ = plan(self, cfg, ws, sched, inner)
-            rows = ws.capacity
-            if cfg.macrobatch_size is None:
-                macro = max(-(-rows // mini) * mini, mini)
-            return rows, macro, mini, None
-
+    if per_row:  # the GPU's walk itself
+        gpu_plan = lambda self, cfg, ws, sched, inner: native.static_ring_plan(cfg, ws, inner)  # noqa: E731
         monkeypatch.setattr(native.NativeBackend, "_rows_plan", gpu_plan)
     inp = make_inputs(37, 64, 32, 4, 2, 32, "skewed", seed=13)
     for kw in (

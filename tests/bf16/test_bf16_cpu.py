@@ -18,8 +18,8 @@ import torch
 
 import mok_bf16
 from mok_torch.backends.native import NativeBackend
-from mok_torch.backends.reference.arith import exp_f64, sigmoid
-from mok_torch.backends.reference.experts import (
+from mok_torch.spec.arith import exp_f64, sigmoid
+from mok_torch.spec.experts import (
     GROUPED,
     ExpertWeights,
     PerRow,

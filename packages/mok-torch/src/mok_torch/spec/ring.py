@@ -1,4 +1,4 @@
-"""Ring planning of the reference backend (docs/design.md §8), and row blocks.
+"""The ring walk (docs/design.md §8), of every backend, and row blocks.
 
 Rows of the schedule table are processed in minibatches, grouped into macrobatches; the
 routed activation buffers (the ring) hold one macrobatch. Forward walks macrobatches from
@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ...config import MoKConfig, resolve_batching
-from ...structs import Schedule
-from ...workspace import Workspace
+from ..config import MoKConfig, resolve_batching
+from ..structs import Schedule
+from ..workspace import Workspace
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,9 @@ class RingPlan:
     num_rows: int  # rows of the table in use (the end of the last segment)
     macrobatch: int  # ring rows
     minibatch: int
-    offsets: tuple[int, ...]  # segment starts of the local experts, then num_rows
+    # segment starts of the local experts, then num_rows; None where they stay on the device (the
+    # GPU walks every row of the capacity)
+    offsets: tuple[int, ...] | None
 
     def macrobatches(self) -> list[tuple[int, int]]:
         return [(lo, min(lo + self.macrobatch, self.num_rows)) for lo in range(0, self.num_rows, self.macrobatch)]
@@ -33,6 +35,12 @@ class RingPlan:
     @property
     def ring_rows(self) -> int:
         return min(self.macrobatch, self.num_rows)
+
+    def block(self, lo: int, hi: int, device: torch.device) -> Block:
+        """Table rows [lo, hi) as a Block (a plan with host offsets)."""
+        if self.offsets is None:
+            raise RuntimeError("this ring plan keeps the segment offsets on the device")
+        return Block(self.offsets, lo, hi, device)
 
 
 def plan_ring(cfg: MoKConfig, ws: Workspace, sched: Schedule, intermediate_size: int) -> RingPlan:

@@ -20,8 +20,8 @@ from helpers import GROUPED_CASES
 
 import mok_bf16
 from mok_torch.backends.native.grouped import GroupedBackward, GroupedScratch, grouped_backward
-from mok_torch.backends.reference.arith import sigmoid
-from mok_torch.backends.reference.experts import swiglu
+from mok_torch.spec.arith import sigmoid
+from mok_torch.spec.experts import swiglu
 
 BF16 = torch.bfloat16
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")

@@ -7,7 +7,7 @@ import torch
 from helpers import DEVICE, config
 
 import mok_torch as mok
-from mok_torch.backends.reference.schedule import route_rows, send_side, table_from_routes
+from mok_torch.spec.schedule import route_rows, send_side, table_from_routes
 
 
 def naive_table(routes, tokens, rank, El, align, capacity):

@@ -24,7 +24,7 @@ from mok_torch.bench.shapes import Shape, resolve_shapes
 from mok_torch.bench.timing import Ranks
 from mok_torch.cli import main as mok_main
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CPU = Ranks(torch.device("cpu"), None, 0, 1)
 SETTINGS = Settings(allow_slow=False)
 # These are CPU tests of the harness (the GPU code paths run in tools/gpu-check's bench stage).

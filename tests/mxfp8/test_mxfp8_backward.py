@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from mok_torch.backends.native.mxfp8_grouped import hq_row_bytes, mxfp8_swiglu_backward, split_a_cols
-from mok_torch.backends.reference.arith import to_bf16_values
-from mok_torch.backends.reference.experts import swiglu_backward_rows
 from mok_torch.mxfp8 import mxfp8_quantize, pack_rows, unpack_rows
+from mok_torch.spec.arith import to_bf16_values
+from mok_torch.spec.experts import swiglu_backward_rows
 
 mok_mxfp8 = pytest.importorskip("mok_mxfp8", reason="mok-mxfp8 is not installed")
 if not hasattr(mok_mxfp8, "grouped_swiglu_backward"):

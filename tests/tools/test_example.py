@@ -11,7 +11,7 @@ import pytest
 import torch
 
 pytestmark = pytest.mark.multiprocess
-EXAMPLE = Path(__file__).parents[1] / "examples" / "train_moe.py"
+EXAMPLE = Path(__file__).parents[2] / "examples" / "train_moe.py"
 
 
 def _torchrun(tmp: Path, *args: str) -> None:
