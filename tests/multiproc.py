@@ -19,6 +19,11 @@ import torch.multiprocessing as mp
 
 # Multicast/NVLS stays off on every GPU machine we use (see GPU.md).
 _SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+# Ranks start from a fork server that has imported torch and mok once (a fresh interpreter per
+# rank spends seconds importing them; on a 2-core machine that was most of a multi-rank test).
+# Nothing in the server touches CUDA, so its children may still use the GPU.
+START_METHOD = "forkserver"
+mp.set_forkserver_preload(["torch", "torch.distributed", "mok_torch", "mok_torch.testing", "helpers"])
 
 
 def _free_port() -> int:
@@ -49,7 +54,10 @@ def run_ranks(world: int, target: str, *args: Any, device: str = "cpu") -> list[
     if device == "cuda" and torch.cuda.device_count() < world:
         raise RuntimeError(f"{world} ranks need {world} GPUs, found {torch.cuda.device_count()}")
     with tempfile.TemporaryDirectory() as outdir:
-        mp.spawn(_worker, args=(world, _free_port(), device, target, args, outdir), nprocs=world, join=True)
+        mp.start_processes(
+            _worker, args=(world, _free_port(), device, target, args, outdir), nprocs=world, join=True,
+            start_method=START_METHOD,
+        )  # fmt: skip
         return [torch.load(os.path.join(outdir, f"rank{r}.pt")) for r in range(world)]
 
 
@@ -61,7 +69,7 @@ def run_ranks_with_faults(
     a rank that saved none. A rank still running then is killed (its exit code is negative)."""
     import time
 
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(START_METHOD)
     with tempfile.TemporaryDirectory() as outdir:
         port = _free_port()
         procs = [ctx.Process(target=_worker, args=(r, world, port, device, target, args, outdir)) for r in range(world)]
