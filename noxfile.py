@@ -88,10 +88,11 @@ def build_wheels(session: nox.Session) -> Path:
     """The four packages' wheels for this source state in dist/<key>/, built once (mok-core is
     installed first: the others build against its headers and library)."""
     where = wheel_dir()
-    session.install(TORCH, *_groups("build"))
     if _have_wheels(where):
+        session.install(TORCH)
         session.log(f"wheels of this source state: {where.relative_to(ROOT)} (reused)")
         return where
+    session.install(TORCH, *_groups("build"))
     partial = where.with_name(where.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     env = {"CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2), "MOK_CUDA": cuda_mode()}
@@ -124,15 +125,17 @@ def wheels(session: nox.Session) -> None:
 
 
 @nox.session
-@nox.parametrize("backend", CPU_BACKENDS)
-def tests(session: nox.Session, backend: str) -> None:
-    """The CPU suite with `backend` under test: the first backend runs every test, the others
-    only the tests that run the backend under test (tests/conftest.py; the rest do not change)."""
+def tests(session: nox.Session) -> None:
+    """The CPU suite in one environment, once per backend of CPU_BACKENDS: the first runs every
+    test, the others only the tests that run the backend under test (tests/conftest.py; the rest
+    would give the same result again). MOK_TEST_BACKEND=NAME runs that backend's full suite alone."""
     install_mok(session)
     session.install(*_groups("test"))
-    only = "0" if backend == CPU_BACKENDS[0] else "1"
-    env = {"MOK_TEST_BACKEND": backend, "MOK_TEST_BACKEND_TESTS_ONLY": only}
-    session.run("python", "-m", "pytest", *session.posargs, env=env)
+    chosen = os.environ.get("MOK_TEST_BACKEND")
+    for i, backend in enumerate([chosen] if chosen else CPU_BACKENDS):
+        env = {"MOK_TEST_BACKEND": backend, "MOK_TEST_BACKEND_TESTS_ONLY": "1" if i > 0 else "0"}
+        session.log(f"backend under test: {backend}" + (" (the tests that run it)" if i > 0 else ""))
+        session.run("python", "-m", "pytest", *session.posargs, env=env)
 
 
 @nox.session
