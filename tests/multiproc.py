@@ -19,11 +19,14 @@ import torch.multiprocessing as mp
 
 # Multicast/NVLS stays off on every GPU machine we use (see GPU.md).
 _SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-# Ranks start from a fork server that has imported torch and mok once (a fresh interpreter per
-# rank spends seconds importing them; on a 2-core machine that was most of a multi-rank test).
-# Nothing in the server touches CUDA, so its children may still use the GPU.
-START_METHOD = "forkserver"
+# CPU ranks start from a fork server that has imported torch and mok once (a fresh interpreter
+# per rank spends seconds importing them; on a 2-core machine that was most of a multi-rank
+# test). GPU ranks start fresh (spawn): no process they come from has touched CUDA.
 mp.set_forkserver_preload(["torch", "torch.distributed", "mok_torch", "mok_torch.testing", "helpers"])
+
+
+def _start_method(device: str) -> str:
+    return "forkserver" if device == "cpu" else "spawn"
 
 
 def _free_port() -> int:
@@ -56,7 +59,7 @@ def run_ranks(world: int, target: str, *args: Any, device: str = "cpu") -> list[
     with tempfile.TemporaryDirectory() as outdir:
         mp.start_processes(
             _worker, args=(world, _free_port(), device, target, args, outdir), nprocs=world, join=True,
-            start_method=START_METHOD,
+            start_method=_start_method(device),
         )  # fmt: skip
         return [torch.load(os.path.join(outdir, f"rank{r}.pt")) for r in range(world)]
 
@@ -69,7 +72,7 @@ def run_ranks_with_faults(
     a rank that saved none. A rank still running then is killed (its exit code is negative)."""
     import time
 
-    ctx = mp.get_context(START_METHOD)
+    ctx = mp.get_context(_start_method(device))
     with tempfile.TemporaryDirectory() as outdir:
         port = _free_port()
         procs = [ctx.Process(target=_worker, args=(r, world, port, device, target, args, outdir)) for r in range(world)]

@@ -112,3 +112,5 @@ def test_demo_of_three_steps_passes_on_its_bits():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "loss curves bitwise identical: yes (3 steps)" in proc.stdout
     assert "learning not judged: 3 steps are too few" in proc.stdout
+    # Not a terminal: progress as plain lines, no bar redraws
+    assert "\r" not in proc.stdout and "run A: 3/3 after" in proc.stdout, proc.stdout[-2000:]

@@ -32,6 +32,7 @@ from torch import nn
 
 from .config import MoKConfig
 from .layer import MoELayer
+from .progress import progress_bar
 
 # The loss falls by 0.5 nats within 10 steps at seeds 0, 1 and 2 (measured on the CPU), by
 # 0.03-0.15 in 3 steps, about the step-to-step noise: a shorter run is judged on its bits alone.
@@ -145,9 +146,7 @@ def train(
     losses: list[float] = []
     progress = None
     if show_progress:
-        from tqdm import tqdm
-
-        progress = tqdm(total=steps, desc=label, unit="step", dynamic_ncols=True, file=sys.stdout)
+        progress = progress_bar(steps, label, unit="step", file=sys.stdout)
     start = time.perf_counter()
     for step in range(steps):
         tokens = batch(chain, shape, seed, step, rank).to(device)

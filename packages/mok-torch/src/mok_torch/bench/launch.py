@@ -15,7 +15,6 @@ import argparse
 import os
 import socket
 import sys
-import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import BACKENDS, PRECISIONS
+from ..progress import progress_bar
 from ..testing import ROUTINGS
 from . import ceilings as ceilings_mod
 from . import report
@@ -115,24 +115,6 @@ def options_from(argv: list[str]) -> tuple[Options, argparse.Namespace]:
     return opts, ns
 
 
-class LineProgress:
-    """The progress bar's calls for output that is not a terminal: one line per finished step."""
-
-    def __init__(self, total: int, desc: str) -> None:
-        self.total, self.desc, self.done, self.what, self.start = total, desc, 0, "", time.perf_counter()
-
-    def set_postfix_str(self, what: str) -> None:
-        self.what = what
-
-    def update(self, n: int = 1) -> None:
-        self.done += n
-        elapsed = time.perf_counter() - self.start
-        print(f"{self.desc}: {self.done}/{self.total} after {elapsed:.0f} s ({self.what})", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        pass
-
-
 def bench(opts: Options, ranks: Ranks) -> dict[str, Any]:
     """The whole run on every rank; the report (rank 0 also writes and prints it)."""
     shapes = resolve_shapes(opts.shapes, ranks.world)
@@ -140,12 +122,7 @@ def bench(opts: Options, ranks: Ranks) -> dict[str, Any]:
     progress = None
     total = len(shapes) * len(opts.routings) * len(providers)
     if ranks.lead:
-        if sys.stderr.isatty():
-            from tqdm import tqdm
-
-            progress = tqdm(total=total + 1, desc="mok bench", unit="case", dynamic_ncols=True, file=sys.stderr)
-        else:  # a log file: a bar's redraws would all land on one line
-            progress = LineProgress(total + 1, "mok bench")
+        progress = progress_bar(total + 1, "mok bench", unit="case", file=sys.stderr, lines=total + 1)
         progress.set_postfix_str("ceilings")
     ceilings = ceilings_mod.measure(ranks)
     if progress is not None:
