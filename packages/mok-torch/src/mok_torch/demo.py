@@ -203,7 +203,7 @@ def run_demo(args: argparse.Namespace, group: Any, device: torch.device) -> bool
     # alignments keep the padding rows few.
     align_a, align_b = (64, 64) if device.type == "cuda" else (16, 8)
     run_a = MoKConfig(backend=args.backend, expert_alignment=align_a)
-    run_b = MoKConfig(backend=args.backend, expert_alignment=align_b, minibatch_size=64, macrobatch_size=128)
+    run_b = MoKConfig(backend=args.backend, expert_alignment=align_b, minibatch_size=128, macrobatch_size=256)
     a = train(
         shape, run_a, steps=args.steps, seed=args.seed, group=group, device=device, label="run A", show_progress=lead
     )
@@ -222,7 +222,7 @@ def run_demo(args: argparse.Namespace, group: Any, device: torch.device) -> bool
     if lead:
         print(f"loss: {a.losses[0]:.4f} -> {a.losses[-1]:.4f} (chance level {math.log(shape.vocab):.4f})")
         print(f"throughput: run A {a.tokens_per_s:,.0f} tokens/s, run B {b.tokens_per_s:,.0f} tokens/s")
-        print("run B used minibatch 64 and a 128-row ring (backward replays the forward); run A did not.")
+        print("run B used minibatch 128 and a 256-row ring (backward replays the forward); run A did not.")
         print(f"loss curves bitwise identical: {'yes' if same_losses else 'NO'} ({len(a.losses)} steps)")
         print(f"final weights bitwise identical on every rank: {'yes' if same_weights else 'NO'}")
     return same_losses and same_weights and _learned(a.losses, show=lead)
