@@ -186,9 +186,9 @@ def build_schedule(ws: Workspace, cfg: MoKConfig, top_experts: torch.Tensor) -> 
     if not te.is_cuda:
         check_expert_ids("top_experts", te, ws.num_experts)
     backend = resolve_backend(cfg, ws.device)
-    if te.is_cuda and not torch.cuda.is_current_stream_capturing():
-        if not checks_expert_ids_on_device(backend, te.device):
-            check_expert_ids("top_experts", te, ws.num_experts)
+    capturing = te.is_cuda and torch.cuda.is_current_stream_capturing()
+    if te.is_cuda and not capturing and not checks_expert_ids_on_device(backend, te.device):
+        check_expert_ids("top_experts", te, ws.num_experts)
     # Before any buffer is made or row moves: every rank holds the same workspace and config.
     agreement.agree(ws, "workspace", agreement.workspace_settings(ws), cfg.timeout_s)
     agreement.agree(ws, "config", agreement.config_settings(cfg, backend.name), cfg.timeout_s)
