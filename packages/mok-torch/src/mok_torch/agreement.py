@@ -99,6 +99,27 @@ def agree(ws: Workspace, what: str, settings: dict[str, object], timeout_s: floa
     agreed.add(key)
 
 
+def agree_call(ws: Workspace, cfg: Any, backend: str, inner: tuple[int, int | None] | None = None) -> None:
+    """`agree` on what a layer call depends on: the workspace and the config (with the backend
+    they resolve to) and, given `inner` (I, Is or None), the weights' intermediate sizes. At one
+    rank only the workspace's usability is checked; at R > 1 a set of values agreed before costs
+    one lookup (the settings are not rebuilt)."""
+    check_usable(ws)
+    if ws.world_size == 1:
+        return
+    key = (cfg.key, backend, inner)
+    seen: set[Any] = ws.state.setdefault("agreed calls", set())
+    if key in seen:
+        return
+    if inner is None:
+        agree(ws, "workspace", workspace_settings(ws), cfg.timeout_s)
+        agree(ws, "config", config_settings(cfg, backend), cfg.timeout_s)
+    else:
+        weights: dict[str, object] = {"intermediate size I": inner[0], "shared intermediate size Is": inner[1] or 0}
+        agree(ws, "weights", weights, cfg.timeout_s)
+    seen.add(key)
+
+
 def bounded(issue: Callable[[], Any], what: str, timeout_s: float, ws: Workspace | None = None) -> None:
     """Run a collective mok starts (`issue` makes it with async_op=True and returns its work)
     and wait for it at most `timeout_s` (the host's wait, for gloo and NCCL alike: a wait with a

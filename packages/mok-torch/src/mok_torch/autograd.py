@@ -134,12 +134,12 @@ class Layer(torch.autograd.Function):
         routed, shared = weights[:3], weights[3:]
         y, fctx = ops.run_forward(cfg, ws, sched, x, router_weights, routed, shared)  # type: ignore[arg-type]
         ctx.meta = (cfg, ws, sched, fctx.backend, fctx.shared_a_TIs is not None)
-        # What the context keeps in a workspace buffer (the chain's ring) is copied, as the custom
-        # op's outputs are: the next call rewrites those buffers before this backward runs.
-        inputs = tuple(t for t in (x, router_weights, *weights) if t is not None)
+        # What the context keeps as a view is copied: a view of a workspace buffer would be
+        # rewritten by the next call before this backward runs, one of a larger tensor would keep
+        # all of it. Fresh tensors (the usual case) are kept as they are, with no copy.
         empty = x.new_empty(0, dtype=torch.bfloat16)
         parts = (fctx.x_routed_MH, fctx.a_MI, fctx.b_MI, fctx.shared_a_TIs, fctx.shared_b_TIs)
-        kept = ops.owned([empty if t is None else t for t in parts], inputs)
+        kept = [empty if t is None else t.clone() if t._base is not None and t.numel() else t for t in parts]
         ctx.save_for_backward(x, router_weights, *weights, *kept)
         return y
 

@@ -137,8 +137,7 @@ def _check_shared(ws: Workspace, shared: object | None) -> int | None:
 
 def _agree_weights(ws: Workspace, cfg: MoKConfig, inner: tuple[int, int | None]) -> None:
     """Every rank's weights have the same intermediate sizes (collective once per workspace)."""
-    settings: dict[str, object] = {"intermediate size I": inner[0], "shared intermediate size Is": inner[1] or 0}
-    agreement.agree(ws, "weights", settings, cfg.timeout_s)
+    agreement.agree_call(ws, cfg, "", inner)
 
 
 def check_errors(ws: Workspace | None = None) -> None:
@@ -190,8 +189,7 @@ def build_schedule(ws: Workspace, cfg: MoKConfig, top_experts: torch.Tensor) -> 
     if te.is_cuda and not capturing and not checks_expert_ids_on_device(backend, te.device):
         check_expert_ids("top_experts", te, ws.num_experts)
     # Before any buffer is made or row moves: every rank holds the same workspace and config.
-    agreement.agree(ws, "workspace", agreement.workspace_settings(ws), cfg.timeout_s)
-    agreement.agree(ws, "config", agreement.config_settings(cfg, backend.name), cfg.timeout_s)
+    agreement.agree_call(ws, cfg, backend.name)
     return backend.build_schedule(ws, cfg, te)
 
 

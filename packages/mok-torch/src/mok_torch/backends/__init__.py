@@ -104,9 +104,15 @@ class BackendRegistry:
 _REGISTRY = BackendRegistry([ReferenceBackend(), NativeBackend("cpu"), NativeBackend("cuda")])
 
 
+# resolve_backend's answers, by (config.backend, precision, device): asked several times per
+# layer call. Cleared when a backend is registered.
+_RESOLVED: dict[tuple[str, str, torch.device], Backend] = {}
+
+
 def register_backend(backend: Backend) -> None:
     """Make `backend` selectable by its name (MoKConfig.backend)."""
     _REGISTRY.register(backend)
+    _RESOLVED.clear()
 
 
 def compiled_packages() -> dict[str, dict[str, Any]]:
@@ -161,7 +167,16 @@ def available_backends(precision: str, device: torch.device | str) -> list[str]:
 
 def resolve_backend(cfg: MoKConfig, device: torch.device | str) -> Backend:
     """The backend a call with `cfg` on `device` runs on; ValueError saying why if none."""
-    device = torch.device(device)
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
+    key = (cfg.backend, cfg.precision, device)
+    backend = _RESOLVED.get(key)
+    if backend is None:
+        backend = _RESOLVED[key] = _resolve_backend(cfg, device)
+    return backend
+
+
+def _resolve_backend(cfg: MoKConfig, device: torch.device) -> Backend:
     backends = registered_backends()
     if cfg.backend == "auto":
         reasons = []

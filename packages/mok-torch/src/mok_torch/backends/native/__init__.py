@@ -324,8 +324,11 @@ class _MxExperts(_Experts):
 
 
 def _on(ws: Workspace) -> Any:
-    """The workspace's device made current: mok-core launches on the current device."""
-    return torch.cuda.device(ws.device) if ws.device.type == "cuda" else contextlib.nullcontext()
+    """The workspace's device made current: mok-core launches on the current device (no switch
+    when it already is)."""
+    if ws.device.type != "cuda" or torch.cuda.current_device() == ws.device.index:
+        return contextlib.nullcontext()
+    return torch.cuda.device(ws.device)
 
 
 class _Rows:
@@ -405,6 +408,7 @@ class NativeBackend:
             tr = ws.state["native"] = Transport(ws, cfg.timeout_s)
         tr.timeout_ns = cfg.timeout_ns
         tr.calls += 1  # a call of the group's sequence: every rank in step counts alike
+        tr.begin_call()
         self._check_errors(tr)
         if cfg.dispatch == "push":
             tr.ensure("dispatch")
@@ -430,24 +434,15 @@ class NativeBackend:
 
     def _check_errors(self, tr: Transport) -> None:
         """Raise a transport error a previous GPU call recorded (read without waiting)."""
-        pending = tr.pending
-        if tr.dev == "cuda" and torch.cuda.is_current_stream_capturing():
-            return  # no event queries inside a capture
-        if pending is not None and pending[1].query():
-            tr.pending = None
-            tr.raise_error(pending[0].tolist())
+        if tr.pending is None or torch.cuda.is_current_stream_capturing():
+            return  # nothing to read, or no event queries inside a capture
+        words = tr.read_pending()
+        if words is not None:
+            tr.raise_error(words)
 
-    def _after_call(self, tr: Transport) -> None:
-        if tr.dev != "cuda" or torch.cuda.is_current_stream_capturing():
-            return
-        host = torch.empty(4, dtype=torch.int32, pin_memory=True)
-        host.copy_(tr.error, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        tr.pending = (host, event)
-
-    def _stream(self, tr: Transport) -> int:
-        return tr._stream()
+    @staticmethod
+    def _after_call(tr: Transport) -> None:
+        tr.snapshot_error()
 
     def _routed_experts(self, cfg: MoKConfig, routed: tuple) -> _Experts | None:
         """The compiled routed experts for cfg's precision on this device, or None (PyTorch)."""
@@ -622,6 +617,7 @@ class NativeBackend:
         row_src, row_route = new(C, torch.int32), new(C, torch.int32)
         offsets, counts = new(El + 1, torch.int32), new(El, torch.int32)
         recv, tokens = new(R, torch.int64), new(R, torch.int64)
+        send_order, send_counts = new(T * K, torch.int64), new(R, torch.int64)
         # The table also writes each route's row in it into the route's source rank (for a push
         # dispatch and a pull combine); on the GPU many CTAs build it, in a scratch of the workspace.
         scratch = self._schedule_scratch(ws)
@@ -631,7 +627,6 @@ class NativeBackend:
             recv.data_ptr(), tokens.data_ptr(), stream, route_row_ptrs=tr.ptrs["route_row"].data_ptr(), scratch=scratch,
             error=tr.error.data_ptr(),
         )  # fmt: skip
-        send_order, send_counts = new(T * K, torch.int64), new(R, torch.int64)
         core.build_send_side(
             dev, top.data_ptr(), T, K, El, R, send_order.data_ptr(), send_counts.data_ptr(), stream, scratch=scratch
         )
@@ -1031,7 +1026,8 @@ class NativeBackend:
                 else:
                     dys = self._receive(cfg, tr, sched, "dy", self._pulled_rows(cfg, n, H, dev), lo, K, nw)
                     wr = self._receive(cfg, tr, sched, "w", torch.empty(n, dtype=torch.float32, device=dev), lo, 1, nw)
-                seg = (segments - lo).clamp_(0, n)
+                # The segments of this macrobatch's rows (every segment when it holds them all)
+                seg = segments if lo == 0 and n >= ws.capacity else (segments - lo).clamp_(0, n)
                 if m == 0:
                     a, b = ctx.a_MI[:n], ctx.b_MI[:n]
                 else:
@@ -1104,7 +1100,7 @@ class NativeBackend:
         if table_dx is not None and table_dw is not None:
             route_row = sched.route_row_TK.reshape(-1)
             dx = self._combine(tr, dxs, table_dx, None, T, K, H, row_index=route_row)
-            d_router = table_dw[route_row.long()].view(T, K).to(router_weights_TK.dtype)
+            d_router = table_dw.index_select(0, route_row).view(T, K).to(router_weights_TK.dtype)
             self._after_call(tr)
             return Grads(dx, d_router, final, d_shared)
         tr.barrier(6)  # every push has landed (or every output row is there to pull)

@@ -20,6 +20,7 @@ from typing import NamedTuple
 import torch
 
 from ...validation import check_tensor
+from .transport import current_stream_handle
 
 BF16 = torch.bfloat16
 
@@ -117,7 +118,7 @@ def grouped_forward(
             limit=limit,
             num_sms=num_sms,
             num_threads=torch.get_num_threads() if dev.type == "cpu" else 1,
-            stream=torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0,
+            stream=current_stream_handle(dev) if dev.type == "cuda" else 0,
             zero_outside=fresh,
         )
     return out
@@ -276,7 +277,7 @@ def grouped_backward(
             limit=limit,
             num_sms=num_sms,
             num_threads=torch.get_num_threads() if not cuda else 1,
-            stream=torch.cuda.current_stream(dev).cuda_stream if cuda else 0,
+            stream=current_stream_handle(dev) if cuda else 0,
             zero_outside=fresh,
         )
     return out

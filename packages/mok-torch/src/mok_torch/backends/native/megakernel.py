@@ -17,6 +17,7 @@ import torch
 
 from ...structs import Schedule
 from ...workspace import Workspace
+from .transport import current_stream_handle
 
 BF16 = torch.bfloat16
 # The transport's stage number a timed-out dependency reports (transport.STAGES names it).
@@ -32,6 +33,15 @@ def task_state(ws: Workspace) -> torch.Tensor:
         nbytes = mok_bf16.moe_forward_state_bytes(ws.capacity, ws.num_local_experts)
         state = ws.state["megakernel"] = torch.zeros(-(-nbytes // 8), dtype=torch.int64, device=ws.device)
     return state
+
+
+def _scratch_h(ws: Workspace, inner: int) -> torch.Tensor:
+    """h [C, I] bf16: written by the SwiGLU tasks and read by the down tiles of the same launch
+    only, so one buffer per workspace serves every call (the stream orders them)."""
+    h = ws.state.get("megakernel h")
+    if h is None or h.shape[1] != inner:
+        h = ws.state["megakernel h"] = torch.empty(ws.capacity, inner, dtype=BF16, device=ws.device)
+    return h
 
 
 def moe_forward(
@@ -62,13 +72,13 @@ def moe_forward(
     dev = x_TH.device
     a = torch.empty(C, inner, dtype=BF16, device=dev)
     b = torch.empty(C, inner, dtype=BF16, device=dev)
-    h = torch.empty(C, inner, dtype=BF16, device=dev)
+    h = _scratch_h(ws, inner)
     mok_bf16.moe_forward(
         "cuda", x_TH.data_ptr(), sched.row_route_C.data_ptr(), sched.expert_offsets_El1.data_ptr(),
         wg.data_ptr(), wu.data_ptr(), wd.data_ptr(), a.data_ptr(), b.data_ptr(), h.data_ptr(),
         rows_out.data_ptr(), task_state(ws).data_ptr(), error.data_ptr(), C, T, H, inner, El, sched.topk,
         limit=limit, num_sms=num_sms, timeout_ns=timeout_ns, stage=STAGE, rank=ws.rank,
-        inject_missing_dependency=inject_missing_dependency, stream=torch.cuda.current_stream(dev).cuda_stream,
+        inject_missing_dependency=inject_missing_dependency, stream=current_stream_handle(dev),
     )  # fmt: skip
     return a, b
 

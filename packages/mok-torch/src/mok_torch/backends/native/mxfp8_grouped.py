@@ -20,6 +20,7 @@ import torch
 
 from ...mxfp8 import MXFP8Tensor, pack_rows
 from ...validation import check_tensor
+from .transport import current_stream_handle
 
 BF16 = torch.bfloat16
 U8 = torch.uint8
@@ -140,7 +141,7 @@ def mxfp8_grouped_forward(
     ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
     on_device = torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
     with on_device:
-        stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
+        stream = current_stream_handle(dev) if dev.type == "cuda" else 0
         mok_mxfp8.grouped_forward(
             dev.type, x_rows.data_ptr(), x_rows.stride(0), offsets_El1.data_ptr(), gate, up, down,
             out.a.data_ptr(), out.b.data_ptr(), ptr(out.h), ptr(out.h_q), ptr(out.y),
@@ -228,7 +229,7 @@ def mxfp8_grouped_gemm(
     ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
     on_device = torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
     with on_device:
-        stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
+        stream = current_stream_handle(dev) if dev.type == "cuda" else 0
         mok_mxfp8.grouped_gemm(
             dev.type, a_rows.data_ptr(), a_rows.stride(0), offsets_El1.data_ptr(), d0.data_ptr(), s0.data_ptr(),
             ptr(d1), ptr(s1), 0 if b2 is None else K0, out.data_ptr(), out_dtype == torch.float32,
@@ -302,7 +303,7 @@ def mxfp8_grouped_wgrad(
     ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
     on_device = torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
     with on_device:
-        stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
+        stream = current_stream_handle(dev) if dev.type == "cuda" else 0
         mok_mxfp8.grouped_wgrad(
             dev.type, ad.data_ptr(), as_.data_ptr(), ad.stride(0) if M else 0, bd.data_ptr(), bs.data_ptr(),
             bd.stride(0) if M else 0,
@@ -383,7 +384,7 @@ def mxfp8_swiglu_backward(
     ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
     on_device = torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
     with on_device:
-        stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
+        stream = current_stream_handle(dev) if dev.type == "cuda" else 0
         mok_mxfp8.grouped_swiglu_backward(
             dev.type, g.data_ptr(), a.data_ptr(), b.data_ptr(), ptr(router_weights), x_rows.data_ptr(),
             x_rows.stride(0), dy_rows.data_ptr(), dy_rows.stride(0), d_w.data_ptr(), dab_rows.data_ptr(),

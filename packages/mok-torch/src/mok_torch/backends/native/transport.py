@@ -131,8 +131,12 @@ class Transport:
         self._add_segment(self.fields, self.nbytes)
         self.directions: set[str] = set()  # exchange segments made so far
         self.epoch = torch.zeros(1, dtype=torch.int64, device=self.device)
-        # (host copy of the error flag, event) of the last GPU call, read by the next one
+        # (host copy of the error flag, event) of the last GPU call, read by the next one; the
+        # pairs whose copy has been read, for reuse (a pinned buffer and an event a call)
         self.pending: tuple[torch.Tensor, Any] | None = None
+        self.spare: list[tuple[torch.Tensor, Any]] = []
+        # The stream of the call in progress (begin_call), 0 on the CPU
+        self.stream = 0
         self.error = torch.zeros(4, dtype=torch.int32, device=self.device)
         # The layer calls made on this transport (schedule, forward, backward, recompute): every
         # barrier's tag carries it beside the stage, so ranks out of step are found at the next
@@ -209,8 +213,36 @@ class Transport:
 
         bounded(issue, "setting up the shared memory across the group", self.timeout_ns / 1e9, self.ws)
 
+    def begin_call(self) -> None:
+        """Note the current stream: every launch of the call that follows goes there."""
+        self.stream = current_stream_handle(self.device) if self.dev == "cuda" else 0
+
     def _stream(self) -> int:
-        return torch.cuda.current_stream(self.device).cuda_stream if self.dev == "cuda" else 0
+        return self.stream
+
+    def snapshot_error(self) -> None:
+        """After a GPU call's work: a copy of the error words to the host, and an event behind it,
+        for the next call to read without waiting (`pending`). No-op in a CUDA graph capture."""
+        if self.dev != "cuda" or torch.cuda.is_current_stream_capturing():
+            return
+        if self.spare:
+            host, event = self.spare.pop()
+        else:
+            host, event = torch.empty(4, dtype=torch.int32, pin_memory=True), torch.cuda.Event()
+        host.copy_(self.error, non_blocking=True)
+        event.record()
+        self.pending = (host, event)
+
+    def read_pending(self) -> list[int] | None:
+        """The error words of the last snapshot once its copy has landed (else None; the
+        snapshot stays pending)."""
+        pending = self.pending
+        if pending is None or not pending[1].query():
+            return None
+        self.pending = None
+        words = pending[0].tolist()
+        self.spare.append(pending)
+        return words
 
     def raise_error(self, words: list[int]) -> None:
         """raise_transport_error on words read from `error`. A bad expert id at R = 1 clears the
@@ -307,6 +339,15 @@ class Transport:
             self.dev, t.data_ptr(), row_src_rank.data_ptr(), row_src_rank.shape[0], row_bytes, row_bytes,
             num_workers, self._stream(),
         )  # fmt: skip
+
+
+def current_stream_handle(device: torch.device) -> int:
+    """The cudaStream_t of `device`'s current stream, as an int (torch's raw accessor where it has
+    one: a few hundred ns against several us for torch.cuda.current_stream)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None and device.index is not None:
+        return int(raw(device.index))
+    return int(torch.cuda.current_stream(device).cuda_stream)
 
 
 def barrier_tag(call: int, stage: int) -> int:
