@@ -13,7 +13,8 @@ megakernel path (the device synchronized only around the batch: what the host it
 its self times are not to be trusted across torch's custom-op layer, whose Dynamo-disabled frames
 cProfile attributes to their caller as well); with --host-layers, the host time of one forward
 of the megakernel path issued at each layer of mok's stack, from mok.moe down to the backend,
-each the median of 30 calls on an idle device: the differences are what each layer costs.
+each the median of 30 calls on an idle device (the differences are what each layer costs), and
+of one forward + backward through mok.moe.
 """
 
 from __future__ import annotations
@@ -183,8 +184,14 @@ def host_layers(shape, call, cfg: mok.MoKConfig) -> list[str]:
         for _ in range(10):
             torch.empty(64, device=x.device)
 
+    def moe_backward() -> None:
+        call.drop_grads()
+        y = mok.moe(call.x_TH, top, call.router_weights_TK, call.routed, call.shared, config=cfg, max_tokens=T)
+        y.backward(call.dy_TH)
+
     rows = []
-    for label, fn in (
+    layers = (
+        ("mok.moe forward + backward", moe_backward),
         ("mok.moe (autograd)", moe),
         ("mok.moe (no_grad)", moe_no_grad),
         ("torch.ops.mok.build_schedule + forward", custom_ops),
@@ -193,8 +200,11 @@ def host_layers(shape, call, cfg: mok.MoKConfig) -> list[str]:
         ("backend.build_schedule", lambda: backend.build_schedule(ws, cfg, top32)),
         ("backend.forward", backend_forward),
         ("10 x torch.empty (a yardstick)", empties),
-    ):
-        fn()
+    )
+    for _, fn in layers:  # every layer warm before any is timed
+        for _ in range(3):
+            fn()
+    for label, fn in layers:
         rows.append(f"{shape.name:16s} host {host_ms(fn, iters=30) * 1e3:8.1f} us  {label}")
     return rows
 
