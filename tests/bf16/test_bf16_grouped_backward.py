@@ -440,3 +440,83 @@ def test_cuda_experts_without_rows():
         for t in fresh:
             assert bool((t[e] == 0.0).all())
     assert not bool((acc[0][1] == 0.25).all())
+
+
+def gathered_case(lengths: list[int], H: int, I: int, K: int, seed: int) -> tuple[dict, dict]:
+    """A backward's inputs twice: with token rows gathered through each table row's route
+    (`gather`), and the same rows copied into table order (zeros and weight 0 for the padding rows,
+    about one in eight, and for a route past T*K; the routes a permutation, as a schedule table's
+    are)."""
+    d = make(lengths, H, I, seed=seed)
+    M = d["x"].shape[0]
+    g = torch.Generator().manual_seed(seed + 1)
+    padding = torch.rand(M, generator=g) < 0.125
+    used = int((~padding).sum())
+    T = -(-used // K) + 1
+    route = torch.full((M,), -1, dtype=torch.int32)
+    route[~padding] = torch.randperm(T * K, generator=g)[:used].to(torch.int32)
+    if M > 2:
+        route[M // 2] = T * K + 5  # outside [0, T*K): read as a padding row
+    x_T = torch.randn(T, H, generator=g).to(BF16)
+    dy_T = torch.randn(T, H, generator=g).to(BF16)
+    w_TK = torch.rand(T * K, generator=g)
+    valid = (route >= 0) & (route < T * K)
+    token = torch.where(valid, route.long() // K, 0)
+    table = dict(d)
+    table["x"] = torch.where(valid[:, None], x_T[token], torch.zeros((), dtype=BF16))
+    table["dy"] = torch.where(valid[:, None], dy_T[token], torch.zeros((), dtype=BF16))
+    table["w"] = torch.where(valid, w_TK[torch.where(valid, route.long(), 0)], torch.zeros(()))
+    gathered = dict(d, x=x_T, dy=dy_T, w=w_TK, route=route)
+    return gathered, table
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_gpu)])
+@pytest.mark.parametrize("lengths, H, I", GROUPED_CASES)
+@pytest.mark.parametrize("K", [1, 3])
+@pytest.mark.parametrize("carry_in", [False, True], ids=["bf16-only", "carried"])
+def test_gathered_rows_give_the_bits_of_rows_in_table_order(device, lengths, H, I, K, carry_in):
+    """`gather`: the g GEMM, the SwiGLU kernel and the gate/up weight-gradient GEMM read x, dy and
+    the router weights through each row's route (on CUDA by the kernels' own copies, the rows
+    placed where the copy engine would put them). dx, d_w and the three weight gradients are
+    bitwise those of the same call on the rows copied into table order: padding rows, experts
+    without rows, one row, K = 1, tiles past the segment ends."""
+    gathered, table = gathered_case(lengths, H, I, K, seed=11)
+    gathered, table = to(gathered, device), to(table, device)
+    results = []
+    for d, gather in ((table, None), (gathered, (gathered["route"], K))):
+        M = d["a"].shape[0]
+        acc = accumulators(d, fill=0.5) if carry_in else None
+        out16 = accumulators(d, fill=3.0, dtype=BF16)
+        out = GroupedBackward(torch.full((M, H), 7.0, dtype=BF16, device=device), torch.full((M,), 7.0, device=device))
+        got = grouped_backward(
+            d["x"], d["offsets"], d["a"], d["b"], d["dy"], d["w"], d["wg"], d["wu"], d["wd"], acc, out=out,
+            carry_in=carry_in, wgrad_out=out16, gather=gather,
+        )  # fmt: skip
+        results.append((got.dx, got.d_w, *out16, *(acc or ())))
+    for u, v in zip(*results, strict=True):
+        assert torch.equal(u.view(torch.int16 if u.dtype == BF16 else torch.int32),
+                           v.view(torch.int16 if v.dtype == BF16 else torch.int32))  # fmt: skip
+
+
+def test_bad_gather_raises_naming_the_argument():
+    gathered, _ = gathered_case([5, 3], 64, 64, 2, seed=1)
+    d = gathered
+    acc = accumulators(dict(d, x=torch.zeros(8, 64, dtype=BF16)))
+
+    def call(gather, w=d["w"]):
+        return grouped_backward(
+            d["x"], d["offsets"], d["a"], d["b"], d["dy"], w, d["wg"], d["wu"], d["wd"], acc, gather=gather
+        )
+
+    with pytest.raises(TypeError, match="gather must be a tuple"):
+        call(d["route"])
+    with pytest.raises(ValueError, match="topk must be an int >= 1"):
+        call((d["route"], 0))
+    with pytest.raises(TypeError, match="gather row_route must have dtype int32"):
+        call((d["route"].long(), 2))
+    with pytest.raises(ValueError, match=r"gather row_route must have shape \[M\]"):
+        call((d["route"][:3], 2))
+    with pytest.raises(ValueError, match="gather needs router_weights"):
+        call((d["route"], 2), w=None)
+    with pytest.raises(ValueError, match=r"router_weights must have shape \[T\*K\]"):
+        call((d["route"], 3))

@@ -150,7 +150,8 @@ void register_experts(pybind11::module_& m) {
          std::uintptr_t scratch_g, std::uintptr_t scratch_h, std::uintptr_t scratch_d_ab,
          std::uintptr_t scratch_wdy, std::int64_t num_rows, std::int64_t hidden, std::int64_t inner,
          std::int64_t num_experts, std::optional<double> limit, std::int64_t num_sms,
-         std::int64_t num_threads, std::uintptr_t stream, bool zero_outside) {
+         std::int64_t num_threads, std::uintptr_t stream, bool zero_outside,
+         std::uintptr_t row_route, std::int64_t topk, std::int64_t num_tokens) {
         GroupedBackwardArgs a;
         a.x = x;
         a.offsets = offsets;
@@ -179,6 +180,9 @@ void register_experts(pybind11::module_& m) {
         a.num_sms = num_sms;
         a.num_threads = num_threads;
         a.zero_outside = zero_outside;
+        a.row_route = row_route;
+        a.topk = topk;
+        a.num_tokens = num_tokens;
         grouped_backward(device, a, stream);
       },
       py::arg("device"), py::arg("x"), py::arg("offsets"), py::arg("a"), py::arg("b"),
@@ -189,7 +193,8 @@ void register_experts(pybind11::module_& m) {
       py::arg("scratch_d_ab"), py::arg("scratch_wdy"), py::arg("num_rows"), py::arg("hidden"),
       py::arg("inner"), py::arg("num_experts"), py::arg("limit") = py::none(),
       py::arg("num_sms") = 0, py::arg("num_threads") = 1, py::arg("stream") = 0,
-      py::arg("zero_outside") = false, py::call_guard<py::gil_scoped_release>(),
+      py::arg("zero_outside") = false, py::arg("row_route") = 0, py::arg("topk") = 1,
+      py::arg("num_tokens") = 0, py::call_guard<py::gil_scoped_release>(),
       "SwiGLU expert backward over segments of consecutive rows (grouped_forward's layout). "
       "Writes out_dx (bf16 [M, H]: [d_a, d_b] @ [Wg; Wu]) and out_d_w (fp32 [M]: <g, h>, g = dy "
       "@ Wd unweighted) for the rows of the segments (other rows not written; zero_outside=True: "
@@ -203,7 +208,13 @@ void register_experts(pybind11::module_& m) {
       "scratch_wdy bf16 [M, H] (only with router_weights: dWd reads dy itself otherwise) are "
       "required and 16-byte aligned; H and I multiples of 64, El <= "
       "1024. 'cpu': the reference arithmetic (swiglu_backward per segment), scratch unused "
-      "(may be 0), offsets checked. Raises ValueError naming a bad argument.");
+      "(may be 0), offsets checked. row_route (optional, 'cuda'): int32 [M], each row's route t*K "
+      "+ "
+      "k (-1: padding; any route outside [0, num_tokens * topk) reads as one); given, x and dy "
+      "are the token rows [T = num_tokens, H] and router_weights is [T * K], "
+      "read by the kernels through each row's route (K = topk): the bits of the same call on rows "
+      "copied into table order (zeros for padding rows). Raises ValueError naming a bad "
+      "argument.");
 
   m.def(
       "moe_forward",

@@ -6,7 +6,8 @@
 // table's), never by the host. A CTA is persistent: it walks output tiles t = blockIdx.x,
 // blockIdx.x + gridDim.x, ... of mok/core/grouped_tiles.cuh's list (expert by expert, bands of
 // 16 row tiles, column tiles, row tiles fastest). Warpgroup 0 is the producer (one thread issues
-// the copy engine's loads into a ring of kStages stages), warpgroups 1 and 2 the consumers: each
+// the copy engine's loads into a ring of kStages stages; or its 128 threads gather A's rows
+// themselves, RowGather), warpgroups 1 and 2 the consumers: each
 // owns 64 of the tile's 128 rows and issues wgmma for them, the second kLagBlocks k-blocks behind
 // the first; bf16 epilogues are deferred into the next tile's first k-blocks.
 //
@@ -55,6 +56,57 @@ inline constexpr int kLagBlocks = 2;
 //           rows e * (k - k_split).. (dx = [d_a, d_b] @ [Wg; Wu] reads two weights one after the
 //           other); output tiles of 256 columns.
 enum class BLoad { kPaired, kKMajor, kNMajor };
+
+// Rows gathered by the producer warpgroup's own copies where no routed copy of them exists (the
+// copy engine cannot gather): table row r reads row row_route[r] / divisor of `rows` ([*, cols]
+// bf16 row-major: the token rows), zeros for a padding row (route -1; any route outside [0,
+// num_routes) reads as one), a row past the table and columns from `cols` on. The pieces land
+// where the copy engine would put them (128-byte swizzle), so the wgmmas read the same shared
+// memory either way.
+struct RowGather {
+  const std::uint16_t* rows;
+  const std::int32_t* row_route;
+  std::int64_t num_rows;  // rows of the table
+  int num_routes;         // routes: source rows x divisor
+  int divisor;            // routes per source row (K)
+  int cols;               // elements per source row
+
+  __device__ int source(std::int64_t r) const {
+    if (r >= num_rows) return -1;
+    const int route = row_route[r];
+    return route < 0 || route >= num_routes ? -1 : route / divisor;
+  }
+};
+
+// Registers of the grouped GEMM's warpgroups when its 128 producer threads gather A (ptxas: no
+// spill at 40 / 232; the weight-gradient GEMM's deferred epilogue needs 240, wgrad_gemm.cuh).
+inline constexpr int kGatherProducerRegs = 40;
+inline constexpr int kGatherConsumerRegs = 232;  // 2 x 128 x 232 + 128 x 40 <= 64 Ki
+// The producer warpgroup's named barrier (1 is the weight-gradient GEMM consumers').
+inline constexpr int kProducerBarrier = 2;
+
+// The 128 producer threads' copies of one 128-byte-swizzled box: 128-byte piece q (a row of the
+// box) from source row src(q) at column `col`. Thread i copies 16-byte chunk i % 8 of pieces
+// i / 8 + 16 j (j < kPieces / 16): a warp's 32 copies are four whole 128-byte pieces, so every
+// request is a full line. Each thread then arrives on the stage (cp_async_arrive) once its
+// copies have landed.
+template <int kPieces, class Source>
+__device__ inline void gather_box(unsigned char* box, const RowGather& g, int col, int i,
+                                  const Source& src) {
+  static_assert(kPieces % 16 == 0);
+  const int chunk = i % 8;
+  const int swizzled = (chunk ^ ((i / 8) & 7)) << 4;  // pieces i / 8 + 16 j share piece % 8
+  const bool in_cols = col + 8 * chunk < g.cols;
+#pragma unroll
+  for (int j = 0; j < kPieces / 16; ++j) {
+    const int piece = i / 8 + 16 * j;
+    const int s = src(j);
+    const bool valid = s >= 0 && in_cols;
+    const std::uint16_t* from =
+        g.rows + (valid ? static_cast<std::int64_t>(s) * g.cols + col + 8 * chunk : 0);
+    hopper::cp_async_16_zfill(box + piece * 128 + swizzled, from, valid ? 16 : 0);
+  }
+}
 
 // The MMA width: every GEMM issues m64n256k16 (the widest wgmma, the fewest shared-memory
 // reads of A per flop). A paired GEMM (two weight matrices against the same rows, as gate and
@@ -149,13 +201,15 @@ __device__ inline void unroll(const Fn& fn) {
   unroll_impl<kN>(fn, std::make_integer_sequence<int, kN>{});
 }
 
-// The persistent kernel, B loaded as kB says. Epilogue: `void operator()(const Tile&, int consumer,
-// const Accumulators&) const` on the consumer warpgroup's 128 threads.
-template <BLoad kB, int kStages, class Epilogue>
+// The persistent kernel, B loaded as kB says, A by the copy engine from map_a or, kGatherA, by
+// the producer warpgroup through `gather` (map_a unused). Epilogue: `void operator()(const Tile&,
+// int consumer, const Accumulators&) const` on the consumer warpgroup's 128 threads.
+template <BLoad kB, int kStages, class Epilogue, bool kGatherA = false>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                         const __grid_constant__ CUtensorMap map_b0,
-                        const __grid_constant__ CUtensorMap map_b1, Problem p, Epilogue epilogue) {
+                        const __grid_constant__ CUtensorMap map_b1, Problem p, Epilogue epilogue,
+                        RowGather gather) {
   using R = Ring<kStages>;
   static_assert(kStages > kLagBlocks, "consumer 0 must get kLagBlocks stages before any release");
   constexpr bool kPaired = kB == BLoad::kPaired;
@@ -165,6 +219,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   __shared__ alignas(8) std::uint64_t empty[kStages];
   __shared__ alignas(8) std::uint64_t lag;  // consumer 0 has issued kLagBlocks k-blocks
   __shared__ int prefix[kMaxExperts + 1];
+  __shared__ int tile_source[kGatherA ? kBlockM : 1];  // a tile's rows: their source rows
 
   const R ring{reinterpret_cast<unsigned char*>(
       (reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) & ~std::uintptr_t{1023})};
@@ -174,7 +229,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   list.n_tiles = (p.n + kBlockN - 1) / kBlockN;
   if (threadIdx.x == 32) {
     for (int s = 0; s < kStages; ++s) {
-      hopper::mbar_init(&full[s], 1);
+      hopper::mbar_init(&full[s], kGatherA ? 128 : 1);  // gathering: every producer thread arrives
       hopper::mbar_init(&empty[s], 2);
     }
     hopper::mbar_init(&lag, 1);
@@ -185,43 +240,79 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int k_blocks = p.k / kBlockK;
 
   if (threadIdx.x < 128) {  // ---------------------------------------------- producer
+    // B's k-block kb of `tile` by the copy engine, into stage `stage` (its bytes announced by the
+    // caller).
+    const auto load_b = [&](int stage, int kb, const Tile& tile) {
+      const int b_row = tile.expert * p.n + tile.col0;  // K-major maps
+      if constexpr (kPaired) {
+        unsigned char* b = ring.b(stage);
+        hopper::tma_load_2d(b, &map_b0, &full[stage], kb * kBlockK, b_row);
+        hopper::tma_load_2d(b + R::kBBytes / 2, &map_b1, &full[stage], kb * kBlockK, b_row);
+      } else if constexpr (kB == BLoad::kKMajor) {
+        hopper::tma_load_2d(ring.b(stage), &map_b0, &full[stage], kb * kBlockK, b_row);
+      } else {  // four boxes of 64 k-rows x 64 columns
+        const int k0 = kb * kBlockK;
+        const bool first = k0 < p.k_split;
+        const CUtensorMap* map = first ? &map_b0 : &map_b1;
+        const int row = first ? tile.expert * p.k_split + k0
+                              : tile.expert * (p.k - p.k_split) + (k0 - p.k_split);
+#pragma unroll
+        for (int j = 0; j < kMmaN / 64; ++j) {
+          hopper::tma_load_2d(ring.b(stage) + j * 64 * 128, map, &full[stage], tile.col0 + 64 * j,
+                              row);
+        }
+      }
+    };
+    int stage = 0;
+    std::uint32_t phase = 0;
+    const auto advance = [&] {
+      if (++stage == kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+    };
+    if constexpr (kGatherA) {
+      // Every thread copies a share of A's rows; thread 0 also has the copy engine load B.
+      hopper::regs_dealloc<kGatherProducerRegs>();
+      const int i = threadIdx.x;
+      if (i == 0) {
+        hopper::prefetch_tensor_map(&map_b0);
+        if constexpr (kB != BLoad::kKMajor) hopper::prefetch_tensor_map(&map_b1);
+      }
+      for (int t = blockIdx.x; t < total; t += gridDim.x) {
+        const Tile tile = locate(p, list, t, kBlockN);
+        hopper::named_barrier(kProducerBarrier, 128);  // the last tile's sources are read
+        const std::int64_t row = tile.row0 + i;
+        tile_source[i] = row < tile.row_end ? gather.source(row) : -1;  // past the segment: zeros
+        hopper::named_barrier(kProducerBarrier, 128);
+        for (int kb = 0; kb < k_blocks; ++kb) {
+          hopper::mbar_wait(&empty[stage], phase ^ 1);
+          if (i == 0) {
+            hopper::mbar_expect_tx_only(&full[stage], R::kBBytes);
+            load_b(stage, kb, tile);
+          }
+          gather_box<kBlockM>(ring.a(stage), gather, kb * kBlockK, i,
+                              [&](int j) { return tile_source[i / 8 + 16 * j]; });
+          hopper::cp_async_arrive(&full[stage]);
+          advance();
+        }
+      }
+      return;
+    }
     hopper::regs_dealloc<24>();
     if (threadIdx.x != 0) return;
     hopper::prefetch_tensor_map(&map_a);
     hopper::prefetch_tensor_map(&map_b0);
     if constexpr (kB != BLoad::kKMajor) hopper::prefetch_tensor_map(&map_b1);
-    int stage = 0;
-    std::uint32_t phase = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
       const Tile tile = locate(p, list, t, kBlockN);
-      const int a_row = static_cast<int>(tile.row0);
-      const int b_row = tile.expert * p.n + tile.col0;  // K-major maps
       for (int kb = 0; kb < k_blocks; ++kb) {
         hopper::mbar_wait(&empty[stage], phase ^ 1);
         hopper::mbar_expect_tx(&full[stage], R::kStageBytes);
-        hopper::tma_load_2d(ring.a(stage), &map_a, &full[stage], kb * kBlockK, a_row);
-        if constexpr (kPaired) {
-          unsigned char* b = ring.b(stage);
-          hopper::tma_load_2d(b, &map_b0, &full[stage], kb * kBlockK, b_row);
-          hopper::tma_load_2d(b + R::kBBytes / 2, &map_b1, &full[stage], kb * kBlockK, b_row);
-        } else if constexpr (kB == BLoad::kKMajor) {
-          hopper::tma_load_2d(ring.b(stage), &map_b0, &full[stage], kb * kBlockK, b_row);
-        } else {  // four boxes of 64 k-rows x 64 columns
-          const int k0 = kb * kBlockK;
-          const bool first = k0 < p.k_split;
-          const CUtensorMap* map = first ? &map_b0 : &map_b1;
-          const int row = first ? tile.expert * p.k_split + k0
-                                : tile.expert * (p.k - p.k_split) + (k0 - p.k_split);
-#pragma unroll
-          for (int j = 0; j < kMmaN / 64; ++j) {
-            hopper::tma_load_2d(ring.b(stage) + j * 64 * 128, map, &full[stage], tile.col0 + 64 * j,
-                                row);
-          }
-        }
-        if (++stage == kStages) {
-          stage = 0;
-          phase ^= 1;
-        }
+        hopper::tma_load_2d(ring.a(stage), &map_a, &full[stage], kb * kBlockK,
+                            static_cast<int>(tile.row0));
+        load_b(stage, kb, tile);
+        advance();
       }
     }
     return;
@@ -232,7 +323,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // stage given back) only after this one is issued, so the tensor cores always have one
   // queued. The accumulation order does not change: wgmmas on the same accumulators run in
   // issue order.
-  hopper::regs_alloc<240>();
+  hopper::regs_alloc<kGatherA ? kGatherConsumerRegs : 240>();
   constexpr bool kDeferred = IsDeferred<Epilogue>::value;
   const int consumer = threadIdx.x / 128 - 1;  // 0 or 1: rows [64 c, 64 c + 64) of the tile
   const bool releases = threadIdx.x % 128 == 0;

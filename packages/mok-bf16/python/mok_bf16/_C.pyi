@@ -75,6 +75,9 @@ def grouped_backward(
     num_threads: int = 1,
     stream: int = 0,
     zero_outside: bool = False,
+    row_route: int = 0,
+    topk: int = 1,
+    num_tokens: int = 0,
 ) -> None: ...
 def swiglu_backward(
     device: str,

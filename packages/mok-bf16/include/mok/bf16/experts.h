@@ -145,12 +145,12 @@ struct GroupedForwardArgs {
 // each segment's rows). Rows outside every segment are not written and add nothing; offsets as
 // in grouped_forward.
 struct GroupedBackwardArgs {
-  std::uintptr_t x = 0;               // bf16 [M, H]
+  std::uintptr_t x = 0;               // bf16 [M, H] (with row_route: [T, H], the token rows)
   std::uintptr_t offsets = 0;         // int64 [El + 1]
   std::uintptr_t a = 0;               // bf16 [M, I]
   std::uintptr_t b = 0;               // bf16 [M, I]
-  std::uintptr_t dy = 0;              // bf16 [M, H]
-  std::uintptr_t router_weights = 0;  // fp32 [M], or 0: all ones (unweighted)
+  std::uintptr_t dy = 0;              // bf16 [M, H] (with row_route: [T, H])
+  std::uintptr_t router_weights = 0;  // fp32 [M] (with row_route: [T * K]), or 0: all ones
   std::uintptr_t w_gate = 0;          // bf16 [El, I, H]
   std::uintptr_t w_up = 0;            // bf16 [El, I, H]
   std::uintptr_t w_down = 0;          // bf16 [El, H, I]
@@ -172,6 +172,13 @@ struct GroupedBackwardArgs {
   std::int64_t num_sms = 0;      // CUDA: most CTAs per kernel (0: every SM)
   std::int64_t num_threads = 1;  // CPU threads
   bool zero_outside = false;     // also zero out_dx's and out_d_w's rows outside every segment
+  // Optional (cuda): int32 [M], each row's route t*K + k (-1: a padding row). Given, row r's x, dy
+  // and router weight are x[route / K], dy[route / K] and router_weights[route], read by the
+  // kernels themselves (zeros and 0 for a padding row, and for a route outside [0, T * K)): no
+  // copy of them in table order is made.
+  std::uintptr_t row_route = 0;
+  std::int64_t topk = 1;        // K, with row_route
+  std::int64_t num_tokens = 0;  // T, with row_route
 };
 
 // moe_forward: the routed experts of a whole layer call in one persistent launch (CUDA only:

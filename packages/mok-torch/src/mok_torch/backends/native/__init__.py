@@ -936,8 +936,6 @@ class NativeBackend:
         # rows): they are gathered again here.
         kept = ctx.x_routed_MH.shape[0] == ctx.a_MI.shape[0]
         w_TK = router_weights_TK.float().reshape(-1).contiguous()
-        self._send_inputs(cfg, ws, tr, sched, x=x_TH if replay or not kept else None, dy=dy_TH, w=w_TK)
-        tr.barrier(5)
         plan = self._rows_plan(cfg, ws, sched, inner)
         rows, macro, offsets = plan.num_rows, plan.macrobatch, plan.offsets
         dev, nw = ws.device, cfg.bwd_num_comm_sms
@@ -988,6 +986,12 @@ class NativeBackend:
         # One rank, one macrobatch, a push combine: the combine reads dx and d_w where the GEMMs
         # left them, in table order, through each route's row (no push into route order).
         direct = gpu_backward and ws.world_size == 1 and cfg.combine == "push" and macro >= rows
+        # ... and after the megakernel's forward (no routed x rows kept) the GEMMs and the SwiGLU
+        # kernel read x, dy and the router weights through each row's route: nothing is moved.
+        gathered = direct and not kept
+        if not gathered:
+            self._send_inputs(cfg, ws, tr, sched, x=x_TH if replay or not kept else None, dy=dy_TH, w=w_TK)
+        tr.barrier(5)
         table_dx = table_dw = None
         for m, (lo, hi) in enumerate(plan.macrobatches()):  # first to last
             if fp8_backward:
@@ -1015,17 +1019,21 @@ class NativeBackend:
                 # its weight gradients read and write each expert's fp32 accumulators once.
                 n, nw = hi - lo, self._movers(cfg, ws, backward=True)
                 pushed = cfg.dispatch == "push"  # the GEMMs read pushed rows where they are
-                if m == 0 and kept:
-                    xs = ctx.x_routed_MH[:n]
-                elif pushed:  # replay (or not kept): the re-dispatched x; a replay recomputes a, b
-                    xs = self._received(cfg, tr, "x_recv", lo, hi)
+                if gathered:  # the token rows, read through each row's route
+                    xs, dys, wr = x_TH, dy_TH, w_TK
                 else:
-                    xs = self._receive(cfg, tr, sched, "x", self._pulled_rows(cfg, n, H, dev), lo, K, nw)
-                if pushed:
-                    dys, wr = self._received(cfg, tr, "dy_recv", lo, hi), self._received(cfg, tr, "w_recv", lo, hi)
-                else:
-                    dys = self._receive(cfg, tr, sched, "dy", self._pulled_rows(cfg, n, H, dev), lo, K, nw)
-                    wr = self._receive(cfg, tr, sched, "w", torch.empty(n, dtype=torch.float32, device=dev), lo, 1, nw)
+                    if m == 0 and kept:
+                        xs = ctx.x_routed_MH[:n]
+                    elif pushed:  # replay (or not kept): the re-dispatched x; a replay recomputes a, b
+                        xs = self._received(cfg, tr, "x_recv", lo, hi)
+                    else:
+                        xs = self._receive(cfg, tr, sched, "x", self._pulled_rows(cfg, n, H, dev), lo, K, nw)
+                    if pushed:
+                        dys, wr = self._received(cfg, tr, "dy_recv", lo, hi), self._received(cfg, tr, "w_recv", lo, hi)
+                    else:
+                        dys = self._receive(cfg, tr, sched, "dy", self._pulled_rows(cfg, n, H, dev), lo, K, nw)
+                        w_rows = torch.empty(n, dtype=torch.float32, device=dev)
+                        wr = self._receive(cfg, tr, sched, "w", w_rows, lo, 1, nw)
                 # The segments of this macrobatch's rows (every segment when it holds them all)
                 seg = segments if lo == 0 and n >= ws.capacity else (segments - lo).clamp_(0, n)
                 if m == 0:
@@ -1040,7 +1048,8 @@ class NativeBackend:
                 )
                 out = None if dx_out is None or dw_out is None else GroupedBackward(dx_out, dw_out)
                 dx, d_w = grouped_backward(xs, seg, a, b, dys, wr, wg_k, wu_k, wd_k, acc, cfg.swiglu_limit, out=out,
-                                           carry_in=m > 0, wgrad_out=final if last and not fp32 else None)  # fmt: skip
+                                           carry_in=m > 0, wgrad_out=final if last and not fp32 else None,
+                                           gather=(sched.row_route_C, K) if gathered else None)  # fmt: skip
                 if direct:
                     table_dx, table_dw = dx, d_w
                     continue
