@@ -443,10 +443,10 @@ def test_cuda_experts_without_rows():
 
 
 def gathered_case(lengths: list[int], H: int, I: int, K: int, seed: int) -> tuple[dict, dict]:
-    """A backward's inputs twice: with token rows gathered through each table row's route
-    (`gather`), and the same rows copied into table order (zeros and weight 0 for the padding rows,
-    about one in eight, and for a route past T*K; the routes a permutation, as a schedule table's
-    are)."""
+    """A backward's inputs twice: with dy's token rows and the routes' weights gathered through each
+    table row's route (`gather`), and the same rows copied into table order (zeros and weight 0 for
+    the padding rows, about one in eight, and for a route past T*K; the routes a permutation, as a
+    schedule table's are)."""
     d = make(lengths, H, I, seed=seed)
     M = d["x"].shape[0]
     g = torch.Generator().manual_seed(seed + 1)
@@ -457,16 +457,14 @@ def gathered_case(lengths: list[int], H: int, I: int, K: int, seed: int) -> tupl
     route[~padding] = torch.randperm(T * K, generator=g)[:used].to(torch.int32)
     if M > 2:
         route[M // 2] = T * K + 5  # outside [0, T*K): read as a padding row
-    x_T = torch.randn(T, H, generator=g).to(BF16)
     dy_T = torch.randn(T, H, generator=g).to(BF16)
     w_TK = torch.rand(T * K, generator=g)
     valid = (route >= 0) & (route < T * K)
     token = torch.where(valid, route.long() // K, 0)
     table = dict(d)
-    table["x"] = torch.where(valid[:, None], x_T[token], torch.zeros((), dtype=BF16))
     table["dy"] = torch.where(valid[:, None], dy_T[token], torch.zeros((), dtype=BF16))
     table["w"] = torch.where(valid, w_TK[torch.where(valid, route.long(), 0)], torch.zeros(()))
-    gathered = dict(d, x=x_T, dy=dy_T, w=w_TK, route=route)
+    gathered = dict(d, dy=dy_T, w=w_TK, route=route)
     return gathered, table
 
 
@@ -475,11 +473,11 @@ def gathered_case(lengths: list[int], H: int, I: int, K: int, seed: int) -> tupl
 @pytest.mark.parametrize("K", [1, 3])
 @pytest.mark.parametrize("carry_in", [False, True], ids=["bf16-only", "carried"])
 def test_gathered_rows_give_the_bits_of_rows_in_table_order(device, lengths, H, I, K, carry_in):
-    """`gather`: the g GEMM, the SwiGLU kernel and the gate/up weight-gradient GEMM read x, dy and
-    the router weights through each row's route (on CUDA by the kernels' own copies, the rows
-    placed where the copy engine would put them). dx, d_w and the three weight gradients are
-    bitwise those of the same call on the rows copied into table order: padding rows, experts
-    without rows, one row, K = 1, tiles past the segment ends."""
+    """`gather`: the g GEMM (its producer warpgroup's own copies, placed where the copy engine
+    would put them) and the SwiGLU kernel read dy and the router weights through each row's route.
+    dx, d_w and the three weight gradients are bitwise those of the same call on the rows copied
+    into table order: padding rows, experts without rows, one row, K = 1, tiles past the segment
+    ends."""
     gathered, table = gathered_case(lengths, H, I, K, seed=11)
     gathered, table = to(gathered, device), to(table, device)
     results = []
@@ -499,9 +497,8 @@ def test_gathered_rows_give_the_bits_of_rows_in_table_order(device, lengths, H, 
 
 
 def test_bad_gather_raises_naming_the_argument():
-    gathered, _ = gathered_case([5, 3], 64, 64, 2, seed=1)
-    d = gathered
-    acc = accumulators(dict(d, x=torch.zeros(8, 64, dtype=BF16)))
+    d, _ = gathered_case([5, 3], 64, 64, 2, seed=1)
+    acc = accumulators(d)
 
     def call(gather, w=d["w"]):
         return grouped_backward(

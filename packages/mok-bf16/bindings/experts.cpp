@@ -210,10 +210,10 @@ void register_experts(pybind11::module_& m) {
       "1024. 'cpu': the reference arithmetic (swiglu_backward per segment), scratch unused "
       "(may be 0), offsets checked. row_route (optional, 'cuda'): int32 [M], each row's route t*K "
       "+ "
-      "k (-1: padding; any route outside [0, num_tokens * topk) reads as one); given, x and dy "
-      "are the token rows [T = num_tokens, H] and router_weights is [T * K], "
-      "read by the kernels through each row's route (K = topk): the bits of the same call on rows "
-      "copied into table order (zeros for padding rows). Raises ValueError naming a bad "
+      "k (-1: padding; any route outside [0, num_tokens * topk) reads as one); given, dy is the "
+      "token rows [T = num_tokens, H] and router_weights is [T * K], read by the kernels through "
+      "each row's route (K = topk): the bits of the same call on rows copied into table order "
+      "(zeros and 0 for padding rows). Raises ValueError naming a bad "
       "argument.");
 
   m.def(

@@ -2,8 +2,8 @@
 //
 //   g:       g = dy @ Wd_e                  (grouped GEMM, Wd N-major; fp32 out, unrounded)
 //
-// x and dy are the table's rows, or (row_route given) the token rows that the g GEMM, the SwiGLU
-// kernel and the gate/up weight-gradient GEMM read through each row's route themselves.
+// dy (and the router weights) are the table's rows, or (row_route given) the token rows that the
+// g GEMM and the SwiGLU kernel read through each row's route themselves; x is the table's rows.
 //   SwiGLU:  h, d_a, d_b, d_w = <g, h> and bf16(w dy) per row (bf16(w dy) only for weighted rows;
 //            dy itself is dWd's operand otherwise) (an elementwise kernel: mok-core's
 //            element math, the reference's bit for bit given a, b, g and w; d_w summed in a
@@ -74,8 +74,11 @@ __device__ inline void swiglu_backward_rows(const SwigluBackwardRows& r, std::in
        row < hi; row += warps) {
     // The row's router weight and dy row: its own, or its route's (a padding row: 0 and zeros,
     // what a copy into table order holds).
-    const int listed = r.row_route == nullptr ? 0 : r.row_route[row];
-    const int route = listed < r.num_routes ? listed : -1;
+    int route = 0;  // >= 0: the row has a dy row and a weight
+    if (r.row_route != nullptr) {
+      route = r.row_route[row];
+      if (route >= r.num_routes) route = -1;  // outside [0, T * K): a padding row
+    }
     const float w = r.router_weights == nullptr ? 1.0f
                     : r.row_route == nullptr    ? r.router_weights[row]
                     : route < 0                 ? 0.0f
@@ -137,17 +140,14 @@ __global__ void swiglu_backward_kernel(SwigluBackwardRows r) {
       [&](std::int64_t lo, std::int64_t hi) { swiglu_backward_rows(r, lo, hi); });
 }
 
-// A weight-gradient GEMM; kGatherB: B's rows gathered through `gather` (map_b unused).
-template <bool kGatherB>
 void launch_wgrad(const CUtensorMap& map_a, const CUtensorMap& map_b, const gemm::WgradProblem& p,
-                  bool carry_in, int num_sms, cudaStream_t stream,
-                  const gemm::RowGather& gather = {}) {
+                  bool carry_in, int num_sms, cudaStream_t stream) {
   using R = gemm::Ring<kernels::kStages>;
   // bf16 outputs only (no fp32 accumulator, so nothing carried in): the deferred epilogue.
   const bool f32 = p.part[0].f32 != nullptr || p.part[1].f32 != nullptr;
-  constexpr auto kCarry = gemm::wgrad_gemm_kernel<kernels::kStages, true, true, kGatherB>;
-  constexpr auto kF32 = gemm::wgrad_gemm_kernel<kernels::kStages, false, true, kGatherB>;
-  constexpr auto kBf16 = gemm::wgrad_gemm_kernel<kernels::kStages, false, false, kGatherB>;
+  constexpr auto kCarry = gemm::wgrad_gemm_kernel<kernels::kStages, true, true>;
+  constexpr auto kF32 = gemm::wgrad_gemm_kernel<kernels::kStages, false, true>;
+  constexpr auto kBf16 = gemm::wgrad_gemm_kernel<kernels::kStages, false, false>;
   if (carry_in) {
     kernels::allow_shared_bytes<kCarry>(R::kSharedBytes);
   } else if (f32) {
@@ -161,7 +161,7 @@ void launch_wgrad(const CUtensorMap& map_a, const CUtensorMap& map_b, const gemm
                              ((p.n + gemm::kMmaN - 1) / gemm::kMmaN);
   const int grid =
       static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>(num_sms, tiles)));
-  kernel<<<grid, gemm::kThreads, R::kSharedBytes, stream>>>(map_a, map_b, p, gather);
+  kernel<<<grid, gemm::kThreads, R::kSharedBytes, stream>>>(map_a, map_b, p);
   check(cudaGetLastError(), "launching a weight-gradient GEMM");
 }
 
@@ -183,23 +183,19 @@ void grouped_backward_cuda(const GroupedBackwardArgs& args, std::uintptr_t strea
     kernels::zero_uncovered_rows({{args.out_dx, 2 * s.hidden}, {args.out_d_w, 4}}, offsets, Ei,
                                  s.num_rows, sms, stream);
   }
-  // Rows by route (row_route given): x and dy are the token rows, read by the kernels.
-  const bool gathered = args.row_route != 0;
-  const auto gather_of = [&](std::uintptr_t rows) {
-    return gemm::RowGather{reinterpret_cast<const std::uint16_t*>(rows),
-                           reinterpret_cast<const std::int32_t*>(args.row_route),
-                           s.num_rows,
-                           static_cast<int>(args.num_tokens * args.topk),
-                           static_cast<int>(args.topk),
-                           Hi};
-  };
   // g = dy @ Wd_e: Wd [El, H, I] is N-major for this GEMM (K = H rows per expert).
   const CUtensorMap map_wd = hopper::make_tensor_map(ptr(args.w_down), El * H, I, 64);
   const gemm::Problem pg{offsets, s.num_rows, Ei, Ii, Hi, Hi};
   const kernels::StoreF32 store_g{reinterpret_cast<float*>(args.scratch_g), Ii};
-  if (gathered) {
+  if (args.row_route != 0) {  // dy's rows gathered by the GEMM through each row's route
+    const gemm::RowGather dy_rows{reinterpret_cast<const std::uint16_t*>(args.dy),
+                                  reinterpret_cast<const std::int32_t*>(args.row_route),
+                                  s.num_rows,
+                                  static_cast<int>(args.num_tokens * args.topk),
+                                  static_cast<int>(args.topk),
+                                  Hi};
     kernels::launch<BLoad::kNMajor, true>(map_wd, map_wd, map_wd, pg, store_g, sms, stream,
-                                          gather_of(args.dy));
+                                          dy_rows);
   } else {
     const CUtensorMap map_dy = hopper::make_tensor_map(ptr(args.dy), M, H, gemm::kBlockM);
     kernels::launch<BLoad::kNMajor>(map_dy, map_wd, map_wd, pg, store_g, sms, stream);
@@ -245,13 +241,8 @@ void grouped_backward_cuda(const GroupedBackwardArgs& args, std::uintptr_t strea
   gemm::WgradProblem gate_up{offsets, s.num_rows, Ei, 2 * Ii, Hi, Ii, {}};
   gate_up.part[0] = {f32(args.acc_gate), bf16(args.out_gate)};
   gate_up.part[1] = {f32(args.acc_up), bf16(args.out_up)};
-  if (gathered) {
-    launch_wgrad<true>(map_dab_rows, map_dab_rows, gate_up, args.carry_in, sms, stream,
-                       gather_of(args.x));
-  } else {
-    const CUtensorMap map_x_rows = hopper::make_tensor_map(ptr(args.x), M, H, 64);
-    launch_wgrad<false>(map_dab_rows, map_x_rows, gate_up, args.carry_in, sms, stream);
-  }
+  const CUtensorMap map_x_rows = hopper::make_tensor_map(ptr(args.x), M, H, 64);
+  launch_wgrad(map_dab_rows, map_x_rows, gate_up, args.carry_in, sms, stream);
   // bf16(w dy), or dy itself for unweighted rows (bf16(1 * dy) is dy: the same sums; a NaN's
   // payload cannot reach the output, the epilogue writes every NaN as 0x7FFF).
   const std::uintptr_t wdy = args.router_weights == 0 ? args.dy : args.scratch_wdy;
@@ -259,7 +250,7 @@ void grouped_backward_cuda(const GroupedBackwardArgs& args, std::uintptr_t strea
   const CUtensorMap map_h_rows = hopper::make_tensor_map(ptr(args.scratch_h), M, I, 64);
   gemm::WgradProblem down{offsets, s.num_rows, Ei, Hi, Ii, Hi, {}};
   down.part[0] = {f32(args.acc_down), bf16(args.out_down)};
-  launch_wgrad<false>(map_wdy_rows, map_h_rows, down, args.carry_in, sms, stream);
+  launch_wgrad(map_wdy_rows, map_h_rows, down, args.carry_in, sms, stream);
 }
 
 }  // namespace mok::bf16

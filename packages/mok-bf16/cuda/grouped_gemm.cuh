@@ -79,7 +79,7 @@ struct RowGather {
 };
 
 // Registers of the grouped GEMM's warpgroups when its 128 producer threads gather A (ptxas: no
-// spill at 40 / 232; the weight-gradient GEMM's deferred epilogue needs 240, wgrad_gemm.cuh).
+// spill at 40 / 232).
 inline constexpr int kGatherProducerRegs = 40;
 inline constexpr int kGatherConsumerRegs = 232;  // 2 x 128 x 232 + 128 x 40 <= 64 Ki
 // The producer warpgroup's named barrier (1 is the weight-gradient GEMM consumers').

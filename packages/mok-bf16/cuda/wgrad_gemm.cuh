@@ -111,13 +111,12 @@ __device__ inline void store_wgrad_piece(const PackedBf16& packed, std::uint16_t
 }
 
 // kCarryIn: start from C's fp32 values; kF32: some part has an fp32 accumulator (else every
-// part has a bf16 output, and the epilogue is deferred); kGatherB: B's rows gathered by the
-// producer warpgroup through `gather` (map_b unused: grouped_gemm.cuh's RowGather). Template
-// arguments: a run-time choice there makes ptxas serialise the wgmmas.
-template <int kStages, bool kCarryIn, bool kF32, bool kGatherB = false>
+// part has a bf16 output, and the epilogue is deferred). Template arguments: a run-time choice
+// there makes ptxas serialise the wgmmas.
+template <int kStages, bool kCarryIn, bool kF32>
 __global__ void __launch_bounds__(kThreads, 1)
     wgrad_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
-                      const __grid_constant__ CUtensorMap map_b, WgradProblem p, RowGather gather) {
+                      const __grid_constant__ CUtensorMap map_b, WgradProblem p) {
   using R = Ring<kStages>;
   static_assert(kStages > kLagBlocks, "consumer 0 must get kLagBlocks stages before any release");
   static_assert(kF32 || !kCarryIn, "carrying C in needs its fp32 accumulators");
@@ -132,7 +131,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       (reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) & ~std::uintptr_t{1023})};
   if (threadIdx.x == 32) {
     for (int s = 0; s < kStages; ++s) {
-      hopper::mbar_init(&full[s], kGatherB ? 128 : 1);  // gathering: every producer thread arrives
+      hopper::mbar_init(&full[s], 1);
       hopper::mbar_init(&empty[s], 2);
     }
     hopper::mbar_init(&lag, 1);
@@ -142,73 +141,32 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int total = p.num_experts * ((p.m + kBlockM - 1) / kBlockM) * ((p.n + kMmaN - 1) / kMmaN);
 
   if (threadIdx.x < 128) {  // ---------------------------------------------- producer
-    // A's boxes of table rows [row, row + 64) by the copy engine (bytes announced by the caller).
-    const auto load_a = [&](int stage, const WgradTile& tile, int row) {
-#pragma unroll
-      for (int i = 0; i < kBlockM / 64; ++i) {
-        hopper::tma_load_2d(ring.a(stage) + i * kBox, &map_a, &full[stage], tile.row0 + 64 * i,
-                            row);
-      }
-    };
-    int stage = 0;
-    std::uint32_t phase = 0;
-    const auto advance = [&] {
-      if (++stage == kStages) {
-        stage = 0;
-        phase ^= 1;
-      }
-    };
-    if constexpr (kGatherB) {
-      // Every thread copies a share of B's four boxes (64 table rows x 64 columns each: the same
-      // rows in each); thread 0 also has the copy engine load A.
-      // 24 registers, as the copy engine's producer: its consumers keep their 240 (at 232 the
-      // deferred bf16 epilogue spills; at 24 the gather spills 4-8 bytes, ptxas says).
-      hopper::regs_dealloc<24>();
-      const int i = threadIdx.x;
-      if (i == 0) hopper::prefetch_tensor_map(&map_a);
-      for (int t = blockIdx.x; t < total; t += gridDim.x) {
-        const WgradTile tile = locate_wgrad(p, t);
-        for (int kb = 0; kb < tile.blocks; ++kb) {
-          const std::int64_t row = tile.lo + kb * kBlockK;
-          int source[kBlockK / 16];  // this thread's pieces: rows row + i / 8 + 16 j
-#pragma unroll
-          for (int j = 0; j < kBlockK / 16; ++j) {
-            const std::int64_t r = row + i / 8 + 16 * j;
-            source[j] = r < tile.hi ? gather.source(r) : -1;  // past the segment: zeros
-          }
-          hopper::mbar_wait(&empty[stage], phase ^ 1);
-          if (i == 0) {
-            hopper::mbar_expect_tx_only(&full[stage], R::kABytes);
-            load_a(stage, tile, static_cast<int>(row));
-          }
-#pragma unroll
-          for (int j = 0; j < kMmaN / 64; ++j) {
-            gather_box<kBlockK>(ring.b(stage) + j * kBox, gather, tile.col0 + 64 * j, i,
-                                [&](int q) { return source[q]; });
-          }
-          hopper::cp_async_arrive(&full[stage]);
-          advance();
-        }
-      }
-      return;
-    }
     hopper::regs_dealloc<24>();
     if (threadIdx.x != 0) return;
     hopper::prefetch_tensor_map(&map_a);
     hopper::prefetch_tensor_map(&map_b);
+    int stage = 0;
+    std::uint32_t phase = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
       const WgradTile tile = locate_wgrad(p, t);
       for (int kb = 0; kb < tile.blocks; ++kb) {
         const int row = static_cast<int>(tile.lo) + kb * kBlockK;
         hopper::mbar_wait(&empty[stage], phase ^ 1);
         hopper::mbar_expect_tx(&full[stage], R::kStageBytes);
-        load_a(stage, tile, row);
+#pragma unroll
+        for (int i = 0; i < kBlockM / 64; ++i) {
+          hopper::tma_load_2d(ring.a(stage) + i * kBox, &map_a, &full[stage], tile.row0 + 64 * i,
+                              row);
+        }
 #pragma unroll
         for (int j = 0; j < kMmaN / 64; ++j) {
           hopper::tma_load_2d(ring.b(stage) + j * kBox, &map_b, &full[stage], tile.col0 + 64 * j,
                               row);
         }
-        advance();
+        if (++stage == kStages) {
+          stage = 0;
+          phase ^= 1;
+        }
       }
     }
     return;

@@ -145,7 +145,7 @@ struct GroupedForwardArgs {
 // each segment's rows). Rows outside every segment are not written and add nothing; offsets as
 // in grouped_forward.
 struct GroupedBackwardArgs {
-  std::uintptr_t x = 0;               // bf16 [M, H] (with row_route: [T, H], the token rows)
+  std::uintptr_t x = 0;               // bf16 [M, H]
   std::uintptr_t offsets = 0;         // int64 [El + 1]
   std::uintptr_t a = 0;               // bf16 [M, I]
   std::uintptr_t b = 0;               // bf16 [M, I]
@@ -172,10 +172,10 @@ struct GroupedBackwardArgs {
   std::int64_t num_sms = 0;      // CUDA: most CTAs per kernel (0: every SM)
   std::int64_t num_threads = 1;  // CPU threads
   bool zero_outside = false;     // also zero out_dx's and out_d_w's rows outside every segment
-  // Optional (cuda): int32 [M], each row's route t*K + k (-1: a padding row). Given, row r's x, dy
-  // and router weight are x[route / K], dy[route / K] and router_weights[route], read by the
-  // kernels themselves (zeros and 0 for a padding row, and for a route outside [0, T * K)): no
-  // copy of them in table order is made.
+  // Optional (cuda): int32 [M], each row's route t*K + k (-1: a padding row). Given, row r's dy
+  // and router weight are dy[route / K] and router_weights[route], read by the kernels themselves
+  // (zeros and 0 for a padding row, and for a route outside [0, T * K)): no copy of them in table
+  // order is made.
   std::uintptr_t row_route = 0;
   std::int64_t topk = 1;        // K, with row_route
   std::int64_t num_tokens = 0;  // T, with row_route

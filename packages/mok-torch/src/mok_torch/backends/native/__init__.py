@@ -986,11 +986,12 @@ class NativeBackend:
         # One rank, one macrobatch, a push combine: the combine reads dx and d_w where the GEMMs
         # left them, in table order, through each route's row (no push into route order).
         direct = gpu_backward and ws.world_size == 1 and cfg.combine == "push" and macro >= rows
-        # ... and after the megakernel's forward (no routed x rows kept) the GEMMs and the SwiGLU
-        # kernel read x, dy and the router weights through each row's route: nothing is moved.
-        gathered = direct and not kept
-        if not gathered:
-            self._send_inputs(cfg, ws, tr, sched, x=x_TH if replay or not kept else None, dy=dy_TH, w=w_TK)
+        # ... where the g GEMM and the SwiGLU kernel read dy and the router weights through each
+        # row's route: only x moves (into table order, for the weight-gradient GEMM's copy engine;
+        # gathered by that GEMM's own producers it took 2.3x as long, NOTES.md session 14).
+        gathered = direct
+        dy_w = (None, None) if gathered else (dy_TH, w_TK)
+        self._send_inputs(cfg, ws, tr, sched, x=x_TH if replay or not kept else None, dy=dy_w[0], w=dy_w[1])
         tr.barrier(5)
         table_dx = table_dw = None
         for m, (lo, hi) in enumerate(plan.macrobatches()):  # first to last
@@ -1019,21 +1020,19 @@ class NativeBackend:
                 # its weight gradients read and write each expert's fp32 accumulators once.
                 n, nw = hi - lo, self._movers(cfg, ws, backward=True)
                 pushed = cfg.dispatch == "push"  # the GEMMs read pushed rows where they are
-                if gathered:  # the token rows, read through each row's route
-                    xs, dys, wr = x_TH, dy_TH, w_TK
+                if m == 0 and kept:
+                    xs = ctx.x_routed_MH[:n]
+                elif pushed:  # replay (or not kept): the re-dispatched x; a replay recomputes a, b
+                    xs = self._received(cfg, tr, "x_recv", lo, hi)
                 else:
-                    if m == 0 and kept:
-                        xs = ctx.x_routed_MH[:n]
-                    elif pushed:  # replay (or not kept): the re-dispatched x; a replay recomputes a, b
-                        xs = self._received(cfg, tr, "x_recv", lo, hi)
-                    else:
-                        xs = self._receive(cfg, tr, sched, "x", self._pulled_rows(cfg, n, H, dev), lo, K, nw)
-                    if pushed:
-                        dys, wr = self._received(cfg, tr, "dy_recv", lo, hi), self._received(cfg, tr, "w_recv", lo, hi)
-                    else:
-                        dys = self._receive(cfg, tr, sched, "dy", self._pulled_rows(cfg, n, H, dev), lo, K, nw)
-                        w_rows = torch.empty(n, dtype=torch.float32, device=dev)
-                        wr = self._receive(cfg, tr, sched, "w", w_rows, lo, 1, nw)
+                    xs = self._receive(cfg, tr, sched, "x", self._pulled_rows(cfg, n, H, dev), lo, K, nw)
+                if gathered:  # the token rows and the routes' weights, read through each row's route
+                    dys, wr = dy_TH, w_TK
+                elif pushed:
+                    dys, wr = self._received(cfg, tr, "dy_recv", lo, hi), self._received(cfg, tr, "w_recv", lo, hi)
+                else:
+                    dys = self._receive(cfg, tr, sched, "dy", self._pulled_rows(cfg, n, H, dev), lo, K, nw)
+                    wr = self._receive(cfg, tr, sched, "w", torch.empty(n, dtype=torch.float32, device=dev), lo, 1, nw)
                 # The segments of this macrobatch's rows (every segment when it holds them all)
                 seg = segments if lo == 0 and n >= ws.capacity else (segments - lo).clamp_(0, n)
                 if m == 0:

@@ -38,15 +38,11 @@ def _check_rows_and_weights(
     w_gate_EIH: torch.Tensor,
     w_up_EIH: torch.Tensor,
     w_down_EHI: torch.Tensor | None,
-    rows: int | None = None,
 ) -> tuple[torch.device, int, int, int, int]:
-    """(device, M, H, El, I) of the rows, segment offsets and expert weights, all checked (`rows`:
-    M when x holds token rows that the table rows gather, else x's rows)."""
-    x_MH = check_tensor("x", x_MH, dtypes=(BF16,), shape=[("T" if rows is not None else "M", None), ("H", None)])
+    """(device, M, H, El, I) of the rows, segment offsets and expert weights, all checked."""
+    x_MH = check_tensor("x", x_MH, dtypes=(BF16,), shape=[("M", None), ("H", None)])
     dev = x_MH.device
     M, H = x_MH.shape
-    if rows is not None:
-        M = rows
     check_tensor("w_gate", w_gate_EIH, dtypes=(BF16,), shape=[("El", None), ("I", None), ("H", H)], device=dev)
     El, I = w_gate_EIH.shape[:2]
     check_tensor("offsets", offsets_El1, dtypes=(torch.int64,), shape=[("El+1", El + 1)], device=dev)
@@ -178,28 +174,27 @@ def grouped_backward(
     "The GPU GEMMs"). `scratch`: the CUDA kernels' intermediate arrays (allocated when None;
     unused on the CPU).
 
-    `gather` = (row_route int32 [M], K): x_MH and dy_MH are then the token rows [T, H] and
-    router_weights_M the routes' weights [T*K]; table row r reads x and dy of token
-    row_route[r] // K and weight router_weights[row_route[r]] (zeros and 0 for a padding row,
-    route -1, or any route outside [0, T*K)). On CUDA the kernels read them there (no copy in
-    table order is made); the bits are those of the call on the rows copied into table order.
+    `gather` = (row_route int32 [M], K): dy_MH is then the token rows [T, H] and router_weights_M
+    the routes' weights [T*K]; table row r reads dy of token row_route[r] // K and weight
+    router_weights[row_route[r]] (zeros and 0 for a padding row, route -1, or any route outside
+    [0, T*K)). On CUDA the g GEMM and the SwiGLU kernel read them there (no copy in table order is
+    made); the bits are those of the call on the rows copied into table order. x stays the
+    table's rows (the weight-gradient GEMM's copy engine reads them).
     """
     import mok_bf16
 
+    dev, M, H, El, I = _check_rows_and_weights(x_MH, offsets_El1, w_gate_EIH, w_up_EIH, w_down_EHI)
     route_ptr, topk, tokens = 0, 1, 0
     if gather is not None:
-        tokens = x_MH.shape[0] if isinstance(x_MH, torch.Tensor) else 0
-        x_MH, dy_MH, router_weights_M, route_ptr, topk = _gathered(gather, x_MH, dy_MH, router_weights_M, a_MI)
-    dev, M, H, El, I = _check_rows_and_weights(
-        x_MH, offsets_El1, w_gate_EIH, w_up_EIH, w_down_EHI, rows=None if gather is None else a_MI.shape[0]
-    )
+        tokens = dy_MH.shape[0] if isinstance(dy_MH, torch.Tensor) else 0
+        dy_MH, router_weights_M, route_ptr, topk = _gathered(gather, dy_MH, router_weights_M, M, H, dev)
     rows_I = [("M", M), ("I", I)]
     check_tensor("a", a_MI, dtypes=(BF16,), shape=rows_I, device=dev)
     check_tensor("b", b_MI, dtypes=(BF16,), shape=rows_I, device=dev)
-    rows = [("T", x_MH.shape[0]), ("H", H)] if route_ptr else [("M", M), ("H", H)]
-    check_tensor("dy", dy_MH, dtypes=(BF16,), shape=rows, device=dev)
+    dy_rows = ("T", tokens) if route_ptr else ("M", M)  # gathered on the GPU: the token rows
+    check_tensor("dy", dy_MH, dtypes=(BF16,), shape=[dy_rows, ("H", H)], device=dev)
     if router_weights_M is not None:
-        shape = [("T*K", x_MH.shape[0] * topk)] if route_ptr else [("M", M)]
+        shape = [("T*K", tokens * topk)] if route_ptr else [("M", M)]
         check_tensor("router_weights", router_weights_M, dtypes=(torch.float32,), shape=shape, device=dev)
     if acc is None and wgrad_out is None:
         raise ValueError("acc or wgrad_out must be given: where the weight gradients go")
@@ -306,31 +301,28 @@ def grouped_backward(
 
 
 def _gathered(
-    gather: tuple[torch.Tensor, int], x_TH: torch.Tensor, dy_TH: torch.Tensor, w_TK: torch.Tensor | None,
-    a_MI: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:  # fmt: skip
-    """grouped_backward's `gather`, checked: (x, dy, w, row_route address, K) for the kernels. On
-    CUDA x, dy and w stay the token rows; on the CPU they are copied into table order here."""
+    gather: tuple[torch.Tensor, int], dy_TH: torch.Tensor, w_TK: torch.Tensor | None, M: int, H: int,
+    dev: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, int, int]:  # fmt: skip
+    """grouped_backward's `gather`, checked: (dy, w, row_route address, K) for the kernels. On CUDA
+    dy and w stay the token rows and the routes' weights; on the CPU they are copied into table
+    order here."""
     if not isinstance(gather, tuple) or len(gather) != 2:
         raise TypeError("gather must be a tuple (row_route, topk)")
     route, topk = gather
     if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
         raise ValueError(f"gather: topk must be an int >= 1, got {topk!r}")
-    check_tensor("x", x_TH, dtypes=(BF16,), shape=[("T", None), ("H", None)])
-    dev, M = x_TH.device, check_tensor("a", a_MI, dtypes=(BF16,), shape=[("M", None), ("I", None)]).shape[0]
     check_tensor("gather row_route", route, dtypes=(torch.int32,), shape=[("M", M)], device=dev)
+    check_tensor("dy", dy_TH, dtypes=(BF16,), shape=[("T", None), ("H", H)], device=dev)
     if w_TK is None:
         raise ValueError("gather needs router_weights (the routes' weights [T*K])")
-    T = x_TH.shape[0]
+    T = dy_TH.shape[0]
     check_tensor("router_weights", w_TK, dtypes=(torch.float32,), shape=[("T*K", T * topk)], device=dev)
     if dev.type == "cuda":
-        return x_TH, dy_TH, w_TK, route.data_ptr(), topk
+        return dy_TH, w_TK, route.data_ptr(), topk
     idx = route.long()
     valid = (idx >= 0) & (idx < T * topk)  # as the kernels: a route outside [0, T*K) is padding
     token = torch.where(valid, idx // topk, 0)
-
-    def rows(t: torch.Tensor) -> torch.Tensor:
-        return torch.where(valid[:, None], t[token], torch.zeros((), dtype=t.dtype))
-
+    dy = torch.where(valid[:, None], dy_TH[token], torch.zeros((), dtype=dy_TH.dtype))
     w = torch.where(valid, w_TK[torch.where(valid, idx, 0)], torch.zeros((), dtype=w_TK.dtype))
-    return rows(x_TH), rows(dy_TH), w.contiguous(), 0, 1
+    return dy, w.contiguous(), 0, 1
