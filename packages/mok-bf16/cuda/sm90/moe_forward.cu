@@ -95,7 +95,7 @@ using R = gemm::Ring<kStages>;
 enum Kind : int { kGateUp = 0, kSwiglu = 1, kDown = 2, kNone = 3 };
 
 struct Params {
-  const std::uint16_t* x;         // [T, H] token rows
+  gemm::RowGather x_rows;         // the gate/up tiles' rows: x [T, H] through each row's route
   const std::int32_t* row_route;  // [C] route t*K + k of each table row, -1 for padding
   const std::int32_t* offsets;    // [El + 1] segment starts
   std::uint16_t* a;               // [C, I]
@@ -111,7 +111,6 @@ struct Params {
   int num_experts;
   int hidden;
   int inner;
-  int topk;
   core::SwigluLimit limit;
 };
 
@@ -373,13 +372,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         // The tile's rows: each one's token (whose x row it reads), or -1 (a padding row, or past
         // the segment: zeros).
         const int row = task.row0 + i;
-        const int route = row < task.row_end ? p.row_route[row] : -1;
-        tile_token[i] = route >= 0 ? route / p.topk : -1;
+        tile_token[i] = row < task.row_end ? p.x_rows.source(row) : -1;
         hopper::named_barrier(kProducerBarrier, 128);
-        // Thread i copies 16-byte chunk i % 8 of rows i / 8 + 16 j (j < 8): the 32 copies of a
-        // warp are four whole 128-byte row pieces, so every request is a full line.
-        const int chunk = i % 8;
-        const int swizzled = (chunk ^ ((i / 8) & 7)) << 4;  // rows i / 8 + 16 j share row % 8
         const int b_row = task.expert * p.inner + task.col0;
         for (int kb = 0; kb < task.k_blocks; ++kb) {
           hopper::mbar_wait(&empty[stage], phase ^ 1);
@@ -389,16 +383,9 @@ __global__ void __launch_bounds__(kThreads, 1)
             hopper::tma_load_2d(b, &map_wg, &full[stage], kb * kBlockK, b_row);
             hopper::tma_load_2d(b + R::kBBytes / 2, &map_wu, &full[stage], kb * kBlockK, b_row);
           }
-          unsigned char* a = ring.a(stage) + swizzled;
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            const int token = tile_token[i / 8 + 16 * j];  // (re-read: the registers are few)
-            const bool valid = token >= 0;
-            const std::uint16_t* src = p.x + (valid ? static_cast<std::int64_t>(token) * p.hidden +
-                                                          kb * kBlockK + 8 * chunk
-                                                    : 0);
-            hopper::cp_async_16_zfill(a + (i / 8 + 16 * j) * 128, src, valid ? 16 : 0);
-          }
+          // (The tokens re-read from shared memory: the registers are few.)
+          gemm::gather_box<kBlockM>(ring.a(stage), p.x_rows, kb * kBlockK, i,
+                                    [&](int j) { return tile_token[i / 8 + 16 * j]; });
           // The stage's arrival of this thread, once its copies have landed (the barrier's
           // completion makes them visible to the consumers' wgmma, as for the copy engine).
           hopper::cp_async_arrive(&full[stage]);
@@ -572,8 +559,13 @@ void moe_forward_cuda(const MoeForwardArgs& args, std::uintptr_t stream_handle) 
   const CUtensorMap map_h = hopper::make_tensor_map(ptr(args.scratch_h), C, I, kBlockM);
   const CUtensorMap map_wd = hopper::make_tensor_map(ptr(args.w_down), El * H, I, kDownN);
   Params p{};
-  p.x = reinterpret_cast<const std::uint16_t*>(args.x);
   p.row_route = reinterpret_cast<const std::int32_t*>(args.row_route);
+  p.x_rows = {reinterpret_cast<const std::uint16_t*>(args.x),
+              p.row_route,
+              s.num_rows,
+              static_cast<int>(args.num_tokens * args.topk),
+              static_cast<int>(args.topk),
+              static_cast<int>(s.hidden)};
   p.offsets = reinterpret_cast<const std::int32_t*>(args.offsets);
   p.a = reinterpret_cast<std::uint16_t*>(args.out_a);
   p.b = reinterpret_cast<std::uint16_t*>(args.out_b);
@@ -589,7 +581,6 @@ void moe_forward_cuda(const MoeForwardArgs& args, std::uintptr_t stream_handle) 
   p.num_experts = static_cast<int>(s.num_experts);
   p.hidden = static_cast<int>(s.hidden);
   p.inner = static_cast<int>(s.inner);
-  p.topk = static_cast<int>(args.topk);
   p.limit = args.limit;
   core::ensure_sigmoid_table(stream);
   kernels::allow_shared_bytes<moe_forward_kernel>(R::kSharedBytes);
