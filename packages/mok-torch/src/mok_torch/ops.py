@@ -90,6 +90,8 @@ def owned(outputs: list[torch.Tensor], inputs: tuple[torch.Tensor, ...]) -> list
 
 
 def _bf16(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype == BF16 and t.is_contiguous():  # the usual case, without two dispatcher calls
+        return t
     return t.to(BF16).contiguous()
 
 
@@ -106,7 +108,7 @@ def run_forward(
     """y in x's dtype and the context, on the functional API: what `mok::forward` runs, and what
     mok.moe runs outside torch.compile (autograd.Layer), so both give the same bits."""
     y, ctx = functional.forward(cfg, ws, sched, _bf16(x), router_weights.contiguous(), _three(*routed), _three(*shared))
-    return y.to(x.dtype), ctx
+    return (y if y.dtype == x.dtype else y.to(x.dtype)), ctx
 
 
 def run_backward(
@@ -118,7 +120,7 @@ def run_backward(
         cfg, ws, sched, ctx, _bf16(dy), _bf16(x), router_weights.contiguous(), _three(*routed), _three(*shared),
         wgrad_dtype=_wgrad_dtype(routed[0]),
     )  # fmt: skip
-    return grads._replace(dx=grads.dx.to(x.dtype))
+    return grads if grads.dx.dtype == x.dtype else grads._replace(dx=grads.dx.to(x.dtype))
 
 
 # ---------------------------------------------------------------------------- schedule

@@ -135,8 +135,11 @@ class Transport:
         # pairs whose copy has been read, for reuse (a pinned buffer and an event a call)
         self.pending: tuple[torch.Tensor, Any] | None = None
         self.spare: list[tuple[torch.Tensor, Any]] = []
-        # The stream of the call in progress (begin_call), 0 on the CPU
+        # The stream of the call in progress (begin_call), 0 on the CPU; its torch object, looked
+        # up again only when the stream changes (an event's record needs one)
         self.stream = 0
+        self._stream_obj: Any = None
+        self._stream_obj_handle = 0
         self.error = torch.zeros(4, dtype=torch.int32, device=self.device)
         # The layer calls made on this transport (schedule, forward, backward, recompute): every
         # barrier's tag carries it beside the stage, so ranks out of step are found at the next
@@ -230,7 +233,9 @@ class Transport:
         else:
             host, event = torch.empty(4, dtype=torch.int32, pin_memory=True), torch.cuda.Event()
         host.copy_(self.error, non_blocking=True)
-        event.record()
+        if self._stream_obj is None or self._stream_obj_handle != self.stream:
+            self._stream_obj, self._stream_obj_handle = torch.cuda.current_stream(self.device), self.stream
+        event.record(self._stream_obj)  # (without the stream, record looks the current one up)
         self.pending = (host, event)
 
     def read_pending(self) -> list[int] | None:
