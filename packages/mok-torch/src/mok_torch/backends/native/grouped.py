@@ -185,16 +185,17 @@ def grouped_backward(
 
     dev, M, H, El, I = _check_rows_and_weights(x_MH, offsets_El1, w_gate_EIH, w_up_EIH, w_down_EHI)
     route_ptr, topk, tokens = 0, 1, 0
+    by_route = gather is not None and dev.type == "cuda"  # dy and w stay the token rows
     if gather is not None:
         tokens = dy_MH.shape[0] if isinstance(dy_MH, torch.Tensor) else 0
         dy_MH, router_weights_M, route_ptr, topk = _gathered(gather, dy_MH, router_weights_M, M, H, dev)
     rows_I = [("M", M), ("I", I)]
     check_tensor("a", a_MI, dtypes=(BF16,), shape=rows_I, device=dev)
     check_tensor("b", b_MI, dtypes=(BF16,), shape=rows_I, device=dev)
-    dy_rows = ("T", tokens) if route_ptr else ("M", M)  # gathered on the GPU: the token rows
+    dy_rows = ("T", tokens) if by_route else ("M", M)
     check_tensor("dy", dy_MH, dtypes=(BF16,), shape=[dy_rows, ("H", H)], device=dev)
     if router_weights_M is not None:
-        shape = [("T*K", tokens * topk)] if route_ptr else [("M", M)]
+        shape = [("T*K", tokens * topk)] if by_route else [("M", M)]
         check_tensor("router_weights", router_weights_M, dtypes=(torch.float32,), shape=shape, device=dev)
     if acc is None and wgrad_out is None:
         raise ValueError("acc or wgrad_out must be given: where the weight gradients go")
