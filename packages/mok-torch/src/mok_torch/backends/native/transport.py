@@ -132,7 +132,7 @@ class Transport:
         self.directions: set[str] = set()  # exchange segments made so far
         self.epoch = torch.zeros(1, dtype=torch.int64, device=self.device)
         # (host copy of the error flag, event) of the last GPU call, read by the next one; the
-        # pairs whose copy has been read, for reuse (a pinned buffer and an event a call)
+        # pairs whose copy has been read, for reuse (no pinned buffer or event made per call)
         self.pending: tuple[torch.Tensor, Any] | None = None
         self.spare: list[tuple[torch.Tensor, Any]] = []
         # The stream of the call in progress (begin_call), 0 on the CPU; its torch object, looked
@@ -228,7 +228,11 @@ class Transport:
         for the next call to read without waiting (`pending`). No-op in a CUDA graph capture."""
         if self.dev != "cuda" or torch.cuda.is_current_stream_capturing():
             return
-        if self.spare:
+        if self.pending is not None:
+            # Not read yet (the device is behind the host, as it usually is in training): the same
+            # buffer and event again; on the stream the new copy lands after the old one.
+            host, event = self.pending
+        elif self.spare:
             host, event = self.spare.pop()
         else:
             host, event = torch.empty(4, dtype=torch.int32, pin_memory=True), torch.cuda.Event()
