@@ -228,9 +228,9 @@ class Transport:
         for the next call to read without waiting (`pending`). No-op in a CUDA graph capture."""
         if self.dev != "cuda" or torch.cuda.is_current_stream_capturing():
             return
-        if self.pending is not None:
+        if self.pending is not None and self._stream_obj_handle == self.stream:
             # Not read yet (the device is behind the host, as it usually is in training): the same
-            # buffer and event again; on the stream the new copy lands after the old one.
+            # buffer and event again; on the same stream the new copy lands after the old one.
             host, event = self.pending
         elif self.spare:
             host, event = self.spare.pop()
