@@ -7,7 +7,9 @@ intermediate arrays the kernels passed each other), the element math bitwise the
 the whole within bf16 rounding of the reference arithmetic, and the determinism contract
 (docs/determinism.md) bitwise: run to run, any grid size, a row's bits independent of where it sits,
 and the weight gradients' fp32 carry: rows split over two calls at a multiple of 64 rows from
-every segment start give the bits of one call.
+every segment start give the bits of one call. `gather` (dy and the router weights read through
+each row's route, as the cuda backend does at one rank) gives the bits of the rows copied into
+table order, on both devices.
 
 Shape letters: docs/design.md §1.
 """
