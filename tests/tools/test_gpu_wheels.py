@@ -1,0 +1,62 @@
+"""tools/gpu_wheels.py: prebuilt wheels count only for the sources they were built from (what
+tools/gpu-check asks before it installs them instead of building). CPU only: the build itself
+needs a Python 3.12 and nvcc, and runs by hand."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def tool(tmp_path, monkeypatch):
+    """The tool over a small tree in tmp_path: two packages' sources and a build output."""
+    spec = importlib.util.spec_from_file_location("gpu_wheels", ROOT / "tools" / "gpu_wheels.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for pkg in ("packages/a", "packages/b"):
+        (tmp_path / pkg / "src").mkdir(parents=True)
+        (tmp_path / pkg / "src" / "k.cu").write_text(f"// {pkg}\n")
+        (tmp_path / pkg / "build").mkdir()
+        (tmp_path / pkg / "build" / "out.o").write_text("not a source")
+    monkeypatch.setattr(module, "ROOT", tmp_path)
+    monkeypatch.setattr(module, "PACKAGES", ("packages/a", "packages/b"))
+    monkeypatch.setattr(module, "OUT", tmp_path / ".whl" / "mok")
+    monkeypatch.setattr(module, "LISTING", tmp_path / ".whl" / "mok" / "SOURCES")
+    return module
+
+
+def listed(tool) -> None:
+    tool.OUT.mkdir(parents=True)
+    tool.LISTING.write_text("".join(f"{d}  {p}\n" for p, d in tool.sources().items()))
+
+
+def test_no_listing_means_build(tool, capsys):
+    assert tool.check() == 1
+    assert "no .whl/mok/SOURCES" in capsys.readouterr().out
+
+
+def test_the_same_sources_pass_and_build_outputs_do_not_count(tool):
+    listed(tool)
+    assert sorted(tool.sources()) == ["packages/a/src/k.cu", "packages/b/src/k.cu"]
+    (tool.ROOT / "packages/a/build/more.o").write_text("another output")
+    assert tool.check() == 0
+
+
+@pytest.mark.parametrize("change", ["edit", "add", "remove"])
+def test_any_other_source_means_build(tool, change, capsys):
+    listed(tool)
+    src = tool.ROOT / "packages/b/src"
+    if change == "edit":
+        (src / "k.cu").write_text("// changed\n")
+    elif change == "add":
+        (src / "new.cuh").write_text("// new\n")
+    else:
+        (src / "k.cu").unlink()
+    assert tool.check() == 1
+    assert "packages/b/src/" in capsys.readouterr().out
