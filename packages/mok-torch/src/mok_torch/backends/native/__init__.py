@@ -824,15 +824,16 @@ class NativeBackend:
         self, cfg: MoKConfig, ws: Workspace, sched: Schedule, tr: Transport, x_TH: torch.Tensor,
         router_weights_TK: torch.Tensor, routed: Weights3, shared: Weights3 | None,
     ) -> tuple[torch.Tensor, ForwardContext]:  # fmt: skip
-        """One rank: the shared expert, the routed experts in one launch (each route's row into
-        `rows`), the combine. No barrier (there is no peer) and no routed copy of x: the context
-        keeps none (x_routed has 0 rows), and the backward gathers the rows again."""
+        """One rank: the routed experts in one launch (each route's row into `rows`), the shared
+        expert, the combine. No barrier (there is no peer) and no routed copy of x: the context
+        keeps none (x_routed has 0 rows), and the backward gathers the rows again. The megakernel
+        is issued first: the device starts it while the host issues the rest."""
         T, K, H = sched.num_tokens, sched.topk, ws.hidden_size
-        ys, shared_a, shared_b = self._shared_forward(cfg, x_TH, shared, outputs=True)
         rows = tr.view["rows"]
         a, b = megakernel.moe_forward(
             ws, sched, x_TH, routed, rows, tr.error, limit=cfg.swiglu_limit, timeout_ns=tr.timeout_ns
         )
+        ys, shared_a, shared_b = self._shared_forward(cfg, x_TH, shared, outputs=True)
         w = router_weights_TK.float().reshape(-1).contiguous()
         y = self._combine(tr, ys, rows[: T * K], w, T, K, H)
         self._after_call(tr)
