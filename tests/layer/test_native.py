@@ -335,6 +335,43 @@ def test_cuda_bad_expert_id_is_raised_by_the_next_call(dims):
 
 
 @gpu
+def test_cuda_bad_expert_id_is_raised_across_streams():
+    """A call's error snapshot is read by a later call whichever streams they run on: calls that
+    alternate between two streams (each stream waiting for the other's last call: a workspace's
+    buffers serve one call at a time), the device behind the host, the bad one among them, raise
+    its ValueError by a later call, and the calls that are not bad keep the bits of a fresh call."""
+    dev = torch.device("cuda")
+    T, H, I, E, K = 40, 128, 128, 4, 2
+    cfg = config(backend="cuda", expert_alignment=128)
+    inp = make_inputs(T, H, I, E, K, 0, seed=7).to(dev)
+
+    def call(top: torch.Tensor) -> torch.Tensor:
+        return mok.moe(inp.x_TH, top, inp.router_weights_TK, inp.routed, config=cfg, max_tokens=T)
+
+    good = call(inp.top_experts_TK)
+    mok.check_errors()
+    bad = inp.top_experts_TK.clone()
+    bad[3, 1] = E + 1
+    first = rf"top_experts holds expert id {E + 1} at position \[3, 1\], outside \[0, {E}\)"
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    outs = []
+    with pytest.raises(ValueError, match=first):
+        for i, top in enumerate([inp.top_experts_TK] * 3 + [bad] + [inp.top_experts_TK] * 3):
+            streams[i % 2].wait_stream(streams[(i + 1) % 2])
+            with torch.cuda.stream(streams[i % 2]):
+                outs.append(call(top))
+        torch.cuda.synchronize()
+        call(inp.top_experts_TK)  # the next call finds the finished calls' words
+    torch.cuda.synchronize()
+    for y in outs[:3]:
+        assert torch.equal(y, good)
+    assert torch.equal(call(inp.top_experts_TK), good)
+    mok.check_errors()
+
+
+@gpu
 @pytest.mark.parametrize("dims", ["small", "kernels"])
 def test_cuda_call_never_waits_for_the_device(dims):
     """A layer call's forward and backward on a GPU issue no synchronizing CUDA call (torch's sync
