@@ -273,6 +273,20 @@ def assert_replays_match(results: list[dict]) -> None:
             assert torch.equal(a, b)
 
 
+def _gpu_layer_call(dims: str, seed: int):
+    """(inputs on the GPU, call(top) -> mok.moe's y, the config, (T, H, I, E, K)) of a small layer on
+    the cuda backend; dims "kernels": H, I multiples of 64 (mok-bf16's GEMMs, the megakernel on
+    sm_90)."""
+    T, H, I, E, K = (24, 32, 16, 4, 2) if dims == "small" else (40, 128, 128, 4, 2)
+    cfg = config(backend="cuda", expert_alignment=8 if dims == "small" else 128)
+    inp = make_inputs(T, H, I, E, K, 0, seed=seed).to(torch.device("cuda"))
+
+    def call(top: torch.Tensor) -> torch.Tensor:
+        return mok.moe(inp.x_TH, top, inp.router_weights_TK, inp.routed, config=cfg, max_tokens=T)
+
+    return inp, call, cfg, (T, H, I, E, K)
+
+
 @gpu
 @pytest.mark.parametrize("dims", ["small", "kernels"])
 def test_cuda_bad_expert_id_is_raised_by_the_next_call(dims):
@@ -281,14 +295,7 @@ def test_cuda_bad_expert_id_is_raised_by_the_next_call(dims):
     raises the ValueError naming the first bad route; at EP 1 the workspace then serves on with
     the bits of a fresh call. The layer's router replay and a CUDA graph replay report alike.
     dims "kernels": H, I multiples of 64 (mok-bf16's GEMMs, the megakernel on sm_90)."""
-    dev = torch.device("cuda")
-    T, H, I, E, K = (24, 32, 16, 4, 2) if dims == "small" else (40, 128, 128, 4, 2)
-    cfg = config(backend="cuda", expert_alignment=8 if dims == "small" else 128)
-    inp = make_inputs(T, H, I, E, K, 0, seed=5).to(dev)
-
-    def call(top: torch.Tensor) -> torch.Tensor:
-        return mok.moe(inp.x_TH, top, inp.router_weights_TK, inp.routed, config=cfg, max_tokens=T)
-
+    inp, call, cfg, (T, H, I, E, K) = _gpu_layer_call(dims, seed=5)
     good = call(inp.top_experts_TK)
     mok.check_errors()
     bad = inp.top_experts_TK.clone()
@@ -305,7 +312,7 @@ def test_cuda_bad_expert_id_is_raised_by_the_next_call(dims):
     assert torch.equal(call(inp.top_experts_TK), good)
     mok.check_errors()
 
-    layer = mok.MoELayer(H, I, E, K, config=cfg, max_tokens=T).to(dev)
+    layer = mok.MoELayer(H, I, E, K, config=cfg, max_tokens=T).to(inp.x_TH.device)
     layer(inp.x_TH, top_experts=inp.top_experts_TK)
     mok.check_errors()
     with pytest.raises(ValueError, match=first):
@@ -340,14 +347,7 @@ def test_cuda_bad_expert_id_is_raised_across_streams():
     alternate between two streams (each stream waiting for the other's last call: a workspace's
     buffers serve one call at a time), the device behind the host, the bad one among them, raise
     its ValueError by a later call, and the calls that are not bad keep the bits of a fresh call."""
-    dev = torch.device("cuda")
-    T, H, I, E, K = 40, 128, 128, 4, 2
-    cfg = config(backend="cuda", expert_alignment=128)
-    inp = make_inputs(T, H, I, E, K, 0, seed=7).to(dev)
-
-    def call(top: torch.Tensor) -> torch.Tensor:
-        return mok.moe(inp.x_TH, top, inp.router_weights_TK, inp.routed, config=cfg, max_tokens=T)
-
+    inp, call, _, (_, _, _, E, _) = _gpu_layer_call("kernels", seed=7)
     good = call(inp.top_experts_TK)
     mok.check_errors()
     bad = inp.top_experts_TK.clone()
