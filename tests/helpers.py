@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -102,6 +103,40 @@ def run_functional(
     if g.d_shared is not None:
         out.update(dWg_s=g.d_shared[0], dWu_s=g.d_shared[1], dWd_s=g.d_shared[2])
     return {k: v.detach().cpu() for k, v in out.items()}
+
+
+def assert_fused_forward_is_the_two_calls(
+    inp: LayerInputs, cfg: mok.MoKConfig, device: str | torch.device = DEVICE
+) -> None:
+    """functional.schedule_and_forward (mok.moe's eager call) gives the schedule, y and context of
+    build_schedule then forward, bit for bit, and the backward from its schedule the same gradients."""
+    from mok_torch import functional
+
+    dev = torch.device(device)
+    x, top, w = inp.x_TH.to(dev), inp.top_experts_TK.to(dev), inp.router_weights_TK.to(dev)
+    routed = tuple(t.to(dev) for t in inp.routed)
+    shared = None if inp.shared is None else tuple(t.to(dev) for t in inp.shared)
+    E, (T, K), H = inp.routed[0].shape[0], top.shape, x.shape[1]
+    ws = mok.get_workspace(cfg, None, device=dev, max_tokens=max(T, 1), hidden_size=H, topk=K, num_experts=E)
+    runs = []
+    for fused in (False, True):
+        if fused:
+            sched, y, ctx = functional.schedule_and_forward(cfg, ws, top, x, w, routed, shared)
+        else:
+            sched = mok.build_schedule(ws, cfg, top)
+            y, ctx = mok.forward(cfg, ws, sched, x, w, routed, shared)
+        g = mok.backward(cfg, ws, sched, ctx, inp.dy_TH.to(dev), x, w, routed, shared)
+        fields = [
+            getattr(sched, f.name)
+            for f in dataclasses.fields(sched)
+            if isinstance(getattr(sched, f.name), torch.Tensor)
+        ]
+        kept = [t for t in (ctx.x_routed_MH, ctx.a_MI, ctx.b_MI, ctx.shared_a_TIs, ctx.shared_b_TIs) if t is not None]
+        grads = [t for t in torch.utils._pytree.tree_leaves(tuple(g)) if t is not None]
+        runs.append([t.detach().cpu().clone() for t in (*fields, y, *kept, *grads)])
+    assert len(runs[0]) == len(runs[1])
+    for i, (a, b) in enumerate(zip(*runs, strict=True)):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), f"output {i} differs"
 
 
 # What the determinism contract covers across configurations and EP sizes (docs/determinism.md).

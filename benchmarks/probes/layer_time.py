@@ -140,6 +140,7 @@ def main() -> None:
 
 def host_layers(shape, call, cfg: mok.MoKConfig) -> list[str]:
     """Host ms of one forward (megakernel path) issued at each layer of mok's stack."""
+    from mok_torch import functional as mok_functional
     from mok_torch.backends import resolve_backend
 
     T, H = call.x_TH.shape
@@ -171,6 +172,12 @@ def host_layers(shape, call, cfg: mok.MoKConfig) -> list[str]:
         sched = mok.build_schedule(ws, cfg, top)
         mok.forward(cfg, ws, sched, x, w, routed, shared)
 
+    def fused_functional() -> None:
+        mok_functional.schedule_and_forward(cfg, ws, top, x, w, routed, shared)
+
+    def fused_backend() -> None:
+        backend.schedule_and_forward(cfg, ws, top32, x, w, routed, shared)
+
     def backend_calls() -> None:
         sched = backend.build_schedule(ws, cfg, top32)
         backend.forward(cfg, ws, sched, x, w, routed, shared)
@@ -196,6 +203,8 @@ def host_layers(shape, call, cfg: mok.MoKConfig) -> list[str]:
         ("mok.moe (no_grad)", moe_no_grad),
         ("torch.ops.mok.build_schedule + forward", custom_ops),
         ("mok.build_schedule + mok.forward", functional),
+        ("functional.schedule_and_forward (mok.moe's)", fused_functional),
+        ("backend.schedule_and_forward", fused_backend),
         ("backend.build_schedule + forward", backend_calls),
         ("backend.build_schedule", lambda: backend.build_schedule(ws, cfg, top32)),
         ("backend.forward", backend_forward),

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 import torch
-from helpers import CONTRACT_KEYS, assert_bitwise, assert_close, run_functional
+from helpers import CONTRACT_KEYS, assert_bitwise, assert_close, assert_fused_forward_is_the_two_calls, run_functional
 from reference.moe_loop import moe_loop
 
 import mok_torch as mok
@@ -100,6 +100,18 @@ def test_megakernel_is_bitwise_the_chain(T, H, I, E, K, Is, routing, limit):
 
 
 @needs_gpu
+@pytest.mark.parametrize("T,H,I,E,K,Is,routing,limit", CASES)
+def test_megakernel_issued_with_the_schedule_is_the_two_calls(T, H, I, E, K, Is, routing, limit):
+    """mok.moe's eager call issues the megakernel right after the schedule's table (its arrays
+    views of one buffer), the rest of the schedule after it: the same schedule and bits."""
+    inp = make_inputs(T, H, I, E, K, Is, routing, seed=T + 3)
+    cfg = cuda_config(swiglu_limit=limit)
+    ws = mok.create_workspace(cfg, None, device="cuda", max_tokens=T, hidden_size=H, topk=K, num_experts=E)
+    assert native.expert_path(cfg, ws, I).forward == "megakernel"
+    assert_fused_forward_is_the_two_calls(inp, cfg, device="cuda")
+
+
+@needs_gpu
 @pytest.mark.parametrize("T,H,I,E,K,Is,routing,limit", CASES[:4])
 def test_megakernel_matches_fp64_loop(T, H, I, E, K, Is, routing, limit):
     inp = make_inputs(T, H, I, E, K, Is, routing, seed=T + 2)
@@ -121,8 +133,8 @@ def _direct(T, H, I, E, K, routing, *, num_sms=0, inject=False, timeout_s=30.0, 
     rows = torch.full((T * K, H), float("nan"), dtype=torch.bfloat16, device="cuda")
     error = torch.zeros(4, dtype=torch.int32, device="cuda")
     a, b = megakernel.moe_forward(
-        ws, sched, inp.x_TH, inp.routed, rows, error, limit=None, timeout_ns=int(timeout_s * 1e9),
-        num_sms=num_sms, inject_missing_dependency=inject,
+        ws, sched.row_route_C, sched.expert_offsets_El1, inp.x_TH, inp.routed, rows, error, limit=None,
+        timeout_ns=int(timeout_s * 1e9), num_sms=num_sms, inject_missing_dependency=inject,
     )  # fmt: skip
     torch.cuda.synchronize()
     return a, b, rows, error, megakernel.task_state(ws), ws, sched

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import BACKEND, CONTRACT_KEYS, DEVICE, assert_bitwise, config, run_functional
+from helpers import (
+    BACKEND,
+    CONTRACT_KEYS,
+    DEVICE,
+    assert_bitwise,
+    assert_fused_forward_is_the_two_calls,
+    config,
+    run_functional,
+)
 
 import mok_torch as mok
 from mok_torch.testing import make_inputs
@@ -92,6 +100,14 @@ def test_recompute_forward_context_matches_forward():
         torch.utils._pytree.tree_leaves(tuple(g1)), torch.utils._pytree.tree_leaves(tuple(g2)), strict=True
     ):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "T,H,I,E,K,Is,routing", SHAPES + [pytest.param(1, 32, 16, 4, 1, 0, "worst", id="one-token-K1")]
+)
+def test_schedule_and_forward_is_build_schedule_then_forward(T, H, I, E, K, Is, routing):
+    inp = make_inputs(T, H, I, E, K, Is, routing, seed=T + 5)
+    assert_fused_forward_is_the_two_calls(inp, config(expert_alignment=8))
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import functional, ops
+from . import ops
 from .agreement import bounded
 from .config import MoKConfig
 from .structs import ForwardContext
@@ -113,8 +113,7 @@ def moe(
             cfg, group, device=x.device, max_tokens=max_tokens, hidden_size=H, topk=top_experts.shape[1],
             num_experts=num_experts,
         )  # fmt: skip
-        sched = functional.build_schedule(ws, cfg, top_experts)
-        return Layer.apply(cfg, ws, sched, x, router_weights, *routed, *s)
+        return Layer.apply(cfg, ws, top_experts, x, router_weights, *routed, *s)
     name = ops.group_name(group) if _group_name is None else _group_name
     schedule = torch.ops.mok.build_schedule(top_experts.contiguous(), name, max_tokens, H, num_experts, cfg.key)
     outputs = torch.ops.mok.forward(x, router_weights, *routed, *s, schedule, top_experts, name, max_tokens, cfg.key)
@@ -122,17 +121,19 @@ def moe(
 
 
 class Layer(torch.autograd.Function):
-    """mok.moe outside torch.compile: `mok::forward` and `mok::backward`'s arithmetic (ops.run_forward,
-    ops.run_backward) on the schedule object itself, with none of the custom ops' dispatch. Under
+    """mok.moe outside torch.compile: `mok::build_schedule`, `mok::forward` and `mok::backward`'s
+    arithmetic (ops.run_schedule_forward, ops.run_backward) on the schedule object itself, with none of the
+    custom ops' dispatch; the schedule and the forward in one call (functional.schedule_and_forward),
+    so that a backend may start the forward's kernels before the schedule's last ones. Under
     torch.compile, mok.moe calls the custom ops instead; both give the same bits."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, cfg: MoKConfig, ws: Any, sched: Any, x: torch.Tensor, router_weights: torch.Tensor,
-        *weights: torch.Tensor | None,
+        ctx: Any, cfg: MoKConfig, ws: Any, top_experts: torch.Tensor, x: torch.Tensor,
+        router_weights: torch.Tensor, *weights: torch.Tensor | None,
     ) -> torch.Tensor:  # fmt: skip
         routed, shared = weights[:3], weights[3:]
-        y, fctx = ops.run_forward(cfg, ws, sched, x, router_weights, routed, shared)  # type: ignore[arg-type]
+        sched, y, fctx = ops.run_schedule_forward(cfg, ws, top_experts, x, router_weights, routed, shared)  # type: ignore[arg-type]
         ctx.meta = (cfg, ws, sched, fctx.backend, fctx.shared_a_TIs is not None)
         # What the context keeps as a view is copied: a view of a workspace buffer would be
         # rewritten by the next call before this backward runs, one of a larger tensor would keep

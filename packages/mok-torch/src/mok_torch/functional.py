@@ -8,6 +8,8 @@ backend `config.backend` resolves to. `mok_torch.moe` wraps them in autograd.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from . import agreement
@@ -65,7 +67,7 @@ def _check_mxfp8_routed(ws: Workspace, routed: tuple | list) -> int:
 
 def _check_layer_args(
     ws: Workspace,
-    sched: Schedule,
+    num_tokens: int,
     x: object,
     router_weights: object | None,
     routed: object,
@@ -73,7 +75,7 @@ def _check_layer_args(
     precision: str = "bf16",
 ) -> tuple[int, int | None]:
     """Checks x, router weights and weights; returns (I, Is or None)."""
-    T, H, K, El = sched.num_tokens, ws.hidden_size, ws.topk, ws.num_local_experts
+    T, H, K, El = num_tokens, ws.hidden_size, ws.topk, ws.num_local_experts
     check_tensor("x", x, dtypes=BF16, shape=[("T", T), ("H", H)], device=ws.device)
     if router_weights is not None:
         check_tensor(
@@ -165,6 +167,12 @@ def build_schedule(ws: Workspace, cfg: MoKConfig, top_experts: torch.Tensor) -> 
     `top_experts` (router replay); ids are checked to lie in [0, E). Any layout is taken
     (`route` returns a strided view of a sort); the table builder reads a contiguous copy.
     """
+    te, backend = _checked_routes(ws, cfg, top_experts)
+    return backend.build_schedule(ws, cfg, te)
+
+
+def _checked_routes(ws: Workspace, cfg: MoKConfig, top_experts: object) -> tuple[torch.Tensor, Any]:
+    """build_schedule's checks and agreement: the routes, contiguous, and the backend."""
     _check_config(cfg, ws)
     te = check_tensor(
         "top_experts",
@@ -190,7 +198,31 @@ def build_schedule(ws: Workspace, cfg: MoKConfig, top_experts: torch.Tensor) -> 
         check_expert_ids("top_experts", te, ws.num_experts)
     # Before any buffer is made or row moves: every rank holds the same workspace and config.
     agreement.agree_call(ws, cfg, backend.name)
-    return backend.build_schedule(ws, cfg, te)
+    return te, backend
+
+
+def schedule_and_forward(
+    cfg: MoKConfig,
+    ws: Workspace,
+    top_experts: torch.Tensor,
+    x: torch.Tensor,
+    router_weights: torch.Tensor,
+    routed: Weights3,
+    shared: Weights3 | None = None,
+) -> tuple[Schedule, torch.Tensor, ForwardContext]:
+    """`build_schedule` then `forward` in one call: (schedule, y, context), with both calls'
+    checks and the same bits. What mok.moe runs outside torch.compile: a backend may issue the
+    forward's first kernel before the schedule's last ones (the native backend issues its
+    megakernel right after the table, which is all the megakernel reads).
+    """
+    te, backend = _checked_routes(ws, cfg, top_experts)
+    _agree_weights(ws, cfg, _check_layer_args(ws, te.shape[0], x, router_weights, routed, shared, cfg.precision))
+    routed_t, shared_t = tuple(routed), None if shared is None else tuple(shared)
+    fused = getattr(backend, "schedule_and_forward", None)
+    if fused is not None:
+        return fused(cfg, ws, te, x, router_weights, routed_t, shared_t)  # type: ignore[no-any-return]
+    sched = backend.build_schedule(ws, cfg, te)
+    return (sched, *backend.forward(cfg, ws, sched, x, router_weights, routed_t, shared_t))
 
 
 def forward(
@@ -213,7 +245,7 @@ def forward(
     """
     _check_config(cfg, ws)
     sched = _check_schedule(sched, ws)
-    _agree_weights(ws, cfg, _check_layer_args(ws, sched, x, router_weights, routed, shared, cfg.precision))
+    _agree_weights(ws, cfg, _check_layer_args(ws, sched.num_tokens, x, router_weights, routed, shared, cfg.precision))
     backend = resolve_backend(cfg, ws.device)
     return backend.forward(cfg, ws, sched, x, router_weights, tuple(routed), None if shared is None else tuple(shared))
 
@@ -229,7 +261,7 @@ def recompute_forward_context(
     """The context `forward` would return, without computing y (activation checkpointing)."""
     _check_config(cfg, ws)
     sched = _check_schedule(sched, ws)
-    _agree_weights(ws, cfg, _check_layer_args(ws, sched, x, None, routed, shared, cfg.precision))
+    _agree_weights(ws, cfg, _check_layer_args(ws, sched.num_tokens, x, None, routed, shared, cfg.precision))
     backend = resolve_backend(cfg, ws.device)
     return backend.recompute_forward_context(
         cfg, ws, sched, x, tuple(routed), None if shared is None else tuple(shared)
@@ -256,7 +288,7 @@ def backward(
     """
     _check_config(cfg, ws)
     sched = _check_schedule(sched, ws)
-    _agree_weights(ws, cfg, _check_layer_args(ws, sched, x, router_weights, routed, shared, cfg.precision))
+    _agree_weights(ws, cfg, _check_layer_args(ws, sched.num_tokens, x, router_weights, routed, shared, cfg.precision))
     check_tensor("dy", dy, dtypes=BF16, shape=[("T", sched.num_tokens), ("H", ws.hidden_size)], device=ws.device)
     if not isinstance(ctx, ForwardContext):
         raise TypeError(f"ctx must be the ForwardContext of forward(), got {type(ctx).__name__}")

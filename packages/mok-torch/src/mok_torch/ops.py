@@ -106,9 +106,29 @@ def run_forward(
     routed: tuple[torch.Tensor, ...], shared: tuple[torch.Tensor | None, ...],
 ) -> tuple[torch.Tensor, ForwardContext]:  # fmt: skip
     """y in x's dtype and the context, on the functional API: what `mok::forward` runs, and what
-    mok.moe runs outside torch.compile (autograd.Layer), so both give the same bits."""
-    y, ctx = functional.forward(cfg, ws, sched, _bf16(x), router_weights.contiguous(), _three(*routed), _three(*shared))
+    mok.moe runs outside torch.compile (autograd.Layer, through run_schedule_forward), so both
+    give the same bits."""
+    y, ctx = functional.forward(cfg, ws, sched, *_forward_args(x, router_weights, routed, shared))
     return (y if y.dtype == x.dtype else y.to(x.dtype)), ctx
+
+
+def run_schedule_forward(
+    cfg: MoKConfig, ws: Workspace, top_experts: torch.Tensor, x: torch.Tensor, router_weights: torch.Tensor,
+    routed: tuple[torch.Tensor, ...], shared: tuple[torch.Tensor | None, ...],
+) -> tuple[Schedule, torch.Tensor, ForwardContext]:  # fmt: skip
+    """`mok::build_schedule` then run_forward, from one call (functional.schedule_and_forward):
+    (schedule, y in x's dtype, context)."""
+    args = _forward_args(x, router_weights, routed, shared)
+    sched, y, ctx = functional.schedule_and_forward(cfg, ws, top_experts, *args)
+    return sched, (y if y.dtype == x.dtype else y.to(x.dtype)), ctx
+
+
+def _forward_args(
+    x: torch.Tensor, router_weights: torch.Tensor, routed: tuple[torch.Tensor, ...],
+    shared: tuple[torch.Tensor | None, ...],
+) -> tuple[Any, ...]:  # fmt: skip
+    """The forward's operands as the functional API takes them (bf16 x and weights)."""
+    return _bf16(x), router_weights.contiguous(), _three(*routed), _three(*shared)
 
 
 def run_backward(

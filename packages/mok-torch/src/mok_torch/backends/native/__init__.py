@@ -331,6 +331,17 @@ def _on(ws: Workspace) -> Any:
     return torch.cuda.device(ws.device)
 
 
+class _Table(NamedTuple):
+    """The expert side of a schedule, as its table launch leaves it (Schedule's fields of these names)."""
+
+    row_src: torch.Tensor
+    row_route: torch.Tensor
+    offsets: torch.Tensor
+    counts: torch.Tensor
+    recv: torch.Tensor
+    tokens: torch.Tensor
+
+
 class _Rows:
     """Expert math on table rows [lo, hi) held as flat tensors [hi - lo, ...]."""
 
@@ -581,6 +592,24 @@ class NativeBackend:
         with _on(ws):
             return self._forward(cfg, ws, *args)
 
+    def schedule_and_forward(
+        self, cfg: MoKConfig, ws: Workspace, top_experts_TK: torch.Tensor, x_TH: torch.Tensor,
+        router_weights_TK: torch.Tensor, routed: Weights3, shared: Weights3 | None,
+    ) -> tuple[Schedule, torch.Tensor, ForwardContext]:  # fmt: skip
+        """build_schedule then forward, the same bits: on the megakernel's path the megakernel is
+        issued as soon as the table is, before the schedule's source side (which it does not
+        read), so that the device starts it that much earlier in a call from an idle GPU."""
+        with _on(ws):
+            if expert_path(cfg, ws, routed[2].shape[2]).forward != "megakernel":
+                sched = self._build_schedule(ws, cfg, top_experts_TK)
+                return (sched, *self._forward(cfg, ws, sched, x_TH, router_weights_TK, routed, shared))
+            tr = self._transport(ws, cfg)
+            _log_path(cfg, ws, ExpertPath("megakernel", "tensor-cores"), "forward")
+            table = self._table(ws, tr, top_experts_TK, one_buffer=True)
+            a, b = self._megakernel_launch(cfg, ws, tr, table.row_route, table.offsets, x_TH, routed)
+            sched = self._source_side(ws, tr, top_experts_TK, table)
+            return (sched, *self._megakernel_rest(cfg, ws, sched, tr, x_TH, router_weights_TK, shared, a, b))
+
     def recompute_forward_context(self, cfg: MoKConfig, ws: Workspace, *args: Any) -> ForwardContext:
         with _on(ws):
             return self._recompute_forward_context(cfg, ws, *args)
@@ -606,44 +635,65 @@ class NativeBackend:
 
     def _build_schedule(self, ws: Workspace, cfg: MoKConfig, top_experts_TK: torch.Tensor) -> Schedule:
         tr = self._transport(ws, cfg)
+        sched = self._source_side(ws, tr, top_experts_TK, self._table(ws, tr, top_experts_TK))
+        self._after_call(tr)
+        return sched
+
+    def _table(self, ws: Workspace, tr: Transport, top_experts_TK: torch.Tensor, *, one_buffer: bool = False) -> _Table:
+        """Issue the schedule table, the expert side: what the experts' kernels read. With
+        `one_buffer` its five arrays are views of one allocation (mok.moe's eager call, whose
+        schedule never leaves the layer; a custom op would have to clone such views)."""
         core, dev, stream = tr.core, tr.dev, tr._stream()
-        top = top_experts_TK.to(torch.int32).contiguous()
-        T, K = top.shape
+        T, K = top_experts_TK.shape
         R, El, C = ws.world_size, ws.num_local_experts, ws.capacity
-        tr.view["routes"][:T].copy_(top)
+        tr.view["routes"][:T].copy_(top_experts_TK)  # int32 in the field, whatever the ids' dtype
         tr.view["tokens"].fill_(T)
         tr.barrier(1)
-        new = lambda n, dt: torch.empty(n, dtype=dt, device=ws.device)  # noqa: E731
-        row_src, row_route = new(C, torch.int32), new(C, torch.int32)
-        offsets, counts = new(El + 1, torch.int32), new(El, torch.int32)
-        recv, tokens = new(R, torch.int64), new(R, torch.int64)
-        send_order, send_counts = new(T * K, torch.int64), new(R, torch.int64)
+        if one_buffer:  # the int64 arrays first, at 8-byte offsets
+            buf = torch.empty(4 * R + 2 * C + 2 * El + 1, dtype=torch.int32, device=ws.device)
+            parts = buf.split([2 * R, 2 * R, C, C, El + 1, El])
+            recv, tokens = parts[0].view(torch.int64), parts[1].view(torch.int64)
+            row_src, row_route, offsets, counts = parts[2:]
+        else:
+            new = lambda n, dt: torch.empty(n, dtype=dt, device=ws.device)  # noqa: E731
+            row_src, row_route = new(C, torch.int32), new(C, torch.int32)
+            offsets, counts = new(El + 1, torch.int32), new(El, torch.int32)
+            recv, tokens = new(R, torch.int64), new(R, torch.int64)
         # The table also writes each route's row in it into the route's source rank (for a push
         # dispatch and a pull combine); on the GPU many CTAs build it, in a scratch of the workspace.
-        scratch = self._schedule_scratch(ws)
         core.build_table(
             dev, tr.ptrs["routes"].data_ptr(), tr.ptrs["tokens"].data_ptr(), R, ws.max_tokens, K, ws.rank, El,
             ws.expert_alignment, C, row_src.data_ptr(), row_route.data_ptr(), offsets.data_ptr(), counts.data_ptr(),
-            recv.data_ptr(), tokens.data_ptr(), stream, route_row_ptrs=tr.ptrs["route_row"].data_ptr(), scratch=scratch,
-            error=tr.error.data_ptr(),
+            recv.data_ptr(), tokens.data_ptr(), stream, route_row_ptrs=tr.ptrs["route_row"].data_ptr(),
+            scratch=self._schedule_scratch(ws), error=tr.error.data_ptr(),
         )  # fmt: skip
-        core.build_send_side(
-            dev, top.data_ptr(), T, K, El, R, send_order.data_ptr(), send_counts.data_ptr(), stream, scratch=scratch
-        )
+        return _Table(row_src, row_route, offsets, counts, recv, tokens)
+
+    def _source_side(self, ws: Workspace, tr: Transport, top_experts_TK: torch.Tensor, table: _Table) -> Schedule:
+        """Issue the rest of the schedule after `table`: this rank's own routes (the send side,
+        each route's rank and row), and the barrier after which the routes may be rewritten."""
+        top = top_experts_TK.to(torch.int32).contiguous()
+        T, K = top.shape
+        R, El = ws.world_size, ws.num_local_experts
+        send_order = torch.empty(T * K, dtype=torch.int64, device=ws.device)
+        send_counts = torch.empty(R, dtype=torch.int64, device=ws.device)
+        tr.core.build_send_side(
+            tr.dev, top.data_ptr(), T, K, El, R, send_order.data_ptr(), send_counts.data_ptr(), tr._stream(),
+            scratch=self._schedule_scratch(ws),
+        )  # fmt: skip
         tr.barrier(2)  # every rank has read every rank's routes (they may be rewritten); rows landed
         route_row = tr.view["route_row"][: T * K].clone()  # the next schedule rewrites the field
         route_rank = torch.div(top.reshape(-1), El, rounding_mode="floor").to(torch.int32)
-        self._after_call(tr)
         return Schedule(
             workspace=ws,
             backend=self.name,
             top_experts_TK=top,
-            tokens_per_rank_R=tokens,
-            row_src_rank_C=row_src,
-            row_route_C=row_route,
-            expert_offsets_El1=offsets,
-            expert_counts_El=counts,
-            recv_counts_R=recv,
+            tokens_per_rank_R=table.tokens,
+            row_src_rank_C=table.row_src,
+            row_route_C=table.row_route,
+            expert_offsets_El1=table.offsets,
+            expert_counts_El=table.counts,
+            recv_counts_R=table.recv,
             send_order_TK=send_order,
             send_counts_R=send_counts,
             route_rank_TK=route_rank,
@@ -828,14 +878,28 @@ class NativeBackend:
         expert, the combine. No barrier (there is no peer) and no routed copy of x: the context
         keeps none (x_routed has 0 rows), and the backward gathers the rows again. The megakernel
         is issued first: the device starts it while the host issues the rest."""
+        a, b = self._megakernel_launch(cfg, ws, tr, sched.row_route_C, sched.expert_offsets_El1, x_TH, routed)
+        return self._megakernel_rest(cfg, ws, sched, tr, x_TH, router_weights_TK, shared, a, b)
+
+    @staticmethod
+    def _megakernel_launch(
+        cfg: MoKConfig, ws: Workspace, tr: Transport, row_route_C: torch.Tensor, offsets_El1: torch.Tensor,
+        x_TH: torch.Tensor, routed: Weights3,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        return megakernel.moe_forward(
+            ws, row_route_C, offsets_El1, x_TH, routed, tr.view["rows"], tr.error, limit=cfg.swiglu_limit,
+            timeout_ns=tr.timeout_ns,
+        )  # fmt: skip
+
+    def _megakernel_rest(
+        self, cfg: MoKConfig, ws: Workspace, sched: Schedule, tr: Transport, x_TH: torch.Tensor,
+        router_weights_TK: torch.Tensor, shared: Weights3 | None, a: torch.Tensor, b: torch.Tensor,
+    ) -> tuple[torch.Tensor, ForwardContext]:  # fmt: skip
+        """What follows the megakernel's launch: the shared expert, the combine, the error snapshot."""
         T, K, H = sched.num_tokens, sched.topk, ws.hidden_size
-        rows = tr.view["rows"]
-        a, b = megakernel.moe_forward(
-            ws, sched, x_TH, routed, rows, tr.error, limit=cfg.swiglu_limit, timeout_ns=tr.timeout_ns
-        )
         ys, shared_a, shared_b = self._shared_forward(cfg, x_TH, shared, outputs=True)
         w = router_weights_TK.float().reshape(-1).contiguous()
-        y = self._combine(tr, ys, rows[: T * K], w, T, K, H)
+        y = self._combine(tr, ys, tr.view["rows"][: T * K], w, T, K, H)
         self._after_call(tr)
         not_kept = x_TH.new_empty(0, H)
         return y, ForwardContext(sched, self.name, not_kept, a, b, shared_a, shared_b)

@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from ...structs import Schedule
 from ...workspace import Workspace
 from .transport import current_stream_handle
 
@@ -46,7 +45,8 @@ def _scratch_h(ws: Workspace, inner: int) -> torch.Tensor:
 
 def moe_forward(
     ws: Workspace,
-    sched: Schedule,
+    row_route_C: torch.Tensor,
+    expert_offsets_El1: torch.Tensor,
     x_TH: torch.Tensor,
     routed: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     rows_out: torch.Tensor,
@@ -60,6 +60,9 @@ def moe_forward(
     """The routed experts of one call: y of every route into rows_out [>= T*K, H] (row t*K + k),
     and the pre-activations a, b [C, I] of every table row (zero past the last segment).
 
+    row_route_C and expert_offsets_El1 are the schedule table's (Schedule's fields of those names:
+    the table alone, which the backend issues before the rest of the schedule); K is the
+    workspace's.
     x_TH bf16 [T, H] contiguous; routed (Wg, Wu [El, I, H], Wd [El, H, I]) bf16; error the
     transport's int32 [4] error words (a dependency that times out is recorded there).
     """
@@ -74,9 +77,9 @@ def moe_forward(
     b = torch.empty(C, inner, dtype=BF16, device=dev)
     h = _scratch_h(ws, inner)
     mok_bf16.moe_forward(
-        "cuda", x_TH.data_ptr(), sched.row_route_C.data_ptr(), sched.expert_offsets_El1.data_ptr(),
+        "cuda", x_TH.data_ptr(), row_route_C.data_ptr(), expert_offsets_El1.data_ptr(),
         wg.data_ptr(), wu.data_ptr(), wd.data_ptr(), a.data_ptr(), b.data_ptr(), h.data_ptr(),
-        rows_out.data_ptr(), task_state(ws).data_ptr(), error.data_ptr(), C, T, H, inner, El, sched.topk,
+        rows_out.data_ptr(), task_state(ws).data_ptr(), error.data_ptr(), C, T, H, inner, El, ws.topk,
         limit=limit, num_sms=num_sms, timeout_ns=timeout_ns, stage=STAGE, rank=ws.rank,
         inject_missing_dependency=inject_missing_dependency, stream=current_stream_handle(dev),
     )  # fmt: skip
