@@ -140,29 +140,87 @@ __global__ void swiglu_backward_kernel(SwigluBackwardRows r) {
       [&](std::int64_t lo, std::int64_t hi) { swiglu_backward_rows(r, lo, hi); });
 }
 
+// The most clusters of two CTAs of `kKernel` that can be resident at once on this device (0 if
+// none: the device takes no clusters).
+template <auto kKernel>
+int resident_pairs(int shared_bytes) {
+  static std::atomic<int> known[kernels::kTrackedDevices];
+  const int device = kernels::current_device();
+  const bool tracked = device >= 0 && device < kernels::kTrackedDevices;
+  if (tracked) {
+    if (const int n = known[device].load(std::memory_order_relaxed); n != 0) return n < 0 ? 0 : n;
+  }
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(2);
+  config.blockDim = dim3(gemm::kThreads);
+  config.dynamicSmemBytes = static_cast<std::size_t>(shared_bytes);
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = 2;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, kKernel, &config) != cudaSuccess) {
+    (void)cudaGetLastError();  // not an error of the call: no clusters, the kernel without them
+    n = 0;
+  }
+  if (tracked) known[device].store(n > 0 ? n : -1, std::memory_order_relaxed);
+  return n;
+}
+
+// One of the weight-gradient kernels on `grid` CTAs, in clusters of kCluster.
+template <bool kCarryIn, bool kF32, int kCluster>
+void launch_wgrad_kernel(const CUtensorMap& map_a, const CUtensorMap& map_b,
+                         const gemm::WgradProblem& p, int num_sms, cudaStream_t stream) {
+  using R = gemm::Ring<kernels::kStages>;
+  constexpr auto kernel = gemm::wgrad_gemm_kernel<kernels::kStages, kCarryIn, kF32, kCluster>;
+  kernels::allow_shared_bytes<kernel>(R::kSharedBytes);
+  const std::int64_t m_groups =
+      ((p.m + gemm::kBlockM - 1) / gemm::kBlockM + kCluster - 1) / kCluster;
+  const std::int64_t groups =
+      static_cast<std::int64_t>(p.num_experts) * m_groups * ((p.n + gemm::kMmaN - 1) / gemm::kMmaN);
+  if constexpr (kCluster > 1) {
+    const int pairs = std::min(num_sms / 2, resident_pairs<kernel>(R::kSharedBytes));
+    if (pairs < 1) {  // no cluster fits: one CTA a tile group of one
+      launch_wgrad_kernel<kCarryIn, kF32, 1>(map_a, map_b, p, num_sms, stream);
+      return;
+    }
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(static_cast<unsigned>(2 * std::min<std::int64_t>(pairs, groups)));
+    config.blockDim = dim3(gemm::kThreads);
+    config.dynamicSmemBytes = R::kSharedBytes;
+    config.stream = stream;
+    cudaLaunchAttribute cluster{};
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = 2;
+    cluster.val.clusterDim.y = 1;
+    cluster.val.clusterDim.z = 1;
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+    check(cudaLaunchKernelEx(&config, kernel, map_a, map_b, p), "launching a weight-gradient GEMM");
+  } else {
+    const int grid =
+        static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>(num_sms, groups)));
+    kernel<<<grid, gemm::kThreads, R::kSharedBytes, stream>>>(map_a, map_b, p);
+    check(cudaGetLastError(), "launching a weight-gradient GEMM");
+  }
+}
+
 void launch_wgrad(const CUtensorMap& map_a, const CUtensorMap& map_b, const gemm::WgradProblem& p,
                   bool carry_in, int num_sms, cudaStream_t stream) {
-  using R = gemm::Ring<kernels::kStages>;
-  // bf16 outputs only (no fp32 accumulator, so nothing carried in): the deferred epilogue.
+  // bf16 outputs only (no fp32 accumulator, so nothing carried in): the deferred epilogue. In
+  // clusters of two CTAs sharing B (wgrad_gemm.cuh) where two SMs or more are asked for.
   const bool f32 = p.part[0].f32 != nullptr || p.part[1].f32 != nullptr;
-  constexpr auto kCarry = gemm::wgrad_gemm_kernel<kernels::kStages, true, true>;
-  constexpr auto kF32 = gemm::wgrad_gemm_kernel<kernels::kStages, false, true>;
-  constexpr auto kBf16 = gemm::wgrad_gemm_kernel<kernels::kStages, false, false>;
-  if (carry_in) {
-    kernels::allow_shared_bytes<kCarry>(R::kSharedBytes);
-  } else if (f32) {
-    kernels::allow_shared_bytes<kF32>(R::kSharedBytes);
-  } else {
-    kernels::allow_shared_bytes<kBf16>(R::kSharedBytes);
+  if (num_sms < 2) {
+    if (carry_in) return launch_wgrad_kernel<true, true, 1>(map_a, map_b, p, num_sms, stream);
+    if (f32) return launch_wgrad_kernel<false, true, 1>(map_a, map_b, p, num_sms, stream);
+    return launch_wgrad_kernel<false, false, 1>(map_a, map_b, p, num_sms, stream);
   }
-  auto* kernel = carry_in ? kCarry : f32 ? kF32 : kBf16;
-  const std::int64_t tiles = static_cast<std::int64_t>(p.num_experts) *
-                             ((p.m + gemm::kBlockM - 1) / gemm::kBlockM) *
-                             ((p.n + gemm::kMmaN - 1) / gemm::kMmaN);
-  const int grid =
-      static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>(num_sms, tiles)));
-  kernel<<<grid, gemm::kThreads, R::kSharedBytes, stream>>>(map_a, map_b, p);
-  check(cudaGetLastError(), "launching a weight-gradient GEMM");
+  if (carry_in) return launch_wgrad_kernel<true, true, 2>(map_a, map_b, p, num_sms, stream);
+  if (f32) return launch_wgrad_kernel<false, true, 2>(map_a, map_b, p, num_sms, stream);
+  launch_wgrad_kernel<false, false, 2>(map_a, map_b, p, num_sms, stream);
 }
 
 }  // namespace

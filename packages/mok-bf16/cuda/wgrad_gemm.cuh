@@ -12,6 +12,15 @@
 // (grouped_gemm.cuh: same ring, producer and consumers). An expert with no rows in this call
 // gets C unchanged (its carried value, or +0) in the outputs.
 //
+// Clusters (kCluster 2): with few rows per expert a tile has few k-blocks, and the operands'
+// reads from L2 bound the GEMM (ncu at qwen3-30b-a3b: L2 80 % busy, 8 k-blocks a tile). The two
+// CTAs of a cluster take two row tiles of C with the same column tile, in step: the list is over
+// groups of kCluster row tiles, and each k-block's B (the 256 columns both read) is loaded once
+// for both, each CTA's producer multicasting half of its boxes; each loads its own A. A stage is
+// refilled only once the consumers of both CTAs have given it back (they arrive on the barriers
+// of both). A group past the last row tile (an odd count) computes the last row tile again
+// without storing it (a ghost), so that both CTAs run the same k-blocks.
+//
 // Determinism (docs/determinism.md): a tile's accumulators start from C's fp32 values (or +0) and
 // take the expert's rows in blocks of 64 counted from its segment start, each four wgmma k16 steps
 // in ascending order. The last block of a segment is zero-padded in shared memory (rows past the
@@ -63,22 +72,36 @@ struct WgradTile {
   int col0;             // first column of C
   std::int64_t lo, hi;  // the expert's rows of A and B
   int blocks;           // 64-row blocks in [lo, hi)
+  bool ghost;           // computed for the cluster's other CTA only, not stored
 };
 
-__device__ inline WgradTile locate_wgrad(const WgradProblem& p, int t) {
+// Groups of kCluster row tiles of C (one tile each without clusters) in the list's order.
+template <int kCluster>
+__device__ inline int wgrad_groups(const WgradProblem& p) {
+  const int m_groups = ((p.m + kBlockM - 1) / kBlockM + kCluster - 1) / kCluster;
+  return p.num_experts * m_groups * ((p.n + kMmaN - 1) / kMmaN);
+}
+
+// Row tile `rank` of group t.
+template <int kCluster>
+__device__ inline WgradTile locate_wgrad(const WgradProblem& p, int t, int rank) {
   const int m_tiles = (p.m + kBlockM - 1) / kBlockM;
+  const int m_groups = (m_tiles + kCluster - 1) / kCluster;
   const int n_tiles = (p.n + kMmaN - 1) / kMmaN;
-  const int e = t / (m_tiles * n_tiles), local = t % (m_tiles * n_tiles);
+  const int e = t / (m_groups * n_tiles), local = t % (m_groups * n_tiles);
+  const int m_tile = (local % m_groups) * kCluster + rank;
+  const bool ghost = m_tile >= m_tiles;
   const auto clamp = [&](std::int64_t r) { return r < 0 ? 0 : (r > p.num_rows ? p.num_rows : r); };
   const std::int64_t lo = clamp(p.offsets[e]);
   std::int64_t hi = clamp(p.offsets[e + 1]);
   if (hi < lo) hi = lo;
   return {e,
-          (local % m_tiles) * kBlockM,
-          (local / m_tiles) * kMmaN,
+          (ghost ? m_tiles - 1 : m_tile) * kBlockM,
+          (local / m_groups) * kMmaN,
           lo,
           hi,
-          static_cast<int>((hi - lo + kBlockK - 1) / kBlockK)};
+          static_cast<int>((hi - lo + kBlockK - 1) / kBlockK),
+          ghost};
 }
 
 // Zeroes rows [valid, 64) of a 64 x 64 bf16 box (each row 128 bytes; the swizzle only permutes
@@ -112,14 +135,15 @@ __device__ inline void store_wgrad_piece(const PackedBf16& packed, std::uint16_t
 
 // kCarryIn: start from C's fp32 values; kF32: some part has an fp32 accumulator (else every
 // part has a bf16 output, and the epilogue is deferred). Template arguments: a run-time choice
-// there makes ptxas serialise the wgmmas.
-template <int kStages, bool kCarryIn, bool kF32>
+// there makes ptxas serialise the wgmmas. kCluster: CTAs per cluster (1 or 2, the launch's).
+template <int kStages, bool kCarryIn, bool kF32, int kCluster>
 __global__ void __launch_bounds__(kThreads, 1)
     wgrad_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                       const __grid_constant__ CUtensorMap map_b, WgradProblem p) {
   using R = Ring<kStages>;
   static_assert(kStages > kLagBlocks, "consumer 0 must get kLagBlocks stages before any release");
   static_assert(kF32 || !kCarryIn, "carrying C in needs its fp32 accumulators");
+  static_assert(kCluster == 1 || kCluster == 2, "B's boxes are split between at most two CTAs");
   constexpr bool kDeferred = !kF32;
   constexpr int kBox = kBlockK * 128;  // bytes of a 64 x 64 box
   extern __shared__ unsigned char smem_raw[];
@@ -132,13 +156,21 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x == 32) {
     for (int s = 0; s < kStages; ++s) {
       hopper::mbar_init(&full[s], 1);
-      hopper::mbar_init(&empty[s], 2);
+      hopper::mbar_init(&empty[s], 2 * kCluster);  // both consumers of every CTA of the cluster
     }
     hopper::mbar_init(&lag, 1);
     hopper::fence_barrier_init();
   }
-  __syncthreads();
-  const int total = p.num_experts * ((p.m + kBlockM - 1) / kBlockM) * ((p.n + kMmaN - 1) / kMmaN);
+  // The cluster's barriers exist before any CTA multicasts into them or arrives on them.
+  if constexpr (kCluster > 1) {
+    hopper::cluster_sync();
+  } else {
+    __syncthreads();
+  }
+  const int total = wgrad_groups<kCluster>(p);
+  const int rank = kCluster > 1 ? static_cast<int>(hopper::cluster_rank()) : 0;
+  const int first = static_cast<int>(blockIdx.x) / kCluster;
+  const int stride = static_cast<int>(gridDim.x) / kCluster;
 
   if (threadIdx.x < 128) {  // ---------------------------------------------- producer
     hopper::regs_dealloc<24>();
@@ -147,8 +179,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     hopper::prefetch_tensor_map(&map_b);
     int stage = 0;
     std::uint32_t phase = 0;
-    for (int t = blockIdx.x; t < total; t += gridDim.x) {
-      const WgradTile tile = locate_wgrad(p, t);
+    for (int t = first; t < total; t += stride) {
+      const WgradTile tile = locate_wgrad<kCluster>(p, t, rank);
       for (int kb = 0; kb < tile.blocks; ++kb) {
         const int row = static_cast<int>(tile.lo) + kb * kBlockK;
         hopper::mbar_wait(&empty[stage], phase ^ 1);
@@ -158,11 +190,29 @@ __global__ void __launch_bounds__(kThreads, 1)
           hopper::tma_load_2d(ring.a(stage) + i * kBox, &map_a, &full[stage], tile.row0 + 64 * i,
                               row);
         }
+        constexpr int kShare = kMmaN / 64 / kCluster;  // B's boxes this CTA loads
 #pragma unroll
-        for (int j = 0; j < kMmaN / 64; ++j) {
-          hopper::tma_load_2d(ring.b(stage) + j * kBox, &map_b, &full[stage], tile.col0 + 64 * j,
-                              row);
+        for (int jj = 0; jj < kShare; ++jj) {
+          const int j = rank * kShare + jj;
+          if constexpr (kCluster > 1) {
+            hopper::tma_load_2d_multicast(ring.b(stage) + j * kBox, &map_b, &full[stage],
+                                          tile.col0 + 64 * j, row, (1u << kCluster) - 1);
+          } else {
+            hopper::tma_load_2d(ring.b(stage) + j * kBox, &map_b, &full[stage], tile.col0 + 64 * j,
+                                row);
+          }
         }
+        if (++stage == kStages) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+    }
+    if constexpr (kCluster > 1) {
+      // The CTA stays until every stage is given back by the consumers of both CTAs: no arrival
+      // from the other CTA is then still on its way to this one's barriers.
+      for (int s = 0; s < kStages; ++s) {
+        hopper::mbar_wait(&empty[stage], phase ^ 1);
         if (++stage == kStages) {
           stage = 0;
           phase ^= 1;
@@ -186,6 +236,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   int lag_blocks = 0;
   int previous = -1;
   Accumulators acc;
+  // Stage s given back to the producers of every CTA of the cluster.
+  const auto release = [&](int s) {
+    if constexpr (kCluster > 1) {
+#pragma unroll
+      for (int cta = 0; cta < kCluster; ++cta) hopper::mbar_arrive_cluster(&empty[s], cta);
+    } else {
+      hopper::mbar_arrive(&empty[s]);
+    }
+  };
   // One k-block of `tile` (the last of a partial block: rows past the segment zeroed first).
   const auto k_block = [&](const WgradTile& tile, int kb, int tail) {
     hopper::mbar_wait(&full[stage], phase);
@@ -213,7 +272,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     hopper::wgmma_commit();
     hopper::wgmma_wait<1>();
-    if (previous >= 0 && releases) hopper::mbar_arrive(&empty[previous]);
+    if (previous >= 0 && releases) release(previous);
     if (lag_due && ++lag_blocks == kLagBlocks) {
       if (releases) hopper::mbar_arrive(&lag);
       lag_due = false;
@@ -235,17 +294,17 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   };
-  if (consumer == 1 && blockIdx.x < total) hopper::mbar_wait(&lag, 0);
-  for (int t = blockIdx.x; t < total; t += gridDim.x) {
+  if (consumer == 1 && first < total) hopper::mbar_wait(&lag, 0);
+  for (int t = first; t < total; t += stride) {
     // A tile with no rows still writes C (its carried value, or +0), so every output exists.
-    const WgradTile tile = locate_wgrad(p, t);
+    const WgradTile tile = locate_wgrad<kCluster>(p, t, rank);
     // This consumer's 64 rows of C lie in one part (split is a multiple of 64): its arrays from
     // the first of them, so the loads and stores below index them alike.
     const int row0 = tile.row0 + 64 * consumer;
     const bool low = row0 < p.split;
-    const std::int64_t first = p.index(tile.expert, row0, 0, low);
-    float* const c32 = p.f32(low) == nullptr ? nullptr : p.f32(low) + first;
-    std::uint16_t* const c16 = p.bf16(low) == nullptr ? nullptr : p.bf16(low) + first;
+    const std::int64_t at = p.index(tile.expert, row0, 0, low);
+    float* const c32 = p.f32(low) == nullptr ? nullptr : p.f32(low) + at;
+    std::uint16_t* const c16 = p.bf16(low) == nullptr || tile.ghost ? nullptr : p.bf16(low) + at;
     // The carried fp32 partial (or +0) is the accumulators' start.
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -281,7 +340,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     hopper::wgmma_wait<0>();
     hopper::fence_regs(acc.d);
-    if (previous >= 0 && releases) hopper::mbar_arrive(&empty[previous]);
+    if (previous >= 0 && releases) release(previous);
     if (lag_due) {  // a first tile of fewer than kLagBlocks blocks (or none)
       if (releases) hopper::mbar_arrive(&lag);
       lag_due = false;
@@ -298,7 +357,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int j = 0; j < kMmaN / 8; ++j) {
           const int col = tile.col0 + frag_col(t128, j, 0);
-          if (row0 + r >= p.m || col >= p.n) continue;
+          if (row0 + r >= p.m || col >= p.n || tile.ghost) continue;
           const float lo = acc.d[4 * j + 2 * half], hi = acc.d[4 * j + 2 * half + 1];
           if (c32 != nullptr) {
             *reinterpret_cast<float2*>(c32 + r * p.n + col) = make_float2(lo, hi);

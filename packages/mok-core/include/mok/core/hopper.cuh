@@ -70,6 +70,51 @@ __device__ inline void tma_load_2d(void* dst, const CUtensorMap* map, std::uint6
       : "memory");
 }
 
+// ------------------------------------------------------------------ thread-block clusters
+//
+// A kernel launched in clusters of CTAs (cudaLaunchAttributeClusterDimension) can have the copy
+// engine write one box into the shared memory of several of them at once (multicast: the same
+// offset in each, each CTA's barrier at the same offset completing its share of the bytes), and
+// arrive on a barrier of another CTA of its cluster.
+
+// This CTA's rank in its cluster.
+__device__ inline std::uint32_t cluster_rank() {
+  std::uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+
+// Every thread of every CTA of the cluster meets here (release / acquire: what one CTA wrote to
+// its shared memory, its barriers' initialisation included, is visible to the others after it).
+__device__ inline void cluster_sync() {
+  asm volatile(
+      "barrier.cluster.arrive.release.aligned;\n"
+      "barrier.cluster.wait.acquire.aligned;" ::
+          : "memory");
+}
+
+// An arrival on the barrier at `bar`'s offset in the shared memory of cluster CTA `cta`.
+__device__ inline void mbar_arrive_cluster(std::uint64_t* bar, std::uint32_t cta) {
+  std::uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+               : "=r"(remote)
+               : "r"(smem_addr(bar)), "r"(cta));
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote)
+               : "memory");
+}
+
+// tma_load_2d into the CTAs of `cta_mask` (bit i: cluster rank i), at dst's offset in each; the
+// bytes complete on the barrier at bar's offset in each.
+__device__ inline void tma_load_2d_multicast(void* dst, const CUtensorMap* map, std::uint64_t* bar,
+                                             int col, int row, std::uint16_t cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      ".multicast::cluster [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(smem_addr(dst)),
+      "l"(reinterpret_cast<std::uint64_t>(map)), "r"(smem_addr(bar)), "r"(col), "r"(row),
+      "h"(cta_mask)
+      : "memory");
+}
+
 // Plain asynchronous copies (not the copy engine) of 4 or 16 bytes, global to shared, and an
 // arrival on `bar` once this thread's earlier ones have landed. The barrier's expected count
 // includes that arrival (.noinc).
