@@ -74,12 +74,14 @@ def test_megakernel_knob_is_checked():
 def test_megakernel_is_the_default_path_at_one_rank():
     dev = torch.device("cuda")
 
-    def path(**kw):
+    def path(hidden=128, **kw):
         cfg = cuda_config(**kw)
-        ws = mok.create_workspace(cfg, None, device=dev, max_tokens=64, hidden_size=128, topk=2, num_experts=4)
+        ws = mok.create_workspace(cfg, None, device=dev, max_tokens=64, hidden_size=hidden, topk=2, num_experts=4)
         return native.expert_path(cfg, ws, 128)
 
     assert path() == ("megakernel", "tensor-cores")
+    assert path(hidden=native.MEGAKERNEL_MAX_HIDDEN - 64) == ("megakernel", "tensor-cores")
+    assert path(hidden=native.MEGAKERNEL_MAX_HIDDEN) == ("tensor-cores", "tensor-cores")  # the chain is faster
     assert path(megakernel=False) == ("tensor-cores", "tensor-cores")
     assert path(expert_alignment=32) == ("tensor-cores", "reference")  # the backward needs 64-row blocks
     assert path(macrobatch_size=128) == ("tensor-cores", "tensor-cores")  # a replay keeps the chain

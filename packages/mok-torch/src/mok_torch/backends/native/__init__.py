@@ -6,8 +6,9 @@ epoch barriers that time out, and runs the fixed-order epilogues. Which implemen
 routed experts is decided in one place, `expert_path` (logged at debug level on the "mok"
 logger, listed by `mok info`):
 
-- "megakernel" (cuda, BF16, one rank, sm_90, H and I multiples of 64, an expert alignment that is
-  a multiple of 64, no backward replay): the forward's routed experts in one persistent launch
+- "megakernel" (cuda, BF16, one rank, sm_90, H and I multiples of 64, H below
+  MEGAKERNEL_MAX_HIDDEN, an expert alignment that is a multiple of 64, no backward replay): the
+  forward's routed experts in one persistent launch
   (`megakernel.py`, docs/megakernel.md), x rows gathered by the schedule table inside the GEMM's
   operand loads and each output row stored at its route; the combine follows. Its bits are those
   of "tensor-cores".
@@ -195,6 +196,14 @@ def static_ring_plan(cfg: MoKConfig, ws: Workspace, inner: int) -> RingPlan:
     return RingPlan(num_rows=ws.capacity, macrobatch=macrobatch or ws.capacity, minibatch=minibatch, offsets=None)
 
 
+# The megakernel's forward runs where it was measured faster than the chain of grouped kernels
+# (H200, session 15, `benchmarks/results/profiles/2026-12-02_nvidia-h200_layer-time-13.txt`): at
+# H = 1536 and 2048 (sonic-7b, qwen3-30b-a3b: 1.49 / 1.54 ms in a CUDA graph against 2.17 / 1.69),
+# not at H = 7168 (deepseek-v3-e32: 11.6 against 10.7 ms), where its gate/up tiles' row gather over
+# 112 k-blocks costs more than the chain's pull of x (docs/megakernel.md "Next").
+MEGAKERNEL_MAX_HIDDEN = 4096  # exclusive
+
+
 def expert_path(cfg: MoKConfig, ws: Workspace, inner: int) -> ExpertPath:
     """What runs the routed experts of a call with `cfg` on `ws` (routed inner size `inner`): the one
     place the native backends decide it."""
@@ -211,6 +220,7 @@ def expert_path(cfg: MoKConfig, ws: Workspace, inner: int) -> ExpertPath:
     fused = (
         cfg.megakernel
         and ws.world_size == 1
+        and H < MEGAKERNEL_MAX_HIDDEN
         and backward == "tensor-cores"
         and not replays_in_backward(cfg, ws)
         and megakernel.available(dev)
