@@ -610,11 +610,12 @@ class NativeBackend:
         issued as soon as the table is, before the schedule's source side (which it does not
         read), so that the device starts it that much earlier in a call from an idle GPU."""
         with _on(ws):
-            if expert_path(cfg, ws, routed[2].shape[2]).forward != "megakernel":
+            path = expert_path(cfg, ws, routed[2].shape[2])
+            if path.forward != "megakernel":
                 sched = self._build_schedule(ws, cfg, top_experts_TK)
                 return (sched, *self._forward(cfg, ws, sched, x_TH, router_weights_TK, routed, shared))
             tr = self._transport(ws, cfg)
-            _log_path(cfg, ws, ExpertPath("megakernel", "tensor-cores"), "forward")
+            _log_path(cfg, ws, path, "forward")
             table = self._table(ws, tr, top_experts_TK, one_buffer=True)
             a, b = self._megakernel_launch(cfg, ws, tr, table.row_route, table.offsets, x_TH, routed)
             sched = self._source_side(ws, tr, top_experts_TK, table)
