@@ -652,7 +652,7 @@ class NativeBackend:
 
     def _table(self, ws: Workspace, tr: Transport, top_experts_TK: torch.Tensor, *, one_buffer: bool = False) -> _Table:
         """Issue the schedule table, the expert side: what the experts' kernels read. With
-        `one_buffer` its five arrays are views of one allocation (mok.moe's eager call, whose
+        `one_buffer` its six arrays are views of one allocation (mok.moe's eager call, whose
         schedule never leaves the layer; a custom op would have to clone such views)."""
         core, dev, stream = tr.core, tr.dev, tr._stream()
         T, K = top_experts_TK.shape
