@@ -225,7 +225,7 @@ void register_experts(pybind11::module_& m) {
          std::int64_t capacity, std::int64_t num_tokens, std::int64_t hidden, std::int64_t inner,
          std::int64_t num_experts, std::int64_t topk, std::optional<double> limit,
          std::int64_t num_sms, std::int64_t timeout_ns, std::int64_t stage, std::int64_t rank,
-         bool inject_missing_dependency, std::uintptr_t stream) {
+         bool inject_missing_dependency, std::uintptr_t stream, std::uintptr_t timers) {
         MoeForwardArgs a;
         a.x = x;
         a.row_route = row_route;
@@ -248,6 +248,7 @@ void register_experts(pybind11::module_& m) {
         a.stage = stage;
         a.rank = rank;
         a.inject_missing_dependency = inject_missing_dependency;
+        a.timers = timers;
         moe_forward(device, a, stream);
       },
       py::arg("device"), py::arg("x"), py::arg("row_route"), py::arg("offsets"), py::arg("w_gate"),
@@ -256,7 +257,7 @@ void register_experts(pybind11::module_& m) {
       py::arg("num_tokens"), py::arg("hidden"), py::arg("inner"), py::arg("num_experts"),
       py::arg("topk"), py::arg("limit") = py::none(), py::arg("num_sms") = 0,
       py::arg("timeout_ns") = 300000000000LL, py::arg("stage") = 0, py::arg("rank") = 0,
-      py::arg("inject_missing_dependency") = false, py::arg("stream") = 0,
+      py::arg("inject_missing_dependency") = false, py::arg("stream") = 0, py::arg("timers") = 0,
       py::call_guard<py::gil_scoped_release>(),
       "The routed experts of a layer call in one persistent launch (CUDA, sm_90a; "
       "docs/megakernel.md). For each row r of the schedule table's segments (offsets: int32 "

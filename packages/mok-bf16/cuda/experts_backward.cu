@@ -150,19 +150,10 @@ int resident_pairs(int shared_bytes) {
   if (tracked) {
     if (const int n = known[device].load(std::memory_order_relaxed); n != 0) return n < 0 ? 0 : n;
   }
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(2);
-  config.blockDim = dim3(gemm::kThreads);
-  config.dynamicSmemBytes = static_cast<std::size_t>(shared_bytes);
-  cudaLaunchAttribute cluster{};
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = 2;
-  cluster.val.clusterDim.y = 1;
-  cluster.val.clusterDim.z = 1;
-  config.attrs = &cluster;
-  config.numAttrs = 1;
+  const kernels::PairLaunch pair(2, gemm::kThreads, static_cast<std::size_t>(shared_bytes),
+                                 nullptr);
   int n = 0;
-  if (cudaOccupancyMaxActiveClusters(&n, kKernel, &config) != cudaSuccess) {
+  if (cudaOccupancyMaxActiveClusters(&n, kKernel, &pair.config) != cudaSuccess) {
     (void)cudaGetLastError();  // not an error of the call: no clusters, the kernel without them
     n = 0;
   }
@@ -170,7 +161,8 @@ int resident_pairs(int shared_bytes) {
   return n;
 }
 
-// One of the weight-gradient kernels on `grid` CTAs, in clusters of kCluster.
+// One of the weight-gradient kernels on at most num_sms CTAs (no more than its tile groups), in
+// clusters of kCluster.
 template <bool kCarryIn, bool kF32, int kCluster>
 void launch_wgrad_kernel(const CUtensorMap& map_a, const CUtensorMap& map_b,
                          const gemm::WgradProblem& p, int num_sms, cudaStream_t stream) {
@@ -187,19 +179,10 @@ void launch_wgrad_kernel(const CUtensorMap& map_a, const CUtensorMap& map_b,
       launch_wgrad_kernel<kCarryIn, kF32, 1>(map_a, map_b, p, num_sms, stream);
       return;
     }
-    cudaLaunchConfig_t config{};
-    config.gridDim = dim3(static_cast<unsigned>(2 * std::min<std::int64_t>(pairs, groups)));
-    config.blockDim = dim3(gemm::kThreads);
-    config.dynamicSmemBytes = R::kSharedBytes;
-    config.stream = stream;
-    cudaLaunchAttribute cluster{};
-    cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim.x = 2;
-    cluster.val.clusterDim.y = 1;
-    cluster.val.clusterDim.z = 1;
-    config.attrs = &cluster;
-    config.numAttrs = 1;
-    check(cudaLaunchKernelEx(&config, kernel, map_a, map_b, p), "launching a weight-gradient GEMM");
+    const kernels::PairLaunch pair(static_cast<unsigned>(2 * std::min<std::int64_t>(pairs, groups)),
+                                   gemm::kThreads, R::kSharedBytes, stream);
+    check(cudaLaunchKernelEx(&pair.config, kernel, map_a, map_b, p),
+          "launching a weight-gradient GEMM");
   } else {
     const int grid =
         static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>(num_sms, groups)));

@@ -112,7 +112,34 @@ struct Params {
   int hidden;
   int inner;
   core::SwigluLimit limit;
+  unsigned long long* timers;  // a timed launch's accounts (Timer), else null
 };
+
+// A timed launch (MoeForwardArgs::timers; kTimed, its own instantiation: the untimed kernel is
+// the same code as without timers) adds up clock64 cycles per CTA in three roles, the producer's
+// thread 0 and each consumer warpgroup's leader, kTimerSlots accounts each.
+enum Timer : int {
+  kTimeTicket =
+      0,  // waiting for a ticket (producer: a free slot and the atomic; consumers: the slot)
+  kTimeGateUp = 1,     // in gate/up tasks (waits included)
+  kTimeSwiglu = 2,     // in SwiGLU tasks (consumers; their wait included)
+  kTimeDown = 3,       // in down tasks (waits included)
+  kTimeStageWait = 4,  // waiting on a ring stage (producer: empty; consumers: full)
+  kTimeDependency =
+      5,           // waiting on a row tile's counter (producer: a down task; consumers: SwiGLU)
+  kTimeFlush = 6,  // consumers: the pending tile's pieces stored all at once
+  kTimeTotal = 7,  // the role's time from the start to the end of its task loop
+  kTimeTasks = 8,  // tasks taken (a count, not cycles)
+  kTimerSlots = 9,
+};
+constexpr int kTimerRoles = 3;
+
+// Adds `value` to account `slot` of `role` in shared memory (kTimed launches only).
+template <bool kTimed>
+__device__ inline void account(unsigned long long (*acc)[kTimerSlots], int role, int slot,
+                               unsigned long long value) {
+  if constexpr (kTimed) atomicAdd(&acc[role][slot], value);
+}
 
 // The row tiles of the segments, in shared memory.
 struct RowTiles {
@@ -267,12 +294,18 @@ __device__ inline void signal(const Params& p, const Task& task, int consumer) {
 // 8: thread t takes vectors t + 128 v (two rows of 256 bytes per warp instruction), kBatch of them
 // loaded before the first is used (a warpgroup has few warps to hide their latency with; the
 // accumulators and the pending tile stay live around this, so registers allow no more).
+template <bool kTimed>
 __device__ inline void swiglu_task(const Params& p, const Task& task, int consumer, int target,
-                                   const core::TableSigmoid& sig) {
+                                   const core::TableSigmoid& sig,
+                                   unsigned long long (*acc)[kTimerSlots]) {
   constexpr int kVectors = 64 * kGateUpN / 8 / 128;
   constexpr int kBatch = 4;
   const int t = threadIdx.x % 128;
-  if (t == 0) tasks::wait_at_least(p.ready + task.rt, target, p.wait);
+  if (t == 0) {
+    const long long t0 = kTimed ? clock64() : 0;
+    tasks::wait_at_least(p.ready + task.rt, target, p.wait);
+    account<kTimed>(acc, 1 + consumer, kTimeDependency, clock64() - t0);
+  }
   hopper::named_barrier(kConsumerBarrier + consumer, 128);  // the acquire -> every thread's loads
   const int row0 = task.row0 + 64 * consumer;
 #pragma unroll 1
@@ -301,6 +334,18 @@ __device__ inline void swiglu_task(const Params& p, const Task& task, int consum
   signal(p, task, consumer);
 }
 
+// A role's accounts into the launch's timers: [CTA][role][slot] (the role's own thread, after
+// its own last account: its shared-memory atomics are ordered before its reads).
+template <bool kTimed>
+__device__ inline void write_timers(const Params& p, unsigned long long (*acc)[kTimerSlots],
+                                    int role) {
+  if constexpr (kTimed) {
+    unsigned long long* out = p.timers + (blockIdx.x * kTimerRoles + role) * kTimerSlots;
+    for (int s = 0; s < kTimerSlots; ++s) out[s] = atomicAdd(&acc[role][s], 0ull);
+  }
+}
+
+template <bool kTimed>
 __global__ void __launch_bounds__(kThreads, 1)
     moe_forward_kernel(const __grid_constant__ CUtensorMap map_wg,
                        const __grid_constant__ CUtensorMap map_wu,
@@ -315,11 +360,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   __shared__ unsigned int task_id[kTaskSlots];
   __shared__ int tile_token[kBlockM];  // a gate/up task's rows: their tokens (producer)
   __shared__ RowTiles row_tiles;
+  __shared__ unsigned long long timer_acc[kTimed ? kTimerRoles : 1][kTimerSlots];
 
   const R ring{reinterpret_cast<unsigned char*>(
       (reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) & ~std::uintptr_t{1023})};
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (warp == 0) build_row_tiles(p, row_tiles, lane);
+  if constexpr (kTimed) {
+    if (threadIdx.x < kTimerRoles * kTimerSlots) (&timer_acc[0][0])[threadIdx.x] = 0;
+  }
   if (threadIdx.x == 32) {
     for (int s = 0; s < kStages; ++s) {
       hopper::mbar_init(&full[s], 128);
@@ -353,11 +402,17 @@ __global__ void __launch_bounds__(kThreads, 1)
         phase ^= 1;
       }
     };
+    const long long start = kTimed ? clock64() : 0;
+    const bool timer = kTimed && i == 0;  // the producer's accounts: thread 0's
+    const auto clock = [&] { return kTimed ? clock64() : 0; };
     for (;;) {
       if (i == 0) {
+        const long long t0 = clock();
         hopper::mbar_wait(&task_empty[slot], slot_phase ^ 1);
         task_id[slot] = tasks::take_ticket(p.queue);
         hopper::mbar_arrive(&task_full[slot]);  // release: the ticket -> the consumers' wait
+        account<kTimed>(timer_acc, 0, kTimeTicket, clock() - t0);
+        account<kTimed>(timer_acc, 0, kTimeTasks, 1);
       }
       hopper::named_barrier(kProducerBarrier, 128);
       const unsigned int t = *static_cast<volatile unsigned int*>(&task_id[slot]);
@@ -368,6 +423,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const Task task = decode(p, row_tiles, t);
       if (task.kind == kNone) break;
       if (task.kind == kSwiglu) continue;  // the consumers' own: nothing to load
+      const long long task_start = clock();
       if (task.kind == kGateUp) {
         // The tile's rows: each one's token (whose x row it reads), or -1 (a padding row, or past
         // the segment: zeros).
@@ -376,7 +432,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         hopper::named_barrier(kProducerBarrier, 128);
         const int b_row = task.expert * p.inner + task.col0;
         for (int kb = 0; kb < task.k_blocks; ++kb) {
+          const long long t0 = clock();
           hopper::mbar_wait(&empty[stage], phase ^ 1);
+          if (timer) account<kTimed>(timer_acc, 0, kTimeStageWait, clock() - t0);
           if (i == 0) {
             hopper::mbar_expect_tx_only(&full[stage], R::kBBytes);
             unsigned char* b = ring.b(stage);
@@ -391,16 +449,21 @@ __global__ void __launch_bounds__(kThreads, 1)
           hopper::cp_async_arrive(&full[stage]);
           advance();
         }
+        if (timer) account<kTimed>(timer_acc, 0, kTimeGateUp, clock() - task_start);
       } else {
         if (i == 0) {
           const int extra = p.inject > 0 && task.rt == 0 ? 1 : 0;
+          const long long t0 = clock();
           tasks::wait_at_least(p.ready + task.rt, swiglu_target + extra, p.wait);
+          account<kTimed>(timer_acc, 0, kTimeDependency, clock() - t0);
           // The acquire above -> the copy engine's reads of h below.
           tasks::fence_proxy_async_global();
         }
         const int b_row = task.expert * p.hidden + task.col0;
         for (int kb = 0; kb < task.k_blocks; ++kb) {
+          const long long t0 = clock();
           hopper::mbar_wait(&empty[stage], phase ^ 1);
+          if (timer) account<kTimed>(timer_acc, 0, kTimeStageWait, clock() - t0);
           if (i == 0) {
             hopper::mbar_expect_tx_only(&full[stage], R::kStageBytes);
             hopper::tma_load_2d(ring.a(stage), &map_h, &full[stage], kb * kBlockK, task.row0);
@@ -409,7 +472,12 @@ __global__ void __launch_bounds__(kThreads, 1)
           hopper::mbar_arrive(&full[stage]);
           advance();
         }
+        if (timer) account<kTimed>(timer_acc, 0, kTimeDown, clock() - task_start);
       }
+    }
+    if (timer) {
+      account<kTimed>(timer_acc, 0, kTimeTotal, clock() - start);
+      write_timers<kTimed>(p, timer_acc, 0);
     }
     return;
   }
@@ -427,9 +495,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   Accumulators acc;
   Pending pend;
   pend.live = false;
+  const int role = 1 + consumer;
+  const bool timer = kTimed && leader;  // the warpgroup's accounts: its leader's
+  const auto clock = [&] { return kTimed ? clock64() : 0; };
+  const long long start = clock();
 
   const auto k_block = [&](int kb) {
+    const long long t0 = clock();
     hopper::mbar_wait(&full[stage], phase);
+    if (timer) account<kTimed>(timer_acc, role, kTimeStageWait, clock() - t0);
     const std::uint32_t a = hopper::smem_addr(ring.a(stage)) + consumer * 64 * 128;
     const std::uint32_t b = hopper::smem_addr(ring.b(stage));
     hopper::wgmma_fence();
@@ -462,7 +536,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
 
   for (;;) {
+    const long long t0 = clock();
     hopper::mbar_wait(&task_full[slot], slot_phase);
+    if (timer) account<kTimed>(timer_acc, role, kTimeTicket, clock() - t0);
     const unsigned int t = *static_cast<volatile unsigned int*>(&task_id[slot]);
     hopper::named_barrier(kConsumerBarrier + consumer, 128);  // every thread has read the slot
     if (leader) hopper::mbar_arrive(&task_empty[slot]);
@@ -482,14 +558,19 @@ __global__ void __launch_bounds__(kThreads, 1)
     // for gate/up tiles and the pending one is a gate/up tile (it may be the one waited for).
     const bool flush = pend.live && (done || task.k_blocks < kDrainChunks ||
                                      (task.kind != kGateUp && pend.task.kind == kGateUp));
+    const long long t1 = clock();
     if (flush) unroll<kDrainChunks>([&](auto c) { drain(c); });
+    if (timer && flush) account<kTimed>(timer_acc, role, kTimeFlush, clock() - t1);
     if (done) break;
+    if (timer) account<kTimed>(timer_acc, role, kTimeTasks, 1);
+    const long long task_start = clock();
     if (task.kind == kSwiglu) {
       // The pending words hold nothing now (the next GEMM task overwrites them): constants, so
       // that their registers are free for the element math.
 #pragma unroll
       for (int i = 0; i < kMmaN / 4; ++i) pend.words.w[i] = 0;
-      swiglu_task(p, task, consumer, gate_up_target, sig);
+      swiglu_task<kTimed>(p, task, consumer, gate_up_target, sig, timer_acc);
+      if (timer) account<kTimed>(timer_acc, role, kTimeSwiglu, clock() - task_start);
       continue;
     }
     hopper::fence_regs(acc.d);
@@ -523,6 +604,14 @@ __global__ void __launch_bounds__(kThreads, 1)
           pend.route[1] = route;
       }
     }
+    if (timer) {
+      account<kTimed>(timer_acc, role, task.kind == kGateUp ? kTimeGateUp : kTimeDown,
+                      clock() - task_start);
+    }
+  }
+  if (timer) {
+    account<kTimed>(timer_acc, role, kTimeTotal, clock() - start);
+    write_timers<kTimed>(p, timer_acc, role);
   }
 
   // The pre-activations of the rows past the last segment (the capacity's tail) are zeroed, so
@@ -582,9 +671,17 @@ void moe_forward_cuda(const MoeForwardArgs& args, std::uintptr_t stream_handle) 
   p.hidden = static_cast<int>(s.hidden);
   p.inner = static_cast<int>(s.inner);
   p.limit = args.limit;
+  p.timers = reinterpret_cast<unsigned long long*>(args.timers);
   core::ensure_sigmoid_table(stream);
-  kernels::allow_shared_bytes<moe_forward_kernel>(R::kSharedBytes);
-  moe_forward_kernel<<<sms, kThreads, R::kSharedBytes, stream>>>(map_wg, map_wu, map_h, map_wd, p);
+  if (args.timers != 0) {
+    kernels::allow_shared_bytes<moe_forward_kernel<true>>(R::kSharedBytes);
+    moe_forward_kernel<true>
+        <<<sms, kThreads, R::kSharedBytes, stream>>>(map_wg, map_wu, map_h, map_wd, p);
+  } else {
+    kernels::allow_shared_bytes<moe_forward_kernel<false>>(R::kSharedBytes);
+    moe_forward_kernel<false>
+        <<<sms, kThreads, R::kSharedBytes, stream>>>(map_wg, map_wu, map_h, map_wd, p);
+  }
   kernels::check(cudaGetLastError(), "launching the forward megakernel");
 }
 

@@ -131,5 +131,6 @@ def moe_forward(
     rank: int = 0,
     inject_missing_dependency: bool = False,
     stream: int = 0,
+    timers: int = 0,
 ) -> None: ...
 def moe_forward_state_bytes(capacity: int, num_experts: int) -> int: ...

@@ -217,6 +217,9 @@ struct MoeForwardArgs {
   std::int64_t stage = 0;  // reported with a timeout
   std::int64_t rank = 0;
   bool inject_missing_dependency = false;  // tests: one row tile's down tiles wait forever
+  // A probe's per-CTA time accounts (uint64 [CTAs][3][9]: cuda/sm90/moe_forward.cu's Timer), or 0:
+  // the untimed kernel.
+  std::uintptr_t timers = 0;
 };
 
 // The dependency counters of moe_forward: one per row tile of the table, at most C/128 + El.

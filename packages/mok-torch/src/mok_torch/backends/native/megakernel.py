@@ -21,6 +21,10 @@ from .transport import current_stream_handle
 BF16 = torch.bfloat16
 # The transport's stage number a timed-out dependency reports (transport.STAGES names it).
 STAGE = 9
+# A timed launch's accounts per CTA and role (producer, consumer 0, consumer 1), in this order:
+# cuda/sm90/moe_forward.cu's Timer.
+TIMER_ROLES = ("producer", "consumer 0", "consumer 1")
+TIMER_SLOTS = ("ticket", "gate/up", "swiglu", "down", "stage wait", "dependency", "flush", "total", "tasks")
 
 
 def task_state(ws: Workspace) -> torch.Tensor:
@@ -56,6 +60,7 @@ def moe_forward(
     timeout_ns: int,
     num_sms: int = 0,
     inject_missing_dependency: bool = False,
+    timers: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The routed experts of one call: y of every route into rows_out [>= T*K, H] (row t*K + k),
     and the pre-activations a, b [C, I] of every table row (zero past the last segment).
@@ -65,6 +70,9 @@ def moe_forward(
     workspace's.
     x_TH bf16 [T, H] contiguous; routed (Wg, Wu [El, I, H], Wd [El, H, I]) bf16; error the
     transport's int32 [4] error words (a dependency that times out is recorded there).
+    timers: a probe's int64 [CTAs * 3 * 9] (zeroed by the kernel's roles as they finish): the
+    timed kernel adds up clock64 cycles per CTA and role (TIMER_SLOTS; benchmarks/probes/
+    megakernel_timers.py reads them); None runs the untimed kernel.
     """
     import mok_bf16
 
@@ -82,6 +90,7 @@ def moe_forward(
         rows_out.data_ptr(), task_state(ws).data_ptr(), error.data_ptr(), C, T, H, inner, El, ws.topk,
         limit=limit, num_sms=num_sms, timeout_ns=timeout_ns, stage=STAGE, rank=ws.rank,
         inject_missing_dependency=inject_missing_dependency, stream=current_stream_handle(dev),
+        timers=0 if timers is None else timers.data_ptr(),
     )  # fmt: skip
     return a, b
 
