@@ -130,9 +130,10 @@ struct Ring {
 
 // The consumer side of a GEMM's ring, one for every mainloop (the grouped GEMM's, the weight
 // gradients', the megakernel's): the stage of the next k-block and its phase; the stage to give
-// back once the next k-block's group is issued (one group of wgmmas stays queued); consumer 0's
-// release of consumer 1 after kLagBlocks k-blocks.
-template <int kStages>
+// back once the next k-block's group is issued (one group of wgmmas stays queued), to this CTA's
+// producer or, kCluster > 1, to the producers of every CTA of the cluster (they multicast into
+// it); consumer 0's release of consumer 1 after kLagBlocks k-blocks.
+template <int kStages, int kCluster = 1>
 struct ConsumerRing {
   std::uint64_t* full;
   std::uint64_t* empty;
@@ -152,11 +153,8 @@ struct ConsumerRing {
   // After the k-block's wgmmas are committed: the group before them done, its stage given back.
   __device__ void release() {
     hopper::wgmma_wait<1>();
-    if (previous >= 0 && releases) hopper::mbar_arrive(&empty[previous]);
-    if (lag_due && ++lag_blocks == kLagBlocks) {
-      if (releases) hopper::mbar_arrive(lag);
-      lag_due = false;
-    }
+    if (previous >= 0 && releases) give_back(previous);
+    if (lag_due && ++lag_blocks == kLagBlocks) let_go();
     previous = stage;
     if (++stage == kStages) {
       stage = 0;
@@ -167,10 +165,23 @@ struct ConsumerRing {
   // After a tile's last wgmmas are waited for: the last stage back, and consumer 1 let go if the
   // first tile had fewer than kLagBlocks k-blocks.
   __device__ void end_tile() {
-    if (previous >= 0 && releases) hopper::mbar_arrive(&empty[previous]);
-    if (lag_due) {
-      if (releases) hopper::mbar_arrive(lag);
-      lag_due = false;
+    if (previous >= 0 && releases) give_back(previous);
+    let_go();
+  }
+  // Consumer 1 may start (at once, whatever the k-blocks done: before a wait it must meet).
+  __device__ void let_go() {
+    if (!lag_due) return;
+    if (releases) hopper::mbar_arrive(lag);
+    lag_due = false;
+  }
+
+ private:
+  __device__ void give_back(int s) const {
+    if constexpr (kCluster > 1) {
+#pragma unroll
+      for (int cta = 0; cta < kCluster; ++cta) hopper::mbar_arrive_cluster(&empty[s], cta);
+    } else {
+      hopper::mbar_arrive(&empty[s]);
     }
   }
 };
