@@ -128,6 +128,64 @@ struct Ring {
   __device__ unsigned char* b(int s) const { return a(s) + kABytes; }
 };
 
+// The consumer side of a GEMM's ring, one for every mainloop (the grouped GEMM's, the weight
+// gradients', the megakernel's): the stage of the next k-block and its phase; the stage to give
+// back once the next k-block's group is issued (one group of wgmmas stays queued), to this CTA's
+// producer or, kCluster > 1, to the producers of every CTA of the cluster (they multicast into
+// it); consumer 0's release of consumer 1 after kLagBlocks k-blocks.
+template <int kStages, int kCluster = 1>
+struct ConsumerRing {
+  std::uint64_t* full;
+  std::uint64_t* empty;
+  std::uint64_t* lag;
+  bool releases;  // the warpgroup's thread that arrives on the barriers
+  bool lag_due;   // consumer 0, until it has let consumer 1 start
+  int stage = 0;
+  std::uint32_t phase = 0;
+  int previous = -1;
+  int lag_blocks = 0;
+
+  // The next k-block's stage, once it is full.
+  __device__ int acquire() {
+    hopper::mbar_wait(&full[stage], phase);
+    return stage;
+  }
+  // After the k-block's wgmmas are committed: the group before them done, its stage given back.
+  __device__ void release() {
+    hopper::wgmma_wait<1>();
+    if (previous >= 0 && releases) give_back(previous);
+    if (lag_due && ++lag_blocks == kLagBlocks) let_go();
+    previous = stage;
+    if (++stage == kStages) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+  __device__ void begin_tile() { previous = -1; }
+  // After a tile's last wgmmas are waited for: the last stage back, and consumer 1 let go if the
+  // first tile had fewer than kLagBlocks k-blocks.
+  __device__ void end_tile() {
+    if (previous >= 0 && releases) give_back(previous);
+    let_go();
+  }
+  // Consumer 1 may start (at once, whatever the k-blocks done: before a wait it must meet).
+  __device__ void let_go() {
+    if (!lag_due) return;
+    if (releases) hopper::mbar_arrive(lag);
+    lag_due = false;
+  }
+
+ private:
+  __device__ void give_back(int s) const {
+    if constexpr (kCluster > 1) {
+#pragma unroll
+      for (int cta = 0; cta < kCluster; ++cta) hopper::mbar_arrive_cluster(&empty[s], cta);
+    } else {
+      hopper::mbar_arrive(&empty[s]);
+    }
+  }
+};
+
 // The accumulators of one consumer warpgroup: 64 rows x 256 columns. For a paired GEMM the
 // fragment's n8 blocks j < 16 are the first weight's columns 8 j.., j >= 16 the second's.
 struct Accumulators {
@@ -326,15 +384,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   hopper::regs_alloc<kGatherA ? kGatherConsumerRegs : 240>();
   constexpr bool kDeferred = IsDeferred<Epilogue>::value;
   const int consumer = threadIdx.x / 128 - 1;  // 0 or 1: rows [64 c, 64 c + 64) of the tile
-  const bool releases = threadIdx.x % 128 == 0;
-  int stage = 0;
-  std::uint32_t phase = 0;
-  int previous = -1;
-  bool lag_due = consumer == 0;  // consumer 0 lets consumer 1 start after kLagBlocks k-blocks
-  int lag_blocks = 0;
+  // Consumer 0 lets consumer 1 start after kLagBlocks k-blocks.
+  ConsumerRing<kStages> pipe{full, empty, &lag, threadIdx.x % 128 == 0, consumer == 0};
   Accumulators acc;
   const auto k_block = [&](int kb) {
-    hopper::mbar_wait(&full[stage], phase);
+    const int stage = pipe.acquire();
     const std::uint32_t a = hopper::smem_addr(ring.a(stage)) + consumer * 64 * 128;
     const std::uint32_t b = hopper::smem_addr(ring.b(stage));
     hopper::wgmma_fence();
@@ -349,17 +403,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
     hopper::wgmma_commit();
-    hopper::wgmma_wait<1>();
-    if (previous >= 0 && releases) hopper::mbar_arrive(&empty[previous]);
-    if (lag_due && ++lag_blocks == kLagBlocks) {
-      if (releases) hopper::mbar_arrive(&lag);
-      lag_due = false;
-    }
-    previous = stage;
-    if (++stage == kStages) {
-      stage = 0;
-      phase ^= 1;
-    }
+    pipe.release();
   };
   // The previous tile's rounded accumulators while they are being stored (deferred epilogues).
   PackedBf16 pending;
@@ -374,7 +418,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
     const Tile tile = locate(p, list, t, kBlockN);
     hopper::fence_regs(acc.d);
-    previous = -1;
+    pipe.begin_tile();
     if constexpr (kDeferred) {
       // The first k-blocks each store one piece of the previous tile after issuing their
       // wgmmas; pieces left over (K shorter than kDrainChunks blocks) are stored after the loop.
@@ -393,11 +437,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     hopper::wgmma_wait<0>();
     hopper::fence_regs(acc.d);
-    if (previous >= 0 && releases) hopper::mbar_arrive(&empty[previous]);
-    if (lag_due) {  // a first tile of fewer than kLagBlocks k-blocks
-      if (releases) hopper::mbar_arrive(&lag);
-      lag_due = false;
-    }
+    pipe.end_tile();
     if constexpr (kDeferred) {
       pack_bf16(acc, pending);
       pending_tile = tile;

@@ -229,32 +229,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   hopper::regs_alloc<240>();
   const int consumer = threadIdx.x / 128 - 1;  // rows [64 c, 64 c + 64) of the C tile
   const int t128 = threadIdx.x % 128;
-  const bool releases = t128 == 0;
-  int stage = 0;
-  std::uint32_t phase = 0;
-  bool lag_due = consumer == 0;
-  int lag_blocks = 0;
-  int previous = -1;
+  // Consumer 0 lets consumer 1 start after kLagBlocks k-blocks; stages go back to the producers
+  // of every CTA of the cluster.
+  ConsumerRing<kStages, kCluster> pipe{full, empty, &lag, t128 == 0, consumer == 0};
   Accumulators acc;
-  // Stage s given back to the producers of every CTA of the cluster.
-  const auto release = [&](int s) {
-    if constexpr (kCluster > 1) {
-#pragma unroll
-      for (int cta = 0; cta < kCluster; ++cta) hopper::mbar_arrive_cluster(&empty[s], cta);
-    } else {
-      hopper::mbar_arrive(&empty[s]);
-    }
-  };
   // One k-block of `tile` (the last of a partial block: rows past the segment zeroed first).
   const auto k_block = [&](const WgradTile& tile, int kb, int tail) {
-    hopper::mbar_wait(&full[stage], phase);
+    const int stage = pipe.acquire();
     if (tail != 0 && kb == tile.blocks - 1) {
       // Rows past the segment: zero this consumer's A box and half of B's boxes, then meet
       // the other consumer so both see all of B zeroed before any wgmma reads it.
-      if (lag_due) {  // consumer 1 must be running to meet us at the barrier below
-        if (releases) hopper::mbar_arrive(&lag);
-        lag_due = false;
-      }
+      pipe.let_go();  // consumer 1 must be running to meet us at the barrier below
       zero_box_rows(ring.a(stage) + consumer * kBox, tail, t128, 128);
       for (int j = 2 * consumer; j < 2 * consumer + 2; ++j) {
         zero_box_rows(ring.b(stage) + j * kBox, tail, t128, 128);
@@ -271,17 +256,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                                       hopper::smem_desc_mn(b + 2048 * k), 1);
     }
     hopper::wgmma_commit();
-    hopper::wgmma_wait<1>();
-    if (previous >= 0 && releases) release(previous);
-    if (lag_due && ++lag_blocks == kLagBlocks) {
-      if (releases) hopper::mbar_arrive(&lag);
-      lag_due = false;
-    }
-    previous = stage;
-    if (++stage == kStages) {
-      stage = 0;
-      phase ^= 1;
-    }
+    pipe.release();
   };
   // The previous tile's rounded sums while they are being stored (deferred epilogue).
   PackedBf16 pending;
@@ -321,7 +296,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     hopper::fence_regs(acc.d);
     const int tail = static_cast<int>((tile.hi - tile.lo) % kBlockK);  // rows of a partial block
-    previous = -1;
+    pipe.begin_tile();
     if constexpr (kDeferred) {
       // The first k-blocks each store one piece of the previous tile after issuing their
       // wgmmas; pieces left over (fewer than kDrainChunks blocks) are stored after the loop.
@@ -340,11 +315,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     hopper::wgmma_wait<0>();
     hopper::fence_regs(acc.d);
-    if (previous >= 0 && releases) release(previous);
-    if (lag_due) {  // a first tile of fewer than kLagBlocks blocks (or none)
-      if (releases) hopper::mbar_arrive(&lag);
-      lag_due = false;
-    }
+    pipe.end_tile();  // (and consumer 1 let go after a first tile of fewer than kLagBlocks blocks)
     if constexpr (kDeferred) {
       pack_bf16(acc, pending);
       pending_c16 = c16;

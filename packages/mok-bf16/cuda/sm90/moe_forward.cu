@@ -487,11 +487,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int consumer = threadIdx.x / 128 - 1;  // rows [64 c, 64 c + 64) of a tile
   const bool leader = threadIdx.x % 128 == 0;
   const auto sig = core::TableSigmoid::of(p.limit);
-  int stage = 0, slot = 0;
-  std::uint32_t phase = 0, slot_phase = 0;
-  int previous = -1;
-  bool lag_due = consumer == 0, first_task = true;
-  int lag_blocks = 0;
+  int slot = 0;
+  std::uint32_t slot_phase = 0;
+  bool first_task = true;
+  // Consumer 0 lets consumer 1 start after kLagBlocks k-blocks.
+  gemm::ConsumerRing<kStages> pipe{full, empty, &lag, leader, consumer == 0};
   Accumulators acc;
   Pending pend;
   pend.live = false;
@@ -502,7 +502,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const auto k_block = [&](int kb) {
     const long long t0 = clock();
-    hopper::mbar_wait(&full[stage], phase);
+    const int stage = pipe.acquire();
     if (timer) account<kTimed>(timer_acc, role, kTimeStageWait, clock() - t0);
     const std::uint32_t a = hopper::smem_addr(ring.a(stage)) + consumer * 64 * 128;
     const std::uint32_t b = hopper::smem_addr(ring.b(stage));
@@ -513,17 +513,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                                 (kb | k) != 0);
     }
     hopper::wgmma_commit();
-    hopper::wgmma_wait<1>();
-    if (previous >= 0 && leader) hopper::mbar_arrive(&empty[previous]);
-    if (lag_due && ++lag_blocks == kLagBlocks) {
-      if (leader) hopper::mbar_arrive(&lag);
-      lag_due = false;
-    }
-    previous = stage;
-    if (++stage == kStages) {
-      stage = 0;
-      phase ^= 1;
-    }
+    pipe.release();
   };
   // Piece kChunk of the pending tile; after the last one a gate/up tile's counter is bumped.
   const auto drain = [&](auto chunk) {
@@ -574,7 +564,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       continue;
     }
     hopper::fence_regs(acc.d);
-    previous = -1;
+    pipe.begin_tile();
     unroll<kDrainChunks>([&](auto c) {
       if (c.value < task.k_blocks) {
         k_block(c.value);
@@ -584,11 +574,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int kb = kDrainChunks; kb < task.k_blocks; ++kb) k_block(kb);
     hopper::wgmma_wait<0>();
     hopper::fence_regs(acc.d);
-    if (previous >= 0 && leader) hopper::mbar_arrive(&empty[previous]);
-    if (lag_due) {  // a first task of fewer than kLagBlocks k-blocks
-      if (leader) hopper::mbar_arrive(&lag);
-      lag_due = false;
-    }
+    pipe.end_tile();  // (and consumer 1 let go after a first task of fewer than kLagBlocks blocks)
     gemm::pack_bf16(acc, pend.words);
     pend.task = task;
     pend.live = true;
