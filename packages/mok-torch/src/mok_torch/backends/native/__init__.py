@@ -736,7 +736,12 @@ class NativeBackend:
 
     def _routed_forward(
         self, cfg: MoKConfig, ws: Workspace, sched: Schedule, tr: Transport, routed: Weights3, *, outputs: bool
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The routed experts over the ring: (x rows, a, b, y rows in table order or None). The
+        output rows go toward their routes (_give), except at one rank with a push combine and one
+        macrobatch on the GPU kernels, where the table-ordered y rows are returned for the combine
+        to read through each route's row (nothing moves: what the megakernel's forward and the
+        backward's direct path do)."""
         H, K, inner = ws.hidden_size, ws.topk, routed[2].shape[2]
         plan = self._rows_plan(cfg, ws, sched, inner)
         rows, offsets = plan.num_rows, plan.offsets
@@ -759,24 +764,30 @@ class NativeBackend:
         ring_x = self._pulled_rows(cfg, ring_rows, H, dev)
         if fp8_cores:  # 16-byte aligned rows for the copy engine; the context keeps H + H/32 bytes
             ring_x = torch.zeros(ring_rows, _mx_row_bytes(H), dtype=torch.uint8, device=dev)
-        ring_a = torch.zeros(ring_rows, inner, dtype=BF16, device=dev)
-        ring_b = torch.zeros(ring_rows, inner, dtype=BF16, device=dev)
+        # The BF16 GPU kernels zero the rows outside the segments themselves (zero_outside): no fill.
+        ring_ab = torch.empty if tensor_cores else torch.zeros
+        ring_a = ring_ab(ring_rows, inner, dtype=BF16, device=dev)
+        ring_b = ring_ab(ring_rows, inner, dtype=BF16, device=dev)
         ring_h = torch.empty(ring_rows, inner, dtype=BF16, device=dev) if tensor_cores and outputs else None
         macrobatches = plan.macrobatches()
+        direct = (
+            outputs and (tensor_cores or fp8_cores) and ws.world_size == 1 and cfg.combine == "push"
+            and len(macrobatches) == 1
+        )  # fmt: skip
+        table_y: torch.Tensor | None = None
         # Last to first: the ring ends holding macrobatch 0 (without outputs only it is needed).
         for lo, hi in reversed(macrobatches) if outputs else macrobatches[:1]:
             if fp8_cores:  # as the BF16 GEMMs below: the whole macrobatch in one call
                 n, nw = hi - lo, self._movers(cfg, ws)
                 xs = self._mx_rows(cfg, tr, sched, ring_x[:n], lo, K, nw, keep=lo == 0)
-                y_rows = None
-                if outputs:
-                    y_rows = self._output_rows(cfg, tr, "y_send", lo, hi)
-                    y_rows = torch.empty(n, H, dtype=BF16, device=dev) if y_rows is None else y_rows
+                y_rows = self._y_rows(cfg, tr, lo, hi, H, dev) if outputs else None
                 seg = (segments - lo).clamp_(0, n)
                 wd_mx = mx_weights[2] if outputs else None
                 out_mx = MxGroupedForward(ring_a[:n], ring_b[:n], None, None, y_rows)
                 mxfp8_grouped_forward(xs, H, seg, mx_weights[0], mx_weights[1], wd_mx, cfg.swiglu_limit, out=out_mx)
-                if y_rows is not None:
+                if direct:
+                    table_y = y_rows
+                elif y_rows is not None:
                     self._give(cfg, tr, sched, y_rows, "rows", "y_send", lo, nw)
                 continue
             if tensor_cores:
@@ -791,16 +802,16 @@ class NativeBackend:
                     xs = self._received(cfg, tr, "x_recv", lo, hi)
                 else:
                     xs = self._receive(cfg, tr, sched, "x", ring_x[:n], lo, K, nw)
-                y_rows = None
-                if outputs:
-                    y_rows = self._output_rows(cfg, tr, "y_send", lo, hi)
-                    y_rows = torch.empty(n, H, dtype=BF16, device=dev) if y_rows is None else y_rows
+                y_rows = self._y_rows(cfg, tr, lo, hi, H, dev) if outputs else None
                 h = None if ring_h is None else ring_h[:n]
                 seg = (segments - lo).clamp_(0, n)
                 wd = kernel_weights[2] if outputs else None
                 grouped_forward(xs, seg, kernel_weights[0], kernel_weights[1], wd, cfg.swiglu_limit,
-                                out=GroupedForward(ring_a[:n], ring_b[:n], h, y_rows), with_h=outputs)  # fmt: skip
-                if y_rows is not None:
+                                out=GroupedForward(ring_a[:n], ring_b[:n], h, y_rows), with_h=outputs,
+                                zero_outside=True)  # fmt: skip
+                if direct:
+                    table_y = y_rows
+                elif y_rows is not None:
                     self._give(cfg, tr, sched, y_rows, "rows", "y_send", lo, nw)
                 continue
             for mlo, mhi in plan.minibatches(lo, hi):
@@ -822,7 +833,13 @@ class NativeBackend:
                     self._give(cfg, tr, sched, y, "rows", "y_send", mlo, cfg.fwd_num_comm_sms)
         if fp8_cores:
             ring_x = ring_x[:, : H + H // 32]
-        return ring_x, ring_a, ring_b
+        return ring_x, ring_a, ring_b, table_y
+
+    def _y_rows(self, cfg: MoKConfig, tr: Transport, lo: int, hi: int, H: int, dev: torch.device) -> torch.Tensor:
+        """Where the GPU kernels write table rows [lo, hi)'s outputs: a pull combine's send rows,
+        or a fresh buffer."""
+        y_rows = self._output_rows(cfg, tr, "y_send", lo, hi)
+        return torch.empty(hi - lo, H, dtype=BF16, device=dev) if y_rows is None else y_rows
 
     def _mx_rows(
         self, cfg: MoKConfig, tr: Transport, sched: Schedule, out: torch.Tensor, lo: int, K: int, nw: int,
@@ -872,11 +889,15 @@ class NativeBackend:
             return self._megakernel_forward(cfg, ws, sched, tr, x_TH, router_weights_TK, routed, shared)
         self._send_inputs(cfg, ws, tr, sched, x=x_TH)
         tr.barrier(3)
-        ring_x, ring_a, ring_b = self._routed_forward(cfg, ws, sched, tr, routed, outputs=True)
+        ring_x, ring_a, ring_b, table_y = self._routed_forward(cfg, ws, sched, tr, routed, outputs=True)
         ys, shared_a, shared_b = self._shared_forward(cfg, x_TH, shared, outputs=True)
+        w = router_weights_TK.float().reshape(-1).contiguous()
+        if table_y is not None:  # one rank: each route's row read where the GEMM left it
+            y = self._combine(tr, ys, table_y, w, T, K, H, row_index=sched.route_row_TK.reshape(-1))
+            self._after_call(tr)
+            return y, ForwardContext(sched, self.name, ring_x, ring_a, ring_b, shared_a, shared_b)
         tr.barrier(4)  # every push has landed (or every output row is there to pull)
         self._collect(cfg, ws, tr, sched, d_w=False)
-        w = router_weights_TK.float().reshape(-1).contiguous()
         y = self._combine(tr, ys, tr.view["rows"][: T * K], w, T, K, H)
         self._after_call(tr)
         return y, ForwardContext(sched, self.name, ring_x, ring_a, ring_b, shared_a, shared_b)
@@ -927,7 +948,7 @@ class NativeBackend:
         tr = self._transport(ws, cfg)
         self._send_inputs(cfg, ws, tr, sched, x=x_TH)
         tr.barrier(7)
-        ring_x, ring_a, ring_b = self._routed_forward(cfg, ws, sched, tr, routed, outputs=False)
+        ring_x, ring_a, ring_b, _ = self._routed_forward(cfg, ws, sched, tr, routed, outputs=False)
         _, shared_a, shared_b = self._shared_forward(cfg, x_TH, shared, outputs=False)
         tr.barrier(8)  # every rank has pulled: x_src may be rewritten
         self._after_call(tr)

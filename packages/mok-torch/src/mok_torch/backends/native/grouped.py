@@ -62,14 +62,16 @@ def grouped_forward(
     num_sms: int = 0,
     out: GroupedForward | None = None,
     with_h: bool = True,
+    zero_outside: bool | None = None,
 ) -> GroupedForward:
     """The SwiGLU experts on rows [offsets[e], offsets[e+1]) of x for each local expert e.
 
     offsets: int64 [El + 1], non-decreasing within [0, M] (on CUDA they stay on the device and
     are clamped there, an end below its start making that segment empty; on the CPU a bad one
     raises ValueError). Rows outside every segment are
-    left as `out` has them (zeros in fresh outputs). w_down None: a, b and h only;
-    with_h=False as well: a and b only (h is None).
+    left as `out` has them (zeros in fresh outputs), or zeroed by the call with zero_outside=True
+    (None: zeroed in fresh outputs only). w_down None: a, b and h only; with_h=False as well: a and
+    b only (h is None).
     """
     import mok_bf16
 
@@ -78,7 +80,10 @@ def grouped_forward(
         raise ValueError("with_h=False needs w_down=None: the down projection reads h")
     if not isinstance(num_sms, int) or num_sms < 0:
         raise ValueError(f"num_sms must be an int >= 0 (0: every SM), got {num_sms!r}")
-    fresh = out is None  # fresh outputs: their rows outside the segments zeroed by the call
+    if zero_outside is not None and not isinstance(zero_outside, bool):
+        raise TypeError(f"zero_outside must be a bool or None, got {type(zero_outside).__name__}")
+    # Fresh outputs have their rows outside the segments zeroed by the call (given ones on request).
+    zero = out is None if zero_outside is None else zero_outside
     if out is None:
         out = GroupedForward(
             torch.empty(M, I, dtype=BF16, device=dev),
@@ -119,7 +124,7 @@ def grouped_forward(
             num_sms=num_sms,
             num_threads=torch.get_num_threads() if dev.type == "cpu" else 1,
             stream=current_stream_handle(dev) if dev.type == "cuda" else 0,
-            zero_outside=fresh,
+            zero_outside=zero,
         )
     return out
 
