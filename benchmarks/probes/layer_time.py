@@ -14,7 +14,10 @@ its self times are not to be trusted across torch's custom-op layer, whose Dynam
 cProfile attributes to their caller as well); with --host-layers, the host time of one forward
 of the megakernel path issued at each layer of mok's stack, from mok.moe down to the backend,
 each the median of 30 calls on an idle device (the differences are what each layer costs), and
-of one forward + backward through mok.moe.
+of one forward + backward through mok.moe; with --timeline, one eager forward + backward of the
+megakernel path from an idle device under torch.profiler, kernel by kernel in the order the
+device ran them: when each started after the call began on the host, how long it ran, and the
+device's idle time before it (what the host's issue leaves exposed).
 """
 
 from __future__ import annotations
@@ -80,9 +83,10 @@ def main() -> None:
     p.add_argument("--profile", default=None)
     p.add_argument("--host-profile", default=None)
     p.add_argument("--host-layers", default=None)
+    p.add_argument("--timeline", default=None)
     ns = p.parse_args()
     ranks = Ranks(torch.device("cuda", 0), None, 0, 1)
-    report, report_host, report_layers = [], [], []
+    report, report_host, report_layers, report_timeline = [], [], [], []
     for shape in resolve_shapes(",".join(ns.shapes), 1):
         call = make_call(shape, "balanced", make_weights(shape, ranks), ranks)
         for fused in (True, False):
@@ -126,12 +130,17 @@ def main() -> None:
                 report_host.append(host_profile(shape.name, forward, forward_backward))
             if ns.host_layers and fused:
                 report_layers.extend(host_layers(shape, call, cfg))
+            if ns.timeline and fused:
+                report_timeline.extend(timeline(shape.name, forward_backward))
     if ns.profile:
         with open(ns.profile, "w") as f:
             f.write("\n".join(report))
     if ns.host_profile:
         with open(ns.host_profile, "w") as f:
             f.write("\n".join(report_host))
+    if ns.timeline:
+        with open(ns.timeline, "w") as f:
+            f.write("\n".join(report_timeline) + "\n")
     if ns.host_layers:
         with open(ns.host_layers, "w") as f:
             f.write("\n".join(report_layers) + "\n")
@@ -239,6 +248,39 @@ def host_profile(name: str, forward, forward_backward, calls: int = 50) -> str:
         out.append(f"== {name} {label}: {calls} calls, {host:.3f} ms of host time each under cProfile\n")
         out.append(text.getvalue())
     return "\n".join(out)
+
+
+def timeline(name: str, forward_backward) -> list[str]:
+    """One eager forward + backward from an idle device under torch.profiler: its kernels in the
+    order they ran (start after the call's first host event, duration, the device idle before
+    each), then the totals."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    forward_backward()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        forward_backward()
+        torch.cuda.synchronize()
+    events = prof.events()
+    host = [e for e in events if e.device_type == DeviceType.CPU]
+    kernels = sorted((e for e in events if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    if not host or not kernels:
+        return [f"== {name}: no events"]
+    t0 = min(e.time_range.start for e in host)
+    lines = [f"== {name} megakernel: one eager forward + backward from an idle device (us)",
+             f"{'start':>9s} {'dur':>8s} {'idle before':>11s}  kernel"]  # fmt: skip
+    end, idle = t0, 0.0
+    for k in kernels:
+        gap = max(0.0, k.time_range.start - end)
+        idle += gap
+        lines.append(f"{k.time_range.start - t0:9.1f} {k.time_range.elapsed_us():8.1f} {gap:11.1f}  {k.name[:90]}")
+        end = max(end, k.time_range.end)
+    busy = sum(k.time_range.elapsed_us() for k in kernels)
+    lines.append(f"first kernel at {kernels[0].time_range.start - t0:.1f} us; last ends at {end - t0:.1f} us; "
+                 f"kernels {busy:.1f} us; device idle {idle:.1f} us (before the first kernel included)")  # fmt: skip
+    print("\n".join(lines[-1:]), flush=True)
+    return lines
 
 
 if __name__ == "__main__":

@@ -7,9 +7,7 @@ intermediate arrays the kernels passed each other), the element math bitwise the
 the whole within bf16 rounding of the reference arithmetic, and the determinism contract
 (docs/determinism.md) bitwise: run to run, any grid size, a row's bits independent of where it sits,
 and the weight gradients' fp32 carry: rows split over two calls at a multiple of 64 rows from
-every segment start give the bits of one call. `gather` (dy and the router weights read through
-each row's route, as the cuda backend does at one rank) gives the bits of the rows copied into
-table order, on both devices.
+every segment start give the bits of one call.
 
 Shape letters: docs/design.md §1.
 """
@@ -196,17 +194,20 @@ def test_cuda_shape_limits_raise_before_any_launch(H, I, El, match):
     p = 64
     acc_out = (p, p, p, 0, 0, 0, True)  # fp32 accumulators, no bf16 outputs, carry in
     with pytest.raises(ValueError, match=match):
-        mok_bf16.grouped_backward("cuda", p, p, p, p, p, 0, p, p, p, p, p, *acc_out, p, p, p, p, 4, H, I, El)
+        mok_bf16.grouped_backward("cuda", p, p, p, p, p, 0, p, p, p, p, p, *acc_out, p, p, p, 4, H, I, El)
 
 
 def test_cuda_scratch_and_accumulators_are_required():
     p = 64
     acc_out = (p, p, p, 0, 0, 0, True)
-    with pytest.raises(ValueError, match="scratch_g must not be 0"):
-        mok_bf16.grouped_backward("cuda", p, p, p, p, p, 0, p, p, p, p, p, *acc_out, 0, p, p, p, 4, 64, 64, 2)
+    for i, name in enumerate(("scratch_g", "scratch_hw", "scratch_d_ab")):
+        scratch = [p, p, p]
+        scratch[i] = 0
+        with pytest.raises(ValueError, match=f"{name} must not be 0"):
+            mok_bf16.grouped_backward("cuda", p, p, p, p, p, 0, p, p, p, p, p, *acc_out, *scratch, 4, 64, 64, 2)
     no_up = (p, 0, p, 0, 0, 0, False)  # dWu has neither an accumulator nor an output
     with pytest.raises(ValueError, match="acc_up must not be 0"):
-        mok_bf16.grouped_backward("cuda", p, p, p, p, p, 0, p, p, p, p, p, *no_up, p, p, p, p, 4, 64, 64, 2)
+        mok_bf16.grouped_backward("cuda", p, p, p, p, p, 0, p, p, p, p, p, *no_up, p, p, p, 4, 64, 64, 2)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_gpu)])
@@ -230,7 +231,7 @@ def test_cuda_entry_point_refuses_zero_rows():
     p = 64
     acc_out = (p, p, p, 0, 0, 0, False)
     with pytest.raises(ValueError, match="num_rows = 0 on cuda"):
-        mok_bf16.grouped_backward("cuda", p, p, p, p, p, 0, p, p, p, p, p, *acc_out, p, p, p, p, 0, 64, 64, 2)
+        mok_bf16.grouped_backward("cuda", p, p, p, p, p, 0, p, p, p, p, p, *acc_out, p, p, p, 0, 64, 64, 2)
 
 
 # ------------------------------------------------------------------ CUDA
@@ -285,22 +286,24 @@ def test_cuda_against_float64(lengths, H, I, limit):
     dc = to(d, "cuda")
     M = d["x"].shape[0]
     scratch = GroupedScratch(
-        torch.zeros(M, I, device="cuda"), *(torch.zeros(M, n, dtype=BF16, device="cuda") for n in (I, 2 * I, H))
+        torch.zeros(M, I, device="cuda"), *(torch.zeros(M, n, dtype=BF16, device="cuda") for n in (I, 2 * I))
     )
     got, acc = run(dc, limit=limit, scratch=scratch)
     torch.cuda.synchronize()
     dx, d_w = got.dx.cpu(), got.d_w.cpu()
-    g, h, d_ab, wdy = (t.cpu() for t in scratch)
+    g, hw, d_ab = (t.cpu() for t in scratch)
     acc_gate, acc_up, acc_d = (t.cpu() for t in acc)
     used = torch.zeros(M, dtype=torch.bool)
     for lo, hi in segments(d["offsets"]):
         used[lo:hi] = True
     # The element math, bitwise the reference's on the kernel's g.
     h_ref, d_ab_ref = element_math(g[used], d["a"][used], d["b"][used], d["w"][used], limit)
-    assert torch.equal(h[used], h_ref) and torch.equal(d_ab[used], d_ab_ref)
-    assert torch.equal(d_w[used], d_w_in_lane_order(g[used], h[used]))
-    assert torch.equal(wdy[used], (d["w"][used, None] * d["dy"][used].float()).to(BF16))
-    assert torch.equal(h[used], swiglu(d["a"][used], d["b"][used], limit))
+    assert torch.equal(h_ref, swiglu(d["a"][used], d["b"][used], limit))
+    assert torch.equal(d_ab[used], d_ab_ref)
+    assert torch.equal(hw[used], (d["w"][used, None] * h_ref.float()).to(BF16))
+    assert torch.equal(d_w[used], d_w_in_lane_order(g[used], h_ref))
+    h = torch.zeros(M, I, dtype=BF16)
+    h[used] = h_ref
     El = len(lengths)
     g64 = torch.zeros(M, I, dtype=torch.float64)
     dx64 = torch.zeros(M, H, dtype=torch.float64)
@@ -316,8 +319,8 @@ def test_cuda_against_float64(lengths, H, I, limit):
         dx_scale[lo:hi] = d_ab[lo:hi].double().abs() @ w_gu.abs()
         gu64[e] = d_ab[lo:hi].double().T @ d["x"][lo:hi].double()
         gu_scale[e] = d_ab[lo:hi].double().abs().T @ d["x"][lo:hi].double().abs()
-        dn64[e] = wdy[lo:hi].double().T @ h[lo:hi].double()
-        dn_scale[e] = wdy[lo:hi].double().abs().T @ h[lo:hi].double().abs()
+        dn64[e] = d["dy"][lo:hi].double().T @ hw[lo:hi].double()
+        dn_scale[e] = d["dy"][lo:hi].double().abs().T @ hw[lo:hi].double().abs()
     assert_close(g[used], g64[used], g_scale[used], 2.0**-20, "g")
     assert_close(dx[used], dx64[used], dx_scale[used], 2.0**-8, "dx")
     dw64 = (g.double() * h.double()).sum(-1)
@@ -391,10 +394,10 @@ def test_cuda_rows_split_at_64_carry_the_weight_gradients():
 @needs_gpu
 @pytest.mark.parametrize("lengths, H, I", GROUPED_CASES)
 def test_cuda_unweighted_rows_equal_weights_of_one(lengths, H, I):
-    """router_weights None: dWd reads dy itself (no bf16(w dy) pass, no scratch for it); every
+    """router_weights None: w = 1 on every row (hw is h itself: bf16(1 * h) = h); every
     output bitwise the call with weights of exactly 1 (NaN rows included)."""
     d = to(make(lengths, H, I, seed=3, weighted=False), "cuda")
-    if d["x"].shape[0] > 2:  # a NaN with a payload bf16(1 * dy) would not keep (0x7FC0)
+    if d["x"].shape[0] > 2:  # a NaN with a payload: dWd reads dy as it is on both paths
         d["dy"].view(torch.int16)[1, 5] = 0x7F81
     ones = dict(d, w=torch.ones(d["x"].shape[0], device="cuda"))
     got, acc = run(d)
@@ -442,80 +445,3 @@ def test_cuda_experts_without_rows():
         for t in fresh:
             assert bool((t[e] == 0.0).all())
     assert not bool((acc[0][1] == 0.25).all())
-
-
-def gathered_case(lengths: list[int], H: int, I: int, K: int, seed: int) -> tuple[dict, dict]:
-    """A backward's inputs twice: with dy's token rows and the routes' weights gathered through each
-    table row's route (`gather`), and the same rows copied into table order (zeros and weight 0 for
-    the padding rows, about one in eight, and for a route past T*K; the routes a permutation, as a
-    schedule table's are)."""
-    d = make(lengths, H, I, seed=seed)
-    M = d["x"].shape[0]
-    g = torch.Generator().manual_seed(seed + 1)
-    padding = torch.rand(M, generator=g) < 0.125
-    used = int((~padding).sum())
-    T = -(-used // K) + 1
-    route = torch.full((M,), -1, dtype=torch.int32)
-    route[~padding] = torch.randperm(T * K, generator=g)[:used].to(torch.int32)
-    if M > 2:
-        route[M // 2] = T * K + 5  # outside [0, T*K): read as a padding row
-    dy_T = torch.randn(T, H, generator=g).to(BF16)
-    w_TK = torch.rand(T * K, generator=g)
-    valid = (route >= 0) & (route < T * K)
-    token = torch.where(valid, route.long() // K, 0)
-    table = dict(d)
-    table["dy"] = torch.where(valid[:, None], dy_T[token], torch.zeros((), dtype=BF16))
-    table["w"] = torch.where(valid, w_TK[torch.where(valid, route.long(), 0)], torch.zeros(()))
-    gathered = dict(d, dy=dy_T, w=w_TK, route=route)
-    return gathered, table
-
-
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_gpu)])
-@pytest.mark.parametrize("lengths, H, I", GROUPED_CASES)
-@pytest.mark.parametrize("K", [1, 3])
-@pytest.mark.parametrize("carry_in", [False, True], ids=["bf16-only", "carried"])
-def test_gathered_rows_give_the_bits_of_rows_in_table_order(device, lengths, H, I, K, carry_in):
-    """`gather`: the g GEMM (its producer warpgroup's own copies, placed where the copy engine
-    would put them) and the SwiGLU kernel read dy and the router weights through each row's route.
-    dx, d_w and the three weight gradients are bitwise those of the same call on the rows copied
-    into table order: padding rows, experts without rows, one row, K = 1, tiles past the segment
-    ends."""
-    gathered, table = gathered_case(lengths, H, I, K, seed=11)
-    gathered, table = to(gathered, device), to(table, device)
-    results = []
-    for d, gather in ((table, None), (gathered, (gathered["route"], K))):
-        M = d["a"].shape[0]
-        acc = accumulators(d, fill=0.5) if carry_in else None
-        out16 = accumulators(d, fill=3.0, dtype=BF16)
-        out = GroupedBackward(torch.full((M, H), 7.0, dtype=BF16, device=device), torch.full((M,), 7.0, device=device))
-        got = grouped_backward(
-            d["x"], d["offsets"], d["a"], d["b"], d["dy"], d["w"], d["wg"], d["wu"], d["wd"], acc, out=out,
-            carry_in=carry_in, wgrad_out=out16, gather=gather,
-        )  # fmt: skip
-        results.append((got.dx, got.d_w, *out16, *(acc or ())))
-    for u, v in zip(*results, strict=True):
-        assert torch.equal(u.view(torch.int16 if u.dtype == BF16 else torch.int32),
-                           v.view(torch.int16 if v.dtype == BF16 else torch.int32))  # fmt: skip
-
-
-def test_bad_gather_raises_naming_the_argument():
-    d, _ = gathered_case([5, 3], 64, 64, 2, seed=1)
-    acc = accumulators(d)
-
-    def call(gather, w=d["w"]):
-        return grouped_backward(
-            d["x"], d["offsets"], d["a"], d["b"], d["dy"], w, d["wg"], d["wu"], d["wd"], acc, gather=gather
-        )
-
-    with pytest.raises(TypeError, match="gather must be a tuple"):
-        call(d["route"])
-    with pytest.raises(ValueError, match="topk must be an int >= 1"):
-        call((d["route"], 0))
-    with pytest.raises(TypeError, match="gather row_route must have dtype int32"):
-        call((d["route"].long(), 2))
-    with pytest.raises(ValueError, match=r"gather row_route must have shape \[M\]"):
-        call((d["route"][:3], 2))
-    with pytest.raises(ValueError, match="gather needs router_weights"):
-        call((d["route"], 2), w=None)
-    with pytest.raises(ValueError, match=r"router_weights must have shape \[T\*K\]"):
-        call((d["route"], 3))

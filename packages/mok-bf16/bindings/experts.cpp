@@ -147,11 +147,10 @@ void register_experts(pybind11::module_& m) {
          std::uintptr_t w_up, std::uintptr_t w_down, std::uintptr_t out_dx, std::uintptr_t out_d_w,
          std::uintptr_t acc_gate, std::uintptr_t acc_up, std::uintptr_t acc_down,
          std::uintptr_t out_gate, std::uintptr_t out_up, std::uintptr_t out_down, bool carry_in,
-         std::uintptr_t scratch_g, std::uintptr_t scratch_h, std::uintptr_t scratch_d_ab,
-         std::uintptr_t scratch_wdy, std::int64_t num_rows, std::int64_t hidden, std::int64_t inner,
+         std::uintptr_t scratch_g, std::uintptr_t scratch_hw, std::uintptr_t scratch_d_ab,
+         std::int64_t num_rows, std::int64_t hidden, std::int64_t inner,
          std::int64_t num_experts, std::optional<double> limit, std::int64_t num_sms,
-         std::int64_t num_threads, std::uintptr_t stream, bool zero_outside,
-         std::uintptr_t row_route, std::int64_t topk, std::int64_t num_tokens) {
+         std::int64_t num_threads, std::uintptr_t stream, bool zero_outside) {
         GroupedBackwardArgs a;
         a.x = x;
         a.offsets = offsets;
@@ -172,49 +171,38 @@ void register_experts(pybind11::module_& m) {
         a.out_down = out_down;
         a.carry_in = carry_in;
         a.scratch_g = scratch_g;
-        a.scratch_h = scratch_h;
+        a.scratch_hw = scratch_hw;
         a.scratch_d_ab = scratch_d_ab;
-        a.scratch_wdy = scratch_wdy;
         a.shape = {num_rows, hidden, inner, num_experts};
         a.limit = core::swiglu_limit("grouped_backward", limit);
         a.num_sms = num_sms;
         a.num_threads = num_threads;
         a.zero_outside = zero_outside;
-        a.row_route = row_route;
-        a.topk = topk;
-        a.num_tokens = num_tokens;
         grouped_backward(device, a, stream);
       },
       py::arg("device"), py::arg("x"), py::arg("offsets"), py::arg("a"), py::arg("b"),
       py::arg("dy"), py::arg("router_weights"), py::arg("w_gate"), py::arg("w_up"),
       py::arg("w_down"), py::arg("out_dx"), py::arg("out_d_w"), py::arg("acc_gate"),
       py::arg("acc_up"), py::arg("acc_down"), py::arg("out_gate"), py::arg("out_up"),
-      py::arg("out_down"), py::arg("carry_in"), py::arg("scratch_g"), py::arg("scratch_h"),
-      py::arg("scratch_d_ab"), py::arg("scratch_wdy"), py::arg("num_rows"), py::arg("hidden"),
+      py::arg("out_down"), py::arg("carry_in"), py::arg("scratch_g"), py::arg("scratch_hw"),
+      py::arg("scratch_d_ab"), py::arg("num_rows"), py::arg("hidden"),
       py::arg("inner"), py::arg("num_experts"), py::arg("limit") = py::none(),
       py::arg("num_sms") = 0, py::arg("num_threads") = 1, py::arg("stream") = 0,
-      py::arg("zero_outside") = false, py::arg("row_route") = 0, py::arg("topk") = 1,
-      py::arg("num_tokens") = 0, py::call_guard<py::gil_scoped_release>(),
+      py::arg("zero_outside") = false, py::call_guard<py::gil_scoped_release>(),
       "SwiGLU expert backward over segments of consecutive rows (grouped_forward's layout). "
       "Writes out_dx (bf16 [M, H]: [d_a, d_b] @ [Wg; Wu]) and out_d_w (fp32 [M]: <g, h>, g = dy "
       "@ Wd unweighted) for the rows of the segments (other rows not written; zero_outside=True: "
       "zeroed, on the device); the weight gradients dWg, dWu ([El, I, H]) "
       "and dWd ([El, H, I]) are C + the segments' sums, C the fp32 accumulators acc_* when "
       "carry_in (else +0), written to acc_* (fp32) and/or out_* (bf16, rounded) where given; "
-      "router_weights fp32 [M] or 0 (all ones). 'cuda': tensor-core GEMMs; the weight gradients "
-      "take each expert's rows in 64-row blocks from its segment start (calls split at multiples "
-      "of 64 rows from the segment starts, the later ones with carry_in, give the bits of one "
-      "call); scratch_g fp32 [M, I], scratch_h bf16 [M, I], scratch_d_ab bf16 [M, 2I], "
-      "scratch_wdy bf16 [M, H] (only with router_weights: dWd reads dy itself otherwise) are "
-      "required and 16-byte aligned; H and I multiples of 64, El <= "
+      "router_weights fp32 [M] or 0 (all ones). 'cuda': tensor-core GEMMs, dWd = C + dy^T "
+      "bf16(w h); the weight gradients take each expert's rows in 64-row blocks from its segment "
+      "start (calls split at multiples of 64 rows from the segment starts, the later ones with "
+      "carry_in, give the bits of one call); scratch_g fp32 [M, I], scratch_hw bf16 [M, I] "
+      "(bf16(w h)) and scratch_d_ab bf16 [M, 2I] are required and 16-byte aligned; H and I "
+      "multiples of 64, El <= "
       "1024. 'cpu': the reference arithmetic (swiglu_backward per segment), scratch unused "
-      "(may be 0), offsets checked. row_route (optional, 'cuda'): int32 [M], each row's route t*K "
-      "+ "
-      "k (-1: padding; any route outside [0, num_tokens * topk) reads as one); given, dy is the "
-      "token rows [T = num_tokens, H] and router_weights is [T * K], read by the kernels through "
-      "each row's route (K = topk): the bits of the same call on rows copied into table order "
-      "(zeros and 0 for padding rows). Raises ValueError naming a bad "
-      "argument.");
+      "(may be 0), offsets checked. Raises ValueError naming a bad argument.");
 
   m.def(
       "moe_forward",

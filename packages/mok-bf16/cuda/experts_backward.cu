@@ -1,16 +1,19 @@
-// The grouped SwiGLU backward on the GPU, over the experts' segments of consecutive rows:
+// The grouped SwiGLU backward on the GPU, over the experts' segments of consecutive rows (dy and
+// the router weights the table's rows):
 //
 //   g:       g = dy @ Wd_e                  (grouped GEMM, Wd N-major; fp32 out, unrounded)
-//
-// dy (and the router weights) are the table's rows, or (row_route given) the token rows that the
-// g GEMM and the SwiGLU kernel read through each row's route themselves; x is the table's rows.
-//   SwiGLU:  h, d_a, d_b, d_w = <g, h> and bf16(w dy) per row (bf16(w dy) only for weighted rows;
-//            dy itself is dWd's operand otherwise) (an elementwise kernel: mok-core's
+//   SwiGLU:  hw = bf16(w h), d_a, d_b, d_w = <g, h> per row (an elementwise kernel: mok-core's
 //            element math, the reference's bit for bit given a, b, g and w; d_w summed in a
 //            fixed order that depends only on I)
 //   dx:      dx = [d_a, d_b] @ [Wg_e; Wu_e]  (grouped GEMM over K = 2I, gate part first)
-//   wgrads:  dWg, dWu = C + [d_a, d_b]^T x (one GEMM),  dWd = C + bf16(w dy)^T h
+//   wgrads:  dWg, dWu = C + [d_a, d_b]^T x (one GEMM),  dWd = C + dy^T bf16(w h)
 //            (wgrad_gemm.cuh: rows as the reduction, fp32 carried across calls, bf16 out)
+//
+// The router weight sits on h's side of dWd (the reference's is bf16(w dy)^T h): the SwiGLU
+// kernel writes bf16(w h) where it would write h, so dy is read as it came and no weighted copy
+// of it is made (NOTES.md, session 16). The SwiGLU backward is not in the g GEMM's epilogue:
+// unrolled over a thread's 128 accumulators it is ~130 KB of code at every tile's end, and it
+// made the GEMM 2-3x slower (NOTES.md, session 8).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -37,20 +40,15 @@ using kernels::check;
 struct SwigluBackwardRows {
   const std::uint16_t* a;
   const std::uint16_t* b;
-  const float* g;                 // [M, I]
-  const float* router_weights;    // [M] (with row_route: [T * K]) or null: all ones
-  const std::uint16_t* dy;        // [M, H] (with row_route: [T, H])
-  const std::int32_t* row_route;  // [M] or null: row r's dy and weight are dy[route / K], w[route]
-  int num_routes;                 // T * K: routes outside [0, T * K) read as padding
-  int topk;
-  std::uint16_t* h;     // [M, I]
-  std::uint16_t* d_ab;  // [M, 2I]
-  std::uint16_t* wdy;   // [M, H] (weighted rows only)
-  float* d_w;           // [M]
+  const float* g;               // [M, I]
+  const float* router_weights;  // [M] or null: all ones
+  std::uint16_t* hw;            // [M, I]: bf16(w h) (h itself for unweighted rows)
+  std::uint16_t* d_ab;          // [M, 2I]
+  float* d_w;                   // [M]
   const std::int64_t* offsets;
   int num_experts;
   std::int64_t num_rows;
-  int inner, hidden;
+  int inner;
   core::SwigluLimit limit;
 };
 
@@ -67,23 +65,12 @@ __device__ inline void swiglu_backward_rows(const SwigluBackwardRows& r, std::in
                                             std::int64_t hi) {
   const int lane = threadIdx.x % 32;
   const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (blockDim.x / 32);
-  const int I = r.inner, H = r.hidden;
+  const int I = r.inner;
   const auto sig = core::TableSigmoid::of(r.limit);  // sigmoid_table.cuh: the reference's bits
   for (std::int64_t row =
            lo + (blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x) / 32;
        row < hi; row += warps) {
-    // The row's router weight and dy row: its own, or its route's (a padding row: 0 and zeros,
-    // what a copy into table order holds).
-    int route = 0;  // >= 0: the row has a dy row and a weight
-    if (r.row_route != nullptr) {
-      route = r.row_route[row];
-      if (route >= r.num_routes) route = -1;  // outside [0, T * K): a padding row
-    }
-    const float w = r.router_weights == nullptr ? 1.0f
-                    : r.row_route == nullptr    ? r.router_weights[row]
-                    : route < 0                 ? 0.0f
-                                                : r.router_weights[route];
-    const std::int64_t dy_row = r.row_route == nullptr ? row : route / r.topk;
+    const float w = r.router_weights == nullptr ? 1.0f : r.router_weights[row];
     float part = 0.0f;
     for (int i = 8 * lane; i < I; i += 8 * 32) {
       const std::int64_t at = row * I + i;
@@ -103,11 +90,11 @@ __device__ inline void swiglu_backward_rows(const SwigluBackwardRows& r, std::in
             core::swiglu_backward(gs[2 * q + 1], w, hi16(aw[q]), hi16(bw[q]), r.limit, sig);
         part = core::mac_rn(part, gs[2 * q], e0.h);
         part = core::mac_rn(part, gs[2 * q + 1], e1.h);
-        hw[q] = pack(core::float_to_bf16(e0.h), core::float_to_bf16(e1.h));
+        hw[q] = pack(core::weighted_bf16(w, e0.h), core::weighted_bf16(w, e1.h));
         daw[q] = pack(e0.d_a, e1.d_a);
         dbw[q] = pack(e0.d_b, e1.d_b);
       }
-      *reinterpret_cast<uint4*>(r.h + at) = make_uint4(hw[0], hw[1], hw[2], hw[3]);
+      *reinterpret_cast<uint4*>(r.hw + at) = make_uint4(hw[0], hw[1], hw[2], hw[3]);
       *reinterpret_cast<uint4*>(r.d_ab + row * 2 * I + i) =
           make_uint4(daw[0], daw[1], daw[2], daw[3]);
       *reinterpret_cast<uint4*>(r.d_ab + row * 2 * I + I + i) =
@@ -117,19 +104,6 @@ __device__ inline void swiglu_backward_rows(const SwigluBackwardRows& r, std::in
     for (int d = 16; d >= 1; d /= 2)
       part = core::add_rn(part, __shfl_xor_sync(0xFFFFFFFFu, part, d));
     if (lane == 0) r.d_w[row] = part;
-    if (r.router_weights == nullptr) continue;  // unweighted: dWd reads dy itself
-    for (int i = 8 * lane; i < H; i += 8 * 32) {
-      const std::int64_t at = row * H + i;
-      const uint4 v = route < 0 ? uint4{} : *reinterpret_cast<const uint4*>(r.dy + dy_row * H + i);
-      const std::uint32_t dw[4] = {v.x, v.y, v.z, v.w};
-      std::uint32_t o[4];
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        o[q] = pack(core::weighted_bf16(w, core::bf16_to_float(lo16(dw[q]))),
-                    core::weighted_bf16(w, core::bf16_to_float(hi16(dw[q]))));
-      }
-      *reinterpret_cast<uint4*>(r.wdy + at) = make_uint4(o[0], o[1], o[2], o[3]);
-    }
   }
 }
 
@@ -226,39 +200,23 @@ void grouped_backward_cuda(const GroupedBackwardArgs& args, std::uintptr_t strea
   }
   // g = dy @ Wd_e: Wd [El, H, I] is N-major for this GEMM (K = H rows per expert).
   const CUtensorMap map_wd = hopper::make_tensor_map(ptr(args.w_down), El * H, I, 64);
+  const CUtensorMap map_dy = hopper::make_tensor_map(ptr(args.dy), M, H, gemm::kBlockM);
   const gemm::Problem pg{offsets, s.num_rows, Ei, Ii, Hi, Hi};
-  const kernels::StoreF32 store_g{reinterpret_cast<float*>(args.scratch_g), Ii};
-  if (args.row_route != 0) {  // dy's rows gathered by the GEMM through each row's route
-    const gemm::RowGather dy_rows{reinterpret_cast<const std::uint16_t*>(args.dy),
-                                  reinterpret_cast<const std::int32_t*>(args.row_route),
-                                  s.num_rows,
-                                  static_cast<int>(args.num_tokens * args.topk),
-                                  static_cast<int>(args.topk),
-                                  Hi};
-    kernels::launch<BLoad::kNMajor, true>(map_wd, map_wd, map_wd, pg, store_g, sms, stream,
-                                          dy_rows);
-  } else {
-    const CUtensorMap map_dy = hopper::make_tensor_map(ptr(args.dy), M, H, gemm::kBlockM);
-    kernels::launch<BLoad::kNMajor>(map_dy, map_wd, map_wd, pg, store_g, sms, stream);
-  }
+  kernels::launch<BLoad::kNMajor>(
+      map_dy, map_wd, map_wd, pg,
+      kernels::StoreF32{reinterpret_cast<float*>(args.scratch_g), Ii}, sms, stream);
 
   const SwigluBackwardRows rows{reinterpret_cast<const std::uint16_t*>(args.a),
                                 reinterpret_cast<const std::uint16_t*>(args.b),
                                 reinterpret_cast<const float*>(args.scratch_g),
                                 reinterpret_cast<const float*>(args.router_weights),
-                                reinterpret_cast<const std::uint16_t*>(args.dy),
-                                reinterpret_cast<const std::int32_t*>(args.row_route),
-                                static_cast<int>(args.num_tokens * args.topk),
-                                static_cast<int>(args.topk),
-                                reinterpret_cast<std::uint16_t*>(args.scratch_h),
+                                reinterpret_cast<std::uint16_t*>(args.scratch_hw),
                                 reinterpret_cast<std::uint16_t*>(args.scratch_d_ab),
-                                reinterpret_cast<std::uint16_t*>(args.scratch_wdy),
                                 reinterpret_cast<float*>(args.out_d_w),
                                 offsets,
                                 Ei,
                                 s.num_rows,
                                 Ii,
-                                Hi,
                                 args.limit};
   // Every warp slot of the SMs, to hide the loads' latency.
   core::ensure_sigmoid_table(stream);
@@ -284,14 +242,12 @@ void grouped_backward_cuda(const GroupedBackwardArgs& args, std::uintptr_t strea
   gate_up.part[1] = {f32(args.acc_up), bf16(args.out_up)};
   const CUtensorMap map_x_rows = hopper::make_tensor_map(ptr(args.x), M, H, 64);
   launch_wgrad(map_dab_rows, map_x_rows, gate_up, args.carry_in, sms, stream);
-  // bf16(w dy), or dy itself for unweighted rows (bf16(1 * dy) is dy: the same sums; a NaN's
-  // payload cannot reach the output, the epilogue writes every NaN as 0x7FFF).
-  const std::uintptr_t wdy = args.router_weights == 0 ? args.dy : args.scratch_wdy;
-  const CUtensorMap map_wdy_rows = hopper::make_tensor_map(ptr(wdy), M, H, 64);
-  const CUtensorMap map_h_rows = hopper::make_tensor_map(ptr(args.scratch_h), M, I, 64);
+  // dWd = C + dy^T bf16(w h): the router weight on h's side, so dy is the rows as they came.
+  const CUtensorMap map_dy_rows = hopper::make_tensor_map(ptr(args.dy), M, H, 64);
+  const CUtensorMap map_hw_rows = hopper::make_tensor_map(ptr(args.scratch_hw), M, I, 64);
   gemm::WgradProblem down{offsets, s.num_rows, Ei, Hi, Ii, Hi, {}};
   down.part[0] = {f32(args.acc_down), bf16(args.out_down)};
-  launch_wgrad(map_wdy_rows, map_h_rows, down, args.carry_in, sms, stream);
+  launch_wgrad(map_dy_rows, map_hw_rows, down, args.carry_in, sms, stream);
 }
 
 }  // namespace mok::bf16

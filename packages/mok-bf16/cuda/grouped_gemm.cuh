@@ -6,8 +6,7 @@
 // table's), never by the host. A CTA is persistent: it walks output tiles t = blockIdx.x,
 // blockIdx.x + gridDim.x, ... of mok/core/grouped_tiles.cuh's list (expert by expert, bands of
 // 16 row tiles, column tiles, row tiles fastest). Warpgroup 0 is the producer (one thread issues
-// the copy engine's loads into a ring of kStages stages; or its 128 threads gather A's rows
-// themselves, RowGather), warpgroups 1 and 2 the consumers: each
+// the copy engine's loads into a ring of kStages stages), warpgroups 1 and 2 the consumers: each
 // owns 64 of the tile's 128 rows and issues wgmma for them, the second kLagBlocks k-blocks behind
 // the first; bf16 epilogues are deferred into the next tile's first k-blocks.
 //
@@ -57,8 +56,8 @@ inline constexpr int kLagBlocks = 2;
 //           other); output tiles of 256 columns.
 enum class BLoad { kPaired, kKMajor, kNMajor };
 
-// Rows gathered by the producer warpgroup's own copies where no routed copy of them exists (the
-// copy engine cannot gather): table row r reads row row_route[r] / divisor of `rows` ([*, cols]
+// Rows gathered by a producer warpgroup's own copies where no routed copy of them exists (the
+// copy engine cannot gather; the megakernel's gate/up tiles, sm90/moe_forward.cu): table row r reads row row_route[r] / divisor of `rows` ([*, cols]
 // bf16 row-major: the token rows), zeros for a padding row (route -1; any route outside [0,
 // num_routes) reads as one), a row past the table and columns from `cols` on. The pieces land
 // where the copy engine would put them (128-byte swizzle), so the wgmmas read the same shared
@@ -77,13 +76,6 @@ struct RowGather {
     return route < 0 || route >= num_routes ? -1 : route / divisor;
   }
 };
-
-// Registers of the grouped GEMM's warpgroups when its 128 producer threads gather A (ptxas: no
-// spill at 40 / 232).
-inline constexpr int kGatherProducerRegs = 40;
-inline constexpr int kGatherConsumerRegs = 232;  // 2 x 128 x 232 + 128 x 40 <= 64 Ki
-// The producer warpgroup's named barrier (1 is the weight-gradient GEMM consumers').
-inline constexpr int kProducerBarrier = 2;
 
 // The 128 producer threads' copies of one 128-byte-swizzled box: 128-byte piece q (a row of the
 // box) from source row src(q) at column `col`. Thread i copies 16-byte chunk i % 8 of pieces
@@ -259,15 +251,14 @@ __device__ inline void unroll(const Fn& fn) {
   unroll_impl<kN>(fn, std::make_integer_sequence<int, kN>{});
 }
 
-// The persistent kernel, B loaded as kB says, A by the copy engine from map_a or, kGatherA, by
-// the producer warpgroup through `gather` (map_a unused). Epilogue: `void operator()(const Tile&,
-// int consumer, const Accumulators&) const` on the consumer warpgroup's 128 threads.
-template <BLoad kB, int kStages, class Epilogue, bool kGatherA = false>
+// The persistent kernel, A by the copy engine from map_a, B loaded as kB says. Epilogue: `void
+// operator()(const Tile&, int consumer, const Accumulators&) const` on the consumer warpgroup's
+// 128 threads.
+template <BLoad kB, int kStages, class Epilogue>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                         const __grid_constant__ CUtensorMap map_b0,
-                        const __grid_constant__ CUtensorMap map_b1, Problem p, Epilogue epilogue,
-                        RowGather gather) {
+                        const __grid_constant__ CUtensorMap map_b1, Problem p, Epilogue epilogue) {
   using R = Ring<kStages>;
   static_assert(kStages > kLagBlocks, "consumer 0 must get kLagBlocks stages before any release");
   constexpr bool kPaired = kB == BLoad::kPaired;
@@ -277,7 +268,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   __shared__ alignas(8) std::uint64_t empty[kStages];
   __shared__ alignas(8) std::uint64_t lag;  // consumer 0 has issued kLagBlocks k-blocks
   __shared__ int prefix[kMaxExperts + 1];
-  __shared__ int tile_source[kGatherA ? kBlockM : 1];  // a tile's rows: their source rows
 
   const R ring{reinterpret_cast<unsigned char*>(
       (reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) & ~std::uintptr_t{1023})};
@@ -287,7 +277,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   list.n_tiles = (p.n + kBlockN - 1) / kBlockN;
   if (threadIdx.x == 32) {
     for (int s = 0; s < kStages; ++s) {
-      hopper::mbar_init(&full[s], kGatherA ? 128 : 1);  // gathering: every producer thread arrives
+      hopper::mbar_init(&full[s], 1);
       hopper::mbar_init(&empty[s], 2);
     }
     hopper::mbar_init(&lag, 1);
@@ -329,34 +319,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         phase ^= 1;
       }
     };
-    if constexpr (kGatherA) {
-      // Every thread copies a share of A's rows; thread 0 also has the copy engine load B.
-      hopper::regs_dealloc<kGatherProducerRegs>();
-      const int i = threadIdx.x;
-      if (i == 0) {
-        hopper::prefetch_tensor_map(&map_b0);
-        if constexpr (kB != BLoad::kKMajor) hopper::prefetch_tensor_map(&map_b1);
-      }
-      for (int t = blockIdx.x; t < total; t += gridDim.x) {
-        const Tile tile = locate(p, list, t, kBlockN);
-        hopper::named_barrier(kProducerBarrier, 128);  // the last tile's sources are read
-        const std::int64_t row = tile.row0 + i;
-        tile_source[i] = row < tile.row_end ? gather.source(row) : -1;  // past the segment: zeros
-        hopper::named_barrier(kProducerBarrier, 128);
-        for (int kb = 0; kb < k_blocks; ++kb) {
-          hopper::mbar_wait(&empty[stage], phase ^ 1);
-          if (i == 0) {
-            hopper::mbar_expect_tx_only(&full[stage], R::kBBytes);
-            load_b(stage, kb, tile);
-          }
-          gather_box<kBlockM>(ring.a(stage), gather, kb * kBlockK, i,
-                              [&](int j) { return tile_source[i / 8 + 16 * j]; });
-          hopper::cp_async_arrive(&full[stage]);
-          advance();
-        }
-      }
-      return;
-    }
     hopper::regs_dealloc<24>();
     if (threadIdx.x != 0) return;
     hopper::prefetch_tensor_map(&map_a);
@@ -381,7 +343,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // stage given back) only after this one is issued, so the tensor cores always have one
   // queued. The accumulation order does not change: wgmmas on the same accumulators run in
   // issue order.
-  hopper::regs_alloc<kGatherA ? kGatherConsumerRegs : 240>();
+  hopper::regs_alloc<240>();
   constexpr bool kDeferred = IsDeferred<Epilogue>::value;
   const int consumer = threadIdx.x / 128 - 1;  // 0 or 1: rows [64 c, 64 c + 64) of the tile
   // Consumer 0 lets consumer 1 start after kLagBlocks k-blocks.

@@ -289,24 +289,8 @@ void grouped_backward(std::string_view device, const GroupedBackwardArgs& a,
             "grouped_backward writes them itself for zero rows)");
   }
   check_pointer(fn, "scratch_g", a.scratch_g, 16, cuda && gemm);
-  check_pointer(fn, "scratch_h", a.scratch_h, 16, cuda && gemm);
+  check_pointer(fn, "scratch_hw", a.scratch_hw, 16, cuda && gemm);
   check_pointer(fn, "scratch_d_ab", a.scratch_d_ab, 16, cuda && gemm);
-  check_pointer(fn, "scratch_wdy", a.scratch_wdy, 16, cuda && gemm && a.router_weights != 0);
-  check_pointer(fn, "row_route", a.row_route, 4, false);
-  if (a.row_route != 0 && !cuda) {
-    invalid(fn, "row_route (rows gathered by the kernels) is for 'cuda'; on 'cpu' pass the rows");
-  }
-  if (a.row_route != 0 && a.router_weights == 0) {
-    invalid(fn, "row_route needs router_weights (the routed experts' rows are weighted)");
-  }
-  if (a.row_route != 0 && (a.topk < 1 || a.topk > (std::int64_t{1} << 30))) {
-    invalid(fn, "topk must be in [1, 2^30] with row_route" + got(a.topk));
-  }
-  if (a.row_route != 0 &&
-      (a.num_tokens < 0 || a.num_tokens > std::numeric_limits<std::int32_t>::max() / a.topk)) {
-    invalid(fn, "num_tokens must be >= 0 with num_tokens * topk < 2^31 (row_route)" +
-                    got(a.num_tokens));
-  }
   if (run_on_cuda(fn, kind, a, stream,
                   [](const auto& args, std::uintptr_t st) { grouped_backward_cuda(args, st); })) {
     return;

@@ -63,9 +63,8 @@ def grouped_backward(
     out_down: int,
     carry_in: bool,
     scratch_g: int,
-    scratch_h: int,
+    scratch_hw: int,
     scratch_d_ab: int,
-    scratch_wdy: int,
     num_rows: int,
     hidden: int,
     inner: int,
@@ -75,9 +74,6 @@ def grouped_backward(
     num_threads: int = 1,
     stream: int = 0,
     zero_outside: bool = False,
-    row_route: int = 0,
-    topk: int = 1,
-    num_tokens: int = 0,
 ) -> None: ...
 def swiglu_backward(
     device: str,

@@ -125,8 +125,9 @@ struct GroupedForwardArgs {
 //
 //   g = dy @ Wd_e (fp32),  d_w = <g, h>,  d_a, d_b as swiglu_backward,
 //   dx = [d_a, d_b] @ [Wg_e; Wu_e],
-//   dWg_e = C + sum_r d_a_r^T x_r,  dWu_e = C + sum_r d_b_r^T x_r,  dWd_e = C + sum_r bf16(w_r
-//   dy_r)^T h_r
+//   dWg_e = C + sum_r d_a_r^T x_r,  dWu_e = C + sum_r d_b_r^T x_r,
+//   dWd_e = C + sum_r bf16(w_r dy_r)^T h_r  ("cpu", the reference's)
+//         = C + sum_r dy_r^T bf16(w_r h_r)  ("cuda": the router weight on h's side)
 //
 // The weight gradients: C is the fp32 accumulator's value when carry_in (else +0, and the
 // accumulator is not read); the sums go to the fp32 accumulators (acc_*) when given and, rounded
@@ -140,17 +141,17 @@ struct GroupedForwardArgs {
 // math is the reference's. Weight gradients: the sums start from C and take the expert's rows
 // in 64-row blocks from the segment start, the last block zero-padded; two calls over rows
 // split at a multiple of 64 from each segment start (the second with carry_in) give the bits of
-// one call. The scratch arrays hold g, h, [d_a, d_b] and bf16(w dy) between the kernels
-// (required on "cuda", unused on "cpu"). On "cpu": the reference arithmetic (swiglu_backward on
-// each segment's rows). Rows outside every segment are not written and add nothing; offsets as
-// in grouped_forward.
+// one call. The scratch arrays hold g, bf16(w h) and [d_a, d_b] between the kernels (required
+// on "cuda", unused on "cpu"). On "cpu": the reference arithmetic (swiglu_backward on each
+// segment's rows). Rows outside every segment are not written and add nothing; offsets as in
+// grouped_forward.
 struct GroupedBackwardArgs {
   std::uintptr_t x = 0;               // bf16 [M, H]
   std::uintptr_t offsets = 0;         // int64 [El + 1]
   std::uintptr_t a = 0;               // bf16 [M, I]
   std::uintptr_t b = 0;               // bf16 [M, I]
-  std::uintptr_t dy = 0;              // bf16 [M, H] (with row_route: [T, H])
-  std::uintptr_t router_weights = 0;  // fp32 [M] (with row_route: [T * K]), or 0: all ones
+  std::uintptr_t dy = 0;              // bf16 [M, H]
+  std::uintptr_t router_weights = 0;  // fp32 [M], or 0: all ones
   std::uintptr_t w_gate = 0;          // bf16 [El, I, H]
   std::uintptr_t w_up = 0;            // bf16 [El, I, H]
   std::uintptr_t w_down = 0;          // bf16 [El, H, I]
@@ -164,21 +165,13 @@ struct GroupedBackwardArgs {
   std::uintptr_t out_down = 0;        // bf16 [El, H, I], or 0
   bool carry_in = true;               // start from the accumulators' values (they must be given)
   std::uintptr_t scratch_g = 0;       // fp32 [M, I]   (cuda)
-  std::uintptr_t scratch_h = 0;       // bf16 [M, I]   (cuda)
+  std::uintptr_t scratch_hw = 0;      // bf16 [M, I]   (cuda): bf16(w h)
   std::uintptr_t scratch_d_ab = 0;    // bf16 [M, 2I]  (cuda)
-  std::uintptr_t scratch_wdy = 0;     // bf16 [M, H]   (cuda, with router_weights; else unused)
   ExpertShape shape;
   SwigluLimit limit;
   std::int64_t num_sms = 0;      // CUDA: most CTAs per kernel (0: every SM)
   std::int64_t num_threads = 1;  // CPU threads
   bool zero_outside = false;     // also zero out_dx's and out_d_w's rows outside every segment
-  // Optional (cuda): int32 [M], each row's route t*K + k (-1: a padding row). Given, row r's dy
-  // and router weight are dy[route / K] and router_weights[route], read by the kernels themselves
-  // (zeros and 0 for a padding row, and for a route outside [0, T * K)): no copy of them in table
-  // order is made.
-  std::uintptr_t row_route = 0;
-  std::int64_t topk = 1;        // K, with row_route
-  std::int64_t num_tokens = 0;  // T, with row_route
 };
 
 // moe_forward: the routed experts of a whole layer call in one persistent launch (CUDA only:

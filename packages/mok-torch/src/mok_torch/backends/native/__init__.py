@@ -1083,12 +1083,7 @@ class NativeBackend:
         # One rank, one macrobatch, a push combine: the combine reads dx and d_w where the GEMMs
         # left them, in table order, through each route's row (no push into route order).
         direct = gpu_backward and ws.world_size == 1 and cfg.combine == "push" and macro >= rows
-        # ... where the g GEMM and the SwiGLU kernel read dy and the router weights through each
-        # row's route: only x moves (into table order, for the weight-gradient GEMM's copy engine;
-        # gathered by that GEMM's own producers it took 2.3x as long, NOTES.md session 14).
-        gathered = direct
-        dy_w = (None, None) if gathered else (dy_TH, w_TK)
-        self._send_inputs(cfg, ws, tr, sched, x=x_TH if replay or not kept else None, dy=dy_w[0], w=dy_w[1])
+        self._send_inputs(cfg, ws, tr, sched, x=x_TH if replay or not kept else None, dy=dy_TH, w=w_TK)
         tr.barrier(5)
         table_dx = table_dw = None
         for m, (lo, hi) in enumerate(plan.macrobatches()):  # first to last
@@ -1123,9 +1118,7 @@ class NativeBackend:
                     xs = self._received(cfg, tr, "x_recv", lo, hi)
                 else:
                     xs = self._receive(cfg, tr, sched, "x", self._pulled_rows(cfg, n, H, dev), lo, K, nw)
-                if gathered:  # the token rows and the routes' weights, read through each row's route
-                    dys, wr = dy_TH, w_TK
-                elif pushed:
+                if pushed:
                     dys, wr = self._received(cfg, tr, "dy_recv", lo, hi), self._received(cfg, tr, "w_recv", lo, hi)
                 else:
                     dys = self._receive(cfg, tr, sched, "dy", self._pulled_rows(cfg, n, H, dev), lo, K, nw)
@@ -1144,8 +1137,7 @@ class NativeBackend:
                 )
                 out = None if dx_out is None or dw_out is None else GroupedBackward(dx_out, dw_out)
                 dx, d_w = grouped_backward(xs, seg, a, b, dys, wr, wg_k, wu_k, wd_k, acc, cfg.swiglu_limit, out=out,
-                                           carry_in=m > 0, wgrad_out=final if last and not fp32 else None,
-                                           gather=(sched.row_route_C, K) if gathered else None)  # fmt: skip
+                                           carry_in=m > 0, wgrad_out=final if last and not fp32 else None)  # fmt: skip
                 if direct:
                     table_dx, table_dw = dx, d_w
                     continue

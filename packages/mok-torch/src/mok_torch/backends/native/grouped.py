@@ -135,16 +135,14 @@ class GroupedBackward(NamedTuple):
 
 
 class GroupedScratch(NamedTuple):
-    """What the CUDA backward's kernels pass each other (pass one in to read it back; wdy is
-    written for weighted rows only)."""
+    """What the CUDA backward's kernels pass each other (pass one in to read it back)."""
 
     g: torch.Tensor  # [M, I] fp32: dy @ Wd, unweighted
-    h: torch.Tensor  # [M, I] bf16: silu(a_c) * b_c
+    hw: torch.Tensor  # [M, I] bf16: bf16(w h), h = silu(a_c) * b_c (h itself for unweighted rows)
     d_ab: torch.Tensor  # [M, 2I] bf16: d_a then d_b
-    wdy: torch.Tensor | None  # [M, H] bf16: bf16(w dy), weighted rows only (None: unweighted; dWd reads dy)
 
 
-Wgrads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # dWg [El, I, H], dWu [El, I, H], dWd [El, H, I]
+Wgrads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def grouped_backward(
@@ -165,43 +163,29 @@ def grouped_backward(
     *,
     carry_in: bool = True,
     wgrad_out: Wgrads | None = None,
-    gather: tuple[torch.Tensor, int] | None = None,
 ) -> GroupedBackward:
     """The SwiGLU experts' backward on rows [offsets[e], offsets[e+1]) for each local expert e.
 
     Returns dx and d_w of those rows (other rows as `out` has them: zeros in fresh outputs).
-    The weight gradients dWg = C + sum d_a^T x, dWu = C + sum d_b^T x, dWd = C + sum bf16(w dy)^T h
-    start from C = the fp32 accumulators `acc` when carry_in (else +0) and go to `acc` (fp32, in
-    place) and/or `wgrad_out` (bf16, rounded once): the last of several calls can hand out bf16
-    gradients directly. router_weights None: all ones (the shared expert). On CUDA the weight
-    gradients take each expert's rows in 64-row blocks from its segment start, so calls split at
-    multiples of 64 rows from every segment start give the bits of one call (docs/determinism.md
-    "The GPU GEMMs"). `scratch`: the CUDA kernels' intermediate arrays (allocated when None;
-    unused on the CPU).
-
-    `gather` = (row_route int32 [M], K): dy_MH is then the token rows [T, H] and router_weights_M
-    the routes' weights [T*K]; table row r reads dy of token row_route[r] // K and weight
-    router_weights[row_route[r]] (zeros and 0 for a padding row, route -1, or any route outside
-    [0, T*K)). On CUDA the g GEMM and the SwiGLU kernel read them there (no copy in table order is
-    made); the bits are those of the call on the rows copied into table order. x stays the
-    table's rows (the weight-gradient GEMM's copy engine reads them).
+    The weight gradients dWg = C + sum d_a^T x, dWu = C + sum d_b^T x and dWd (the CPU: C + sum
+    bf16(w dy)^T h, the reference's; CUDA: C + sum dy^T bf16(w h), the weight on h's side, which
+    the SwiGLU kernel writes in h's place) start from C = the fp32 accumulators `acc` when carry_in (else
+    +0) and go to `acc` (fp32, in place) and/or `wgrad_out` (bf16, rounded once): the last of
+    several calls can hand out bf16 gradients directly. router_weights None: all ones (the shared
+    expert). On CUDA the weight gradients take each expert's rows in 64-row blocks from its
+    segment start, so calls split at multiples of 64 rows from every segment start give the bits
+    of one call (docs/determinism.md "The GPU GEMMs"). `scratch`: the CUDA kernels' intermediate
+    arrays (allocated when None; unused on the CPU).
     """
     import mok_bf16
 
     dev, M, H, El, I = _check_rows_and_weights(x_MH, offsets_El1, w_gate_EIH, w_up_EIH, w_down_EHI)
-    route_ptr, topk, tokens = 0, 1, 0
-    by_route = gather is not None and dev.type == "cuda"  # dy and w stay the token rows
-    if gather is not None:
-        tokens = dy_MH.shape[0] if isinstance(dy_MH, torch.Tensor) else 0
-        dy_MH, router_weights_M, route_ptr, topk = _gathered(gather, dy_MH, router_weights_M, M, H, dev)
     rows_I = [("M", M), ("I", I)]
     check_tensor("a", a_MI, dtypes=(BF16,), shape=rows_I, device=dev)
     check_tensor("b", b_MI, dtypes=(BF16,), shape=rows_I, device=dev)
-    dy_rows = ("T", tokens) if by_route else ("M", M)
-    check_tensor("dy", dy_MH, dtypes=(BF16,), shape=[dy_rows, ("H", H)], device=dev)
+    check_tensor("dy", dy_MH, dtypes=(BF16,), shape=[("M", M), ("H", H)], device=dev)
     if router_weights_M is not None:
-        shape = [("T*K", tokens * topk)] if by_route else [("M", M)]
-        check_tensor("router_weights", router_weights_M, dtypes=(torch.float32,), shape=shape, device=dev)
+        check_tensor("router_weights", router_weights_M, dtypes=(torch.float32,), shape=[("M", M)], device=dev)
     if acc is None and wgrad_out is None:
         raise ValueError("acc or wgrad_out must be given: where the weight gradients go")
     if carry_in and acc is None:
@@ -244,24 +228,12 @@ def grouped_backward(
             torch.empty(M, I, dtype=torch.float32, device=dev),
             torch.empty(M, I, dtype=BF16, device=dev),
             torch.empty(M, 2 * I, dtype=BF16, device=dev),
-            None if router_weights_M is None else torch.empty(M, H, dtype=BF16, device=dev),
         )
     if cuda and scratch is not None and given_scratch:
         check_tensor("scratch.g", scratch.g, dtypes=(torch.float32,), shape=rows_I, device=dev)
-        check_tensor("scratch.h", scratch.h, dtypes=(BF16,), shape=rows_I, device=dev)
+        check_tensor("scratch.hw", scratch.hw, dtypes=(BF16,), shape=rows_I, device=dev)
         check_tensor("scratch.d_ab", scratch.d_ab, dtypes=(BF16,), shape=[("M", M), ("2I", 2 * I)], device=dev)
-        if router_weights_M is not None or scratch.wdy is not None:
-            check_tensor("scratch.wdy", scratch.wdy, dtypes=(BF16,), shape=[("M", M), ("H", H)], device=dev)
-    g_ptr, h_ptr, d_ab_ptr, wdy_ptr = (
-        (
-            scratch.g.data_ptr(),
-            scratch.h.data_ptr(),
-            scratch.d_ab.data_ptr(),
-            0 if scratch.wdy is None else scratch.wdy.data_ptr(),
-        )
-        if cuda and scratch is not None
-        else (0, 0, 0, 0)
-    )
+    g_ptr, hw_ptr, d_ab_ptr = (t.data_ptr() for t in scratch) if cuda and scratch is not None else (0, 0, 0)
     acc_ptrs = (0, 0, 0) if acc is None else (acc[0].data_ptr(), acc[1].data_ptr(), acc[2].data_ptr())
     out_ptrs = (0, 0, 0) if wgrad_out is None else tuple(t.data_ptr() for t in wgrad_out)
     on_device = torch.cuda.device(dev) if cuda else contextlib.nullcontext()
@@ -287,9 +259,8 @@ def grouped_backward(
             out_ptrs[2],
             carry_in,
             g_ptr,
-            h_ptr,
+            hw_ptr,
             d_ab_ptr,
-            wdy_ptr,
             M,
             H,
             I,
@@ -299,36 +270,5 @@ def grouped_backward(
             num_threads=torch.get_num_threads() if not cuda else 1,
             stream=current_stream_handle(dev) if cuda else 0,
             zero_outside=fresh,
-            row_route=route_ptr,
-            topk=topk,
-            num_tokens=tokens,
         )
     return out
-
-
-def _gathered(
-    gather: tuple[torch.Tensor, int], dy_TH: torch.Tensor, w_TK: torch.Tensor | None, M: int, H: int,
-    dev: torch.device,
-) -> tuple[torch.Tensor, torch.Tensor, int, int]:  # fmt: skip
-    """grouped_backward's `gather`, checked: (dy, w, row_route address, K) for the kernels. On CUDA
-    dy and w stay the token rows and the routes' weights; on the CPU they are copied into table
-    order here."""
-    if not isinstance(gather, tuple) or len(gather) != 2:
-        raise TypeError("gather must be a tuple (row_route, topk)")
-    route, topk = gather
-    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
-        raise ValueError(f"gather: topk must be an int >= 1, got {topk!r}")
-    check_tensor("gather row_route", route, dtypes=(torch.int32,), shape=[("M", M)], device=dev)
-    check_tensor("dy", dy_TH, dtypes=(BF16,), shape=[("T", None), ("H", H)], device=dev)
-    if w_TK is None:
-        raise ValueError("gather needs router_weights (the routes' weights [T*K])")
-    T = dy_TH.shape[0]
-    check_tensor("router_weights", w_TK, dtypes=(torch.float32,), shape=[("T*K", T * topk)], device=dev)
-    if dev.type == "cuda":
-        return dy_TH, w_TK, route.data_ptr(), topk
-    idx = route.long()
-    valid = (idx >= 0) & (idx < T * topk)  # as the kernels: a route outside [0, T*K) is padding
-    token = torch.where(valid, idx // topk, 0)
-    dy = torch.where(valid[:, None], dy_TH[token], torch.zeros((), dtype=dy_TH.dtype))
-    w = torch.where(valid, w_TK[torch.where(valid, idx, 0)], torch.zeros((), dtype=w_TK.dtype))
-    return dy, w.contiguous(), 0, 1
