@@ -445,3 +445,60 @@ def test_cuda_experts_without_rows():
         for t in fresh:
             assert bool((t[e] == 0.0).all())
     assert not bool((acc[0][1] == 0.25).all())
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_gpu)])
+@pytest.mark.parametrize("lengths, H, I", GROUPED_CASES)
+@pytest.mark.parametrize("carry_in", [False, True], ids=["bf16-only", "carried"])
+def test_weights_by_route_give_the_bits_of_weights_in_table_order(device, lengths, H, I, carry_in):
+    """`weight_route` (the cuda backend at one rank): each row's router weight read through its
+    route from the routes' weights [T*K]; dx, d_w and the weight gradients bitwise those of the
+    call with the weights copied into table order (0 for padding rows, about one in eight, and for
+    a route past T*K; the routes a permutation, as a schedule table's are)."""
+    d = make(lengths, H, I, seed=13)
+    M = d["x"].shape[0]
+    g = torch.Generator().manual_seed(14)
+    padding = torch.rand(M, generator=g) < 0.125
+    used = int((~padding).sum())
+    TK = used + 3
+    route = torch.full((M,), -1, dtype=torch.int32)
+    route[~padding] = torch.randperm(TK, generator=g)[:used].to(torch.int32)
+    if M > 2:
+        route[M // 2] = TK + 5  # outside [0, T*K): weighs 0, as a padding row
+    w_TK = torch.rand(TK, generator=g)
+    valid = (route >= 0) & (route < TK)
+    table_w = torch.where(valid, w_TK[torch.where(valid, route.long(), 0)], torch.zeros(()))
+    d = to(d, device)
+    results = []
+    for w, by_route in ((table_w.to(device), None), (w_TK.to(device), route.to(device))):
+        acc = accumulators(d, fill=0.5) if carry_in else None
+        out16 = accumulators(d, fill=3.0, dtype=BF16)
+        out = GroupedBackward(torch.full((M, H), 7.0, dtype=BF16, device=device), torch.full((M,), 7.0, device=device))
+        got = grouped_backward(
+            d["x"], d["offsets"], d["a"], d["b"], d["dy"], w, d["wg"], d["wu"], d["wd"], acc, out=out,
+            carry_in=carry_in, wgrad_out=out16, weight_route=by_route,
+        )  # fmt: skip
+        results.append((got.dx, got.d_w, *out16, *(acc or ())))
+    for u, v in zip(*results, strict=True):
+        assert torch.equal(u.view(torch.int16 if u.dtype == BF16 else torch.int32),
+                           v.view(torch.int16 if v.dtype == BF16 else torch.int32))  # fmt: skip
+
+
+def test_bad_weight_route_raises_naming_the_argument():
+    d = make([5, 3], 64, 64, seed=1)
+    acc = accumulators(d)
+    route = torch.arange(8, dtype=torch.int32)
+
+    def call(weight_route, w=d["w"]):
+        return grouped_backward(
+            d["x"], d["offsets"], d["a"], d["b"], d["dy"], w, d["wg"], d["wu"], d["wd"], acc, weight_route=weight_route
+        )
+
+    with pytest.raises(TypeError, match="weight_route must have dtype int32"):
+        call(route.long())
+    with pytest.raises(ValueError, match=r"weight_route must have shape \[M\]"):
+        call(route[:3])
+    with pytest.raises(ValueError, match="weight_route needs router_weights"):
+        call(route, w=None)
+    with pytest.raises(ValueError, match=r"router_weights must have shape \[T\*K\]"):
+        call(route, w=d["w"][None])

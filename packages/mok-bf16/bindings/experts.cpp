@@ -150,7 +150,8 @@ void register_experts(pybind11::module_& m) {
          std::uintptr_t scratch_g, std::uintptr_t scratch_hw, std::uintptr_t scratch_d_ab,
          std::int64_t num_rows, std::int64_t hidden, std::int64_t inner,
          std::int64_t num_experts, std::optional<double> limit, std::int64_t num_sms,
-         std::int64_t num_threads, std::uintptr_t stream, bool zero_outside) {
+         std::int64_t num_threads, std::uintptr_t stream, bool zero_outside,
+         std::uintptr_t weight_route, std::int64_t num_routes) {
         GroupedBackwardArgs a;
         a.x = x;
         a.offsets = offsets;
@@ -178,6 +179,8 @@ void register_experts(pybind11::module_& m) {
         a.num_sms = num_sms;
         a.num_threads = num_threads;
         a.zero_outside = zero_outside;
+        a.weight_route = weight_route;
+        a.num_routes = num_routes;
         grouped_backward(device, a, stream);
       },
       py::arg("device"), py::arg("x"), py::arg("offsets"), py::arg("a"), py::arg("b"),
@@ -188,7 +191,8 @@ void register_experts(pybind11::module_& m) {
       py::arg("scratch_d_ab"), py::arg("num_rows"), py::arg("hidden"),
       py::arg("inner"), py::arg("num_experts"), py::arg("limit") = py::none(),
       py::arg("num_sms") = 0, py::arg("num_threads") = 1, py::arg("stream") = 0,
-      py::arg("zero_outside") = false, py::call_guard<py::gil_scoped_release>(),
+      py::arg("zero_outside") = false, py::arg("weight_route") = 0, py::arg("num_routes") = 0,
+      py::call_guard<py::gil_scoped_release>(),
       "SwiGLU expert backward over segments of consecutive rows (grouped_forward's layout). "
       "Writes out_dx (bf16 [M, H]: [d_a, d_b] @ [Wg; Wu]) and out_d_w (fp32 [M]: <g, h>, g = dy "
       "@ Wd unweighted) for the rows of the segments (other rows not written; zero_outside=True: "
@@ -202,7 +206,11 @@ void register_experts(pybind11::module_& m) {
       "(bf16(w h)) and scratch_d_ab bf16 [M, 2I] are required and 16-byte aligned; H and I "
       "multiples of 64, El <= "
       "1024. 'cpu': the reference arithmetic (swiglu_backward per segment), scratch unused "
-      "(may be 0), offsets checked. Raises ValueError naming a bad argument.");
+      "(may be 0), offsets checked. weight_route (optional, 'cuda'): int32 [M], each row's route "
+      "(-1: padding); given, router_weights is the routes' weights [num_routes] and row r's "
+      "weight router_weights[weight_route[r]] (0 for a route outside [0, num_routes)): the bits "
+      "of the call with the weights copied into table order. Raises ValueError naming a bad "
+      "argument.");
 
   m.def(
       "moe_forward",

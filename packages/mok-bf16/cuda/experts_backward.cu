@@ -41,7 +41,9 @@ struct SwigluBackwardRows {
   const std::uint16_t* a;
   const std::uint16_t* b;
   const float* g;               // [M, I]
-  const float* router_weights;  // [M] or null: all ones
+  const float* router_weights;  // [M] (weight_route: [num_routes]) or null: all ones
+  const std::int32_t* weight_route;  // [M] or null: row r's weight is router_weights[route]
+  int num_routes;                    // routes outside [0, num_routes) weigh 0 (padding)
   std::uint16_t* hw;            // [M, I]: bf16(w h) (h itself for unweighted rows)
   std::uint16_t* d_ab;          // [M, 2I]
   float* d_w;                   // [M]
@@ -70,7 +72,13 @@ __device__ inline void swiglu_backward_rows(const SwigluBackwardRows& r, std::in
   for (std::int64_t row =
            lo + (blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x) / 32;
        row < hi; row += warps) {
-    const float w = r.router_weights == nullptr ? 1.0f : r.router_weights[row];
+    float w = 1.0f;
+    if (r.router_weights != nullptr && r.weight_route == nullptr) {
+      w = r.router_weights[row];
+    } else if (r.router_weights != nullptr) {
+      const int route = r.weight_route[row];
+      w = route >= 0 && route < r.num_routes ? r.router_weights[route] : 0.0f;
+    }
     float part = 0.0f;
     for (int i = 8 * lane; i < I; i += 8 * 32) {
       const std::int64_t at = row * I + i;
@@ -210,6 +218,8 @@ void grouped_backward_cuda(const GroupedBackwardArgs& args, std::uintptr_t strea
                                 reinterpret_cast<const std::uint16_t*>(args.b),
                                 reinterpret_cast<const float*>(args.scratch_g),
                                 reinterpret_cast<const float*>(args.router_weights),
+                                reinterpret_cast<const std::int32_t*>(args.weight_route),
+                                static_cast<int>(args.num_routes),
                                 reinterpret_cast<std::uint16_t*>(args.scratch_hw),
                                 reinterpret_cast<std::uint16_t*>(args.scratch_d_ab),
                                 reinterpret_cast<float*>(args.out_d_w),

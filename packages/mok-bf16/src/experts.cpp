@@ -291,6 +291,17 @@ void grouped_backward(std::string_view device, const GroupedBackwardArgs& a,
   check_pointer(fn, "scratch_g", a.scratch_g, 16, cuda && gemm);
   check_pointer(fn, "scratch_hw", a.scratch_hw, 16, cuda && gemm);
   check_pointer(fn, "scratch_d_ab", a.scratch_d_ab, 16, cuda && gemm);
+  check_pointer(fn, "weight_route", a.weight_route, 4, false);
+  if (a.weight_route != 0 && !cuda) {
+    invalid(fn, "weight_route (weights read by route) is for 'cuda'; on 'cpu' pass them in table order");
+  }
+  if (a.weight_route != 0 && a.router_weights == 0) {
+    invalid(fn, "weight_route needs router_weights (the routes' weights)");
+  }
+  if (a.weight_route != 0 &&
+      (a.num_routes < 0 || a.num_routes > std::numeric_limits<std::int32_t>::max())) {
+    invalid(fn, "num_routes must be in [0, 2^31) with weight_route" + got(a.num_routes));
+  }
   if (run_on_cuda(fn, kind, a, stream,
                   [](const auto& args, std::uintptr_t st) { grouped_backward_cuda(args, st); })) {
     return;

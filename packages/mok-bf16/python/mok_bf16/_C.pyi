@@ -74,6 +74,8 @@ def grouped_backward(
     num_threads: int = 1,
     stream: int = 0,
     zero_outside: bool = False,
+    weight_route: int = 0,
+    num_routes: int = 0,
 ) -> None: ...
 def swiglu_backward(
     device: str,

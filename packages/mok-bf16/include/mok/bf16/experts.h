@@ -151,7 +151,7 @@ struct GroupedBackwardArgs {
   std::uintptr_t a = 0;               // bf16 [M, I]
   std::uintptr_t b = 0;               // bf16 [M, I]
   std::uintptr_t dy = 0;              // bf16 [M, H]
-  std::uintptr_t router_weights = 0;  // fp32 [M], or 0: all ones
+  std::uintptr_t router_weights = 0;  // fp32 [M] (with weight_route: [num_routes]), or 0: ones
   std::uintptr_t w_gate = 0;          // bf16 [El, I, H]
   std::uintptr_t w_up = 0;            // bf16 [El, I, H]
   std::uintptr_t w_down = 0;          // bf16 [El, H, I]
@@ -172,6 +172,11 @@ struct GroupedBackwardArgs {
   std::int64_t num_sms = 0;      // CUDA: most CTAs per kernel (0: every SM)
   std::int64_t num_threads = 1;  // CPU threads
   bool zero_outside = false;     // also zero out_dx's and out_d_w's rows outside every segment
+  // Optional (cuda): int32 [M], each row's route (-1: a padding row). Given, row r's router
+  // weight is router_weights[weight_route[r]] ([num_routes], the routes' weights; 0 for a route
+  // outside [0, num_routes)): no copy of the weights in table order is made.
+  std::uintptr_t weight_route = 0;
+  std::int64_t num_routes = 0;
 };
 
 // moe_forward: the routed experts of a whole layer call in one persistent launch (CUDA only:

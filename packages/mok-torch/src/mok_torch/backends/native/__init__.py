@@ -1083,7 +1083,10 @@ class NativeBackend:
         # One rank, one macrobatch, a push combine: the combine reads dx and d_w where the GEMMs
         # left them, in table order, through each route's row (no push into route order).
         direct = gpu_backward and ws.world_size == 1 and cfg.combine == "push" and macro >= rows
-        self._send_inputs(cfg, ws, tr, sched, x=x_TH if replay or not kept else None, dy=dy_TH, w=w_TK)
+        # ... where the SwiGLU kernel reads each row's router weight through its route (w_TK as it
+        # is: no copy into table order, which cost a move of 4-byte rows, 40-110 us; session 16).
+        self._send_inputs(cfg, ws, tr, sched, x=x_TH if replay or not kept else None, dy=dy_TH,
+                          w=None if direct else w_TK)  # fmt: skip
         tr.barrier(5)
         table_dx = table_dw = None
         for m, (lo, hi) in enumerate(plan.macrobatches()):  # first to last
@@ -1119,9 +1122,14 @@ class NativeBackend:
                 else:
                     xs = self._receive(cfg, tr, sched, "x", self._pulled_rows(cfg, n, H, dev), lo, K, nw)
                 if pushed:
-                    dys, wr = self._received(cfg, tr, "dy_recv", lo, hi), self._received(cfg, tr, "w_recv", lo, hi)
+                    dys = self._received(cfg, tr, "dy_recv", lo, hi)
                 else:
                     dys = self._receive(cfg, tr, sched, "dy", self._pulled_rows(cfg, n, H, dev), lo, K, nw)
+                if direct:
+                    wr = w_TK
+                elif pushed:
+                    wr = self._received(cfg, tr, "w_recv", lo, hi)
+                else:
                     wr = self._receive(cfg, tr, sched, "w", torch.empty(n, dtype=torch.float32, device=dev), lo, 1, nw)
                 # The segments of this macrobatch's rows (every segment when it holds them all)
                 seg = segments if lo == 0 and n >= ws.capacity else (segments - lo).clamp_(0, n)
@@ -1137,7 +1145,8 @@ class NativeBackend:
                 )
                 out = None if dx_out is None or dw_out is None else GroupedBackward(dx_out, dw_out)
                 dx, d_w = grouped_backward(xs, seg, a, b, dys, wr, wg_k, wu_k, wd_k, acc, cfg.swiglu_limit, out=out,
-                                           carry_in=m > 0, wgrad_out=final if last and not fp32 else None)  # fmt: skip
+                                           carry_in=m > 0, wgrad_out=final if last and not fp32 else None,
+                                           weight_route=sched.row_route_C[:n] if direct else None)  # fmt: skip
                 if direct:
                     table_dx, table_dw = dx, d_w
                     continue

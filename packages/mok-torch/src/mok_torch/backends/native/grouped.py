@@ -163,6 +163,7 @@ def grouped_backward(
     *,
     carry_in: bool = True,
     wgrad_out: Wgrads | None = None,
+    weight_route: torch.Tensor | None = None,
 ) -> GroupedBackward:
     """The SwiGLU experts' backward on rows [offsets[e], offsets[e+1]) for each local expert e.
 
@@ -176,6 +177,11 @@ def grouped_backward(
     segment start, so calls split at multiples of 64 rows from every segment start give the bits
     of one call (docs/determinism.md "The GPU GEMMs"). `scratch`: the CUDA kernels' intermediate
     arrays (allocated when None; unused on the CPU).
+
+    `weight_route` (int32 [M], each row's route; -1 a padding row): router_weights_M is then the
+    routes' weights [T*K] and row r's weight router_weights[weight_route[r]] (0 for a route
+    outside [0, T*K)), read by route on CUDA (no copy in table order), copied into table order
+    on the CPU: the bits of the call with the weights in table order.
     """
     import mok_bf16
 
@@ -184,7 +190,20 @@ def grouped_backward(
     check_tensor("a", a_MI, dtypes=(BF16,), shape=rows_I, device=dev)
     check_tensor("b", b_MI, dtypes=(BF16,), shape=rows_I, device=dev)
     check_tensor("dy", dy_MH, dtypes=(BF16,), shape=[("M", M), ("H", H)], device=dev)
-    if router_weights_M is not None:
+    route_ptr, num_routes = 0, 0
+    if weight_route is not None:
+        check_tensor("weight_route", weight_route, dtypes=(torch.int32,), shape=[("M", M)], device=dev)
+        if router_weights_M is None:
+            raise ValueError("weight_route needs router_weights (the routes' weights [T*K])")
+        check_tensor("router_weights", router_weights_M, dtypes=(torch.float32,), shape=[("T*K", None)], device=dev)
+        num_routes = router_weights_M.shape[0]
+        if dev.type == "cuda":
+            route_ptr = weight_route.data_ptr()
+        else:  # as the kernel: a route outside [0, T*K) weighs 0
+            idx = weight_route.long()
+            valid = (idx >= 0) & (idx < num_routes)
+            router_weights_M = torch.where(valid, router_weights_M[torch.where(valid, idx, 0)], 0.0).contiguous()
+    elif router_weights_M is not None:
         check_tensor("router_weights", router_weights_M, dtypes=(torch.float32,), shape=[("M", M)], device=dev)
     if acc is None and wgrad_out is None:
         raise ValueError("acc or wgrad_out must be given: where the weight gradients go")
@@ -270,5 +289,7 @@ def grouped_backward(
             num_threads=torch.get_num_threads() if not cuda else 1,
             stream=current_stream_handle(dev) if cuda else 0,
             zero_outside=fresh,
+            weight_route=route_ptr,
+            num_routes=num_routes,
         )
     return out
