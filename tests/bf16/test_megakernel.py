@@ -126,7 +126,7 @@ def test_megakernel_matches_fp64_loop(T, H, I, E, K, Is, routing, limit):
         assert_close(name, got[name], w)
 
 
-def _direct(T, H, I, E, K, routing, *, num_sms=0, inject=False, timeout_s=30.0, seed=0):
+def _direct(T, H, I, E, K, routing, *, num_sms=0, inject=False, timeout_s=30.0, seed=0, timers=None):
     """One megakernel launch through megakernel.moe_forward: (a, b, rows, error, state, ws, sched)."""
     inp = make_inputs(T, H, I, E, K, 0, routing, seed=seed).to("cuda")
     cfg = cuda_config()
@@ -136,7 +136,7 @@ def _direct(T, H, I, E, K, routing, *, num_sms=0, inject=False, timeout_s=30.0, 
     error = torch.zeros(4, dtype=torch.int32, device="cuda")
     a, b = megakernel.moe_forward(
         ws, sched.row_route_C, sched.expert_offsets_El1, inp.x_TH, inp.routed, rows, error, limit=None,
-        timeout_ns=int(timeout_s * 1e9), num_sms=num_sms, inject_missing_dependency=inject,
+        timeout_ns=int(timeout_s * 1e9), num_sms=num_sms, inject_missing_dependency=inject, timers=timers,
     )  # fmt: skip
     torch.cuda.synchronize()
     return a, b, rows, error, megakernel.task_state(ws), ws, sched
@@ -152,6 +152,24 @@ def test_megakernel_bits_do_not_depend_on_the_grid():
     for other in runs[1:]:
         for x, y in zip(runs[0][:3], other[:3], strict=True):
             assert torch.equal(x, y)
+
+
+@needs_gpu
+def test_timed_megakernel_gives_the_untimed_bits():
+    """The timed instantiation (benchmarks/probes/megakernel_timers.py) computes the same tiles:
+    the untimed launch's a, b and rows bit for bit; every CTA's roles account their time."""
+    sms, roles, slots = 7, len(megakernel.TIMER_ROLES), len(megakernel.TIMER_SLOTS)
+    timers = torch.zeros(sms * roles * slots, dtype=torch.int64, device="cuda")
+    plain = _direct(300, 256, 192, 8, 4, "skewed", num_sms=sms, seed=3)
+    timed = _direct(300, 256, 192, 8, 4, "skewed", num_sms=sms, seed=3, timers=timers)
+    for x, y in zip(plain[:3], timed[:3], strict=True):
+        assert torch.equal(x, y)
+    total = timers.view(sms, roles, slots)[:, :, megakernel.TIMER_SLOTS.index("total")]
+    assert bool((total > 0).all()), "every role of every CTA accounted its time"
+    with pytest.raises(ValueError, match="timers must hold"):
+        _direct(300, 256, 192, 8, 4, "skewed", num_sms=sms, seed=3, timers=timers[:-1])
+    with pytest.raises(TypeError, match="timers must be an int64 tensor"):
+        _direct(300, 256, 192, 8, 4, "skewed", num_sms=sms, seed=3, timers=timers.int())
 
 
 @needs_gpu

@@ -76,6 +76,8 @@ def moe_forward(
     """
     import mok_bf16
 
+    if timers is not None:
+        _check_timers(timers, x_TH.device, num_sms)
     wg, wu, wd = (w.contiguous() for w in routed)
     T, H = x_TH.shape
     El, inner = wg.shape[:2]
@@ -93,6 +95,19 @@ def moe_forward(
         timers=0 if timers is None else timers.data_ptr(),
     )  # fmt: skip
     return a, b
+
+
+def _check_timers(timers: torch.Tensor, device: torch.device, num_sms: int) -> None:
+    """A timed launch writes [CTAs][roles][slots] int64 accounts: the tensor must hold them all."""
+    if not isinstance(timers, torch.Tensor) or timers.dtype != torch.int64:
+        raise TypeError(f"timers must be an int64 tensor, got {getattr(timers, 'dtype', type(timers).__name__)}")
+    if timers.device != device or not timers.is_contiguous():
+        raise ValueError(f"timers must be a contiguous tensor on {device}, got {timers.device}")
+    ctas = num_sms if num_sms > 0 else torch.cuda.get_device_properties(device).multi_processor_count
+    need = ctas * len(TIMER_ROLES) * len(TIMER_SLOTS)
+    if timers.numel() < need:
+        shape = f"CTAs x {len(TIMER_ROLES)} x {len(TIMER_SLOTS)} = {need}"
+        raise ValueError(f"timers must hold {shape} int64, got {timers.numel()}")
 
 
 def available(device: torch.device) -> bool:
