@@ -148,10 +148,10 @@ void register_experts(pybind11::module_& m) {
          std::uintptr_t acc_gate, std::uintptr_t acc_up, std::uintptr_t acc_down,
          std::uintptr_t out_gate, std::uintptr_t out_up, std::uintptr_t out_down, bool carry_in,
          std::uintptr_t scratch_g, std::uintptr_t scratch_hw, std::uintptr_t scratch_d_ab,
-         std::int64_t num_rows, std::int64_t hidden, std::int64_t inner,
-         std::int64_t num_experts, std::optional<double> limit, std::int64_t num_sms,
-         std::int64_t num_threads, std::uintptr_t stream, bool zero_outside,
-         std::uintptr_t weight_route, std::int64_t num_routes) {
+         std::int64_t num_rows, std::int64_t hidden, std::int64_t inner, std::int64_t num_experts,
+         std::optional<double> limit, std::int64_t num_sms, std::int64_t num_threads,
+         std::uintptr_t stream, bool zero_outside, std::uintptr_t weight_route,
+         std::int64_t num_routes) {
         GroupedBackwardArgs a;
         a.x = x;
         a.offsets = offsets;
@@ -188,10 +188,10 @@ void register_experts(pybind11::module_& m) {
       py::arg("w_down"), py::arg("out_dx"), py::arg("out_d_w"), py::arg("acc_gate"),
       py::arg("acc_up"), py::arg("acc_down"), py::arg("out_gate"), py::arg("out_up"),
       py::arg("out_down"), py::arg("carry_in"), py::arg("scratch_g"), py::arg("scratch_hw"),
-      py::arg("scratch_d_ab"), py::arg("num_rows"), py::arg("hidden"),
-      py::arg("inner"), py::arg("num_experts"), py::arg("limit") = py::none(),
-      py::arg("num_sms") = 0, py::arg("num_threads") = 1, py::arg("stream") = 0,
-      py::arg("zero_outside") = false, py::arg("weight_route") = 0, py::arg("num_routes") = 0,
+      py::arg("scratch_d_ab"), py::arg("num_rows"), py::arg("hidden"), py::arg("inner"),
+      py::arg("num_experts"), py::arg("limit") = py::none(), py::arg("num_sms") = 0,
+      py::arg("num_threads") = 1, py::arg("stream") = 0, py::arg("zero_outside") = false,
+      py::arg("weight_route") = 0, py::arg("num_routes") = 0,
       py::call_guard<py::gil_scoped_release>(),
       "SwiGLU expert backward over segments of consecutive rows (grouped_forward's layout). "
       "Writes out_dx (bf16 [M, H]: [d_a, d_b] @ [Wg; Wu]) and out_d_w (fp32 [M]: <g, h>, g = dy "

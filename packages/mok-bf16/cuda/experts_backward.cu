@@ -40,13 +40,13 @@ using kernels::check;
 struct SwigluBackwardRows {
   const std::uint16_t* a;
   const std::uint16_t* b;
-  const float* g;               // [M, I]
-  const float* router_weights;  // [M] (weight_route: [num_routes]) or null: all ones
+  const float* g;                    // [M, I]
+  const float* router_weights;       // [M] (weight_route: [num_routes]) or null: all ones
   const std::int32_t* weight_route;  // [M] or null: row r's weight is router_weights[route]
   int num_routes;                    // routes outside [0, num_routes) weigh 0 (padding)
-  std::uint16_t* hw;            // [M, I]: bf16(w h) (h itself for unweighted rows)
-  std::uint16_t* d_ab;          // [M, 2I]
-  float* d_w;                   // [M]
+  std::uint16_t* hw;                 // [M, I]: bf16(w h) (h itself for unweighted rows)
+  std::uint16_t* d_ab;               // [M, 2I]
+  float* d_w;                        // [M]
   const std::int64_t* offsets;
   int num_experts;
   std::int64_t num_rows;
@@ -210,9 +210,9 @@ void grouped_backward_cuda(const GroupedBackwardArgs& args, std::uintptr_t strea
   const CUtensorMap map_wd = hopper::make_tensor_map(ptr(args.w_down), El * H, I, 64);
   const CUtensorMap map_dy = hopper::make_tensor_map(ptr(args.dy), M, H, gemm::kBlockM);
   const gemm::Problem pg{offsets, s.num_rows, Ei, Ii, Hi, Hi};
-  kernels::launch<BLoad::kNMajor>(
-      map_dy, map_wd, map_wd, pg,
-      kernels::StoreF32{reinterpret_cast<float*>(args.scratch_g), Ii}, sms, stream);
+  kernels::launch<BLoad::kNMajor>(map_dy, map_wd, map_wd, pg,
+                                  kernels::StoreF32{reinterpret_cast<float*>(args.scratch_g), Ii},
+                                  sms, stream);
 
   const SwigluBackwardRows rows{reinterpret_cast<const std::uint16_t*>(args.a),
                                 reinterpret_cast<const std::uint16_t*>(args.b),

@@ -57,11 +57,11 @@ inline constexpr int kLagBlocks = 2;
 enum class BLoad { kPaired, kKMajor, kNMajor };
 
 // Rows gathered by a producer warpgroup's own copies where no routed copy of them exists (the
-// copy engine cannot gather; the megakernel's gate/up tiles, sm90/moe_forward.cu): table row r reads row row_route[r] / divisor of `rows` ([*, cols]
-// bf16 row-major: the token rows), zeros for a padding row (route -1; any route outside [0,
-// num_routes) reads as one), a row past the table and columns from `cols` on. The pieces land
-// where the copy engine would put them (128-byte swizzle), so the wgmmas read the same shared
-// memory either way.
+// copy engine cannot gather; the megakernel's gate/up tiles, sm90/moe_forward.cu): table row r
+// reads row row_route[r] / divisor of `rows` ([*, cols] bf16 row-major: the token rows), zeros for
+// a padding row (route -1; any route outside [0, num_routes) reads as one), a row past the table
+// and columns from `cols` on. The pieces land where the copy engine would put them (128-byte
+// swizzle), so the wgmmas read the same shared memory either way.
 struct RowGather {
   const std::uint16_t* rows;
   const std::int32_t* row_route;

@@ -293,7 +293,9 @@ void grouped_backward(std::string_view device, const GroupedBackwardArgs& a,
   check_pointer(fn, "scratch_d_ab", a.scratch_d_ab, 16, cuda && gemm);
   check_pointer(fn, "weight_route", a.weight_route, 4, false);
   if (a.weight_route != 0 && !cuda) {
-    invalid(fn, "weight_route (weights read by route) is for 'cuda'; on 'cpu' pass them in table order");
+    invalid(
+        fn,
+        "weight_route (weights read by route) is for 'cuda'; on 'cpu' pass them in table order");
   }
   if (a.weight_route != 0 && a.router_weights == 0) {
     invalid(fn, "weight_route needs router_weights (the routes' weights)");
