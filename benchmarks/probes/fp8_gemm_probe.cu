@@ -1,9 +1,9 @@
-// A probe of mok-mxfp8's FP8 grouped GEMM (cuda/fp8_gemm.cuh): the gate+up GEMM of one shape
+// A probe of mok-mxfp8's FP8 grouped GEMM (cuda/sm90/fp8_gemm.cuh): the gate+up GEMM of one shape
 // timed in its production form and in the measurement variants (kProbe, wrong results), to
 // find what limits it. Not part of any package; NOTES.md records what it showed.
 //
 //   nvcc -std=c++17 -gencode arch=compute_90a,code=sm_90a -O3 -Ipackages/mok-mxfp8/include \
-//     -Ipackages/mok-core/include -Ipackages/mok-mxfp8/cuda -DMOK_WITH_CUDA=1 \
+//     -Ipackages/mok-core/include -Ipackages/mok-mxfp8/cuda/sm90 -DMOK_WITH_CUDA=1 \
 //     benchmarks/probes/fp8_gemm_probe.cu -o probe && ./probe [rows H I experts]
 #include <cuda_runtime.h>
 

@@ -52,8 +52,8 @@
 #include <cstdint>
 #include <stdexcept>
 
-#include "../grouped_gemm.cuh"
-#include "../launch.cuh"
+#include "grouped_gemm.cuh"
+#include "launch.cuh"
 #include "mok/bf16/experts.h"
 #include "mok/core/bf16.h"
 #include "mok/core/expert_math.h"

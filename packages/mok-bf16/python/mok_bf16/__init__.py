@@ -14,11 +14,11 @@ Expert entry points (``include/mok/bf16/experts.h``), bitwise mok-torch's refere
 They run on the CPU (``device="cpu"``); ``"cuda"`` raises RuntimeError.
 
 - ``grouped_forward``: the forward over segments of consecutive rows (the schedule table's
-  layout). On ``"cuda"`` it runs the sm_90a tensor-core GEMMs (``cuda/grouped_gemm.cuh``):
+  layout). On ``"cuda"`` it runs the sm_90a tensor-core GEMMs (``cuda/sm90/grouped_gemm.cuh``):
   deterministic and batch invariant, but each element is one fixed-order fp32 sum of the
   tensor cores, not the reference's sequential one; on ``"cpu"`` the reference arithmetic.
 - ``grouped_backward``: the backward over the same segments: ``dx``, ``d_w`` and the weight
-  gradients added to fp32 accumulators (``cuda/experts_backward.cu``, ``cuda/wgrad_gemm.cuh``).
+  gradients added to fp32 accumulators (``cuda/sm90/experts_backward.cu``, ``cuda/sm90/wgrad_gemm.cuh``).
 - ``moe_forward`` (CUDA only): the forward megakernel, the routed experts of a whole layer call
   in one persistent launch, x rows gathered from the token rows and each output row stored at its
   route (``cuda/sm90/moe_forward.cu``); the bits of ``grouped_forward``.

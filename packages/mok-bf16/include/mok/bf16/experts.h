@@ -95,7 +95,7 @@ struct SwigluBackwardArgs {
 //
 //   [a, b] = x @ [Wg_e; Wu_e]^T,  h = bf16(silu(a_c) * b_c),  y = h @ Wd_e^T
 //
-// On "cuda" these are the tensor-core GEMMs (cuda/grouped_gemm.cuh): each element an fp32 sum
+// On "cuda" these are the tensor-core GEMMs (cuda/sm90/grouped_gemm.cuh): each element an fp32 sum
 // over K in one fixed order (blocks of 64, wgmma k16 steps ascending), then rounded to bf16;
 // not the reference's sequential sum, but the same bits for a row wherever it sits, whatever
 // the other rows, the grid or the SM count. h is the reference's element math applied to a and
@@ -135,7 +135,7 @@ struct GroupedForwardArgs {
 // without another pass). Each of the three needs its accumulator or its output or both. Every
 // expert's gradients are written, those of experts without rows too (C).
 //
-// On "cuda": tensor-core GEMMs (cuda/experts_backward.cu). g, dx: as grouped_forward's GEMMs
+// On "cuda": tensor-core GEMMs (cuda/sm90/experts_backward.cu). g, dx: as grouped_forward's GEMMs
 // (a row's bits depend only on the row). d_w: each lane of a warp sums its elements (8-element
 // pieces l, l + 32, ... of the row, ascending), then a butterfly over the lanes; the element
 // math is the reference's. Weight gradients: the sums start from C and take the expert's rows

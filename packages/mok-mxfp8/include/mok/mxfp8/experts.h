@@ -72,7 +72,7 @@ struct MxBackwardArgs {
 //
 //   [a, b] = x_q @ [Wg_e; Wu_e]^T,  h = bf16(silu(a) * b),  h_q = Q_I(h),  y = h_q @ Wd_e^T
 //
-// On "cuda" the FP8 tensor-core GEMMs of cuda/fp8_gemm.cuh (sm_90a; H and I multiples of 64):
+// On "cuda" the FP8 tensor-core GEMMs of cuda/sm90/fp8_gemm.cuh (sm_90a; H and I multiples of 64):
 // each 32-block's partial from one FP8 wgmma, scaled and added in ascending K, so the same bits
 // for a row wherever it sits and whatever the other rows, but not the CPU's bits (the wgmma's
 // partial is not a sequential fp32 sum). On "cpu" the reference arithmetic, bitwise

@@ -4,7 +4,7 @@ consecutive rows.
 `grouped_forward` and `grouped_backward` check their tensors, allocate the outputs (and the
 backward's scratch) and call `mok_bf16.grouped_forward` / `grouped_backward` on the current
 stream. On CUDA it runs the tensor-core GEMMs
-(sm_90a wgmma, `packages/mok-bf16/cuda/grouped_gemm.cuh`): each element one fp32 sum in a
+(sm_90a wgmma, `packages/mok-bf16/cuda/sm90/grouped_gemm.cuh`): each element one fp32 sum in a
 fixed order, so a row's bits depend only on that row and its expert's weights (not the
 reference's sequential sum: docs/determinism.md "The GPU GEMMs"). On the CPU it runs the
 reference arithmetic.

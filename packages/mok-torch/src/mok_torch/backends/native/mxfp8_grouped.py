@@ -4,7 +4,7 @@ consecutive rows (docs/mxfp8.md).
 `mxfp8_grouped_forward` checks its tensors, allocates the outputs and calls
 `mok_mxfp8.grouped_forward` on the current stream; `mxfp8_grouped_gemm` does the same for one
 GEMM in the orientation of the input gradients (`mok_mxfp8.grouped_gemm`). On CUDA (sm_90a) it runs the FP8
-tensor-core GEMMs with per-32 scaling (`packages/mok-mxfp8/cuda/fp8_gemm.cuh`): deterministic
+tensor-core GEMMs with per-32 scaling (`packages/mok-mxfp8/cuda/sm90/fp8_gemm.cuh`): deterministic
 and batch invariant, within a tight tolerance of the reference's bits (the FP8 wgmma's partial
 of 32 products is not a sequential fp32 sum). On the CPU it runs the reference arithmetic.
 

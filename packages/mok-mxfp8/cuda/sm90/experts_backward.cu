@@ -20,7 +20,7 @@
 
 #include <cstdint>
 
-#include "lanes.cuh"
+#include "../lanes.cuh"
 #include "launch.cuh"
 #include "mok/core/bf16.h"
 #include "mok/core/expert_math.h"
