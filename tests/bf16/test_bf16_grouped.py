@@ -313,3 +313,30 @@ def test_fresh_outputs_are_zero_outside_the_segments(device, offsets):
     back = grouped_backward(x, offs, fresh.a, fresh.b, dy, None, wg, wu, wd, None, carry_in=False,
                             wgrad_out=tuple(torch.empty_like(w) for w in (wg, wu, wd)))  # fmt: skip
     assert bool((back.dx[~covered] == 0).all()) and bool((back.d_w[~covered] == 0).all())
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, needs_gpu])])
+def test_given_outputs_zeroed_outside_the_segments_on_request(device):
+    """zero_outside=True (the chain's forward into its ring, allocated without a fill): given
+    outputs full of junk come back with the uncovered rows zero and the covered rows those of a
+    fresh call; zero_outside=False leaves the junk; a non-bool is a TypeError."""
+    M, H, I = 100, 128, 64
+    offsets = [10, 30, 95]
+    x, _, wg, wu, wd = (t.to(device) for t in make([M], H, I, seed=22))
+    wg, wu, wd = (w.expand(2, *w.shape[1:]).contiguous() for w in (wg, wu, wd))
+    offs = torch.tensor(offsets, dtype=torch.int64, device=device)
+    covered = torch.zeros(M, dtype=torch.bool, device=device)
+    covered[10:95] = True
+    fresh = grouped_forward(x, offs, wg, wu, wd)
+
+    def junk() -> GroupedForward:
+        return GroupedForward(*(torch.full((M, n), 7.0, dtype=BF16, device=device) for n in (I, I, I, H)))
+
+    zeroed = grouped_forward(x, offs, wg, wu, wd, out=junk(), zero_outside=True)
+    kept = grouped_forward(x, offs, wg, wu, wd, out=junk(), zero_outside=False)
+    for name, z, k, f in zip(("a", "b", "h", "y"), zeroed, kept, fresh, strict=True):
+        assert bool((z[~covered] == 0).all()), f"{name}: rows outside the segments must be zeroed"
+        assert bool((k[~covered] == 7.0).all()), f"{name}: without the request they are left alone"
+        assert torch.equal(z[covered], f[covered]) and torch.equal(k[covered], f[covered]), name
+    with pytest.raises(TypeError, match="zero_outside must be a bool or None"):
+        grouped_forward(x, offs, wg, wu, wd, out=junk(), zero_outside=1)
