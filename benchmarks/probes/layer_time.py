@@ -250,10 +250,10 @@ def host_profile(name: str, forward, forward_backward, calls: int = 50) -> str:
     return "\n".join(out)
 
 
-def timeline(name: str, forward_backward) -> list[str]:
+def timeline(name: str, forward_backward, label: str = "megakernel") -> list[str]:
     """One eager forward + backward from an idle device under torch.profiler: its kernels in the
     order they ran (start after the call's first host event, duration, the device idle before
-    each), then the totals."""
+    each), then the totals. `label`: what ran (the path, or a peer's name)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -268,7 +268,7 @@ def timeline(name: str, forward_backward) -> list[str]:
     if not host or not kernels:
         return [f"== {name}: no events"]
     t0 = min(e.time_range.start for e in host)
-    lines = [f"== {name} megakernel: one eager forward + backward from an idle device (us)",
+    lines = [f"== {name} {label}: one eager forward + backward from an idle device (us)",
              f"{'start':>9s} {'dur':>8s} {'idle before':>11s}  kernel"]  # fmt: skip
     end, idle = t0, 0.0
     for k in kernels:
@@ -281,6 +281,48 @@ def timeline(name: str, forward_backward) -> list[str]:
                  f"kernels {busy:.1f} us; device idle {idle:.1f} us (before the first kernel included)")  # fmt: skip
     print("\n".join(lines[-1:]), flush=True)
     return lines
+
+
+def sustained_clocks(fn, iters: int = 40) -> str:
+    """fn run `iters` times back to back (as the bench's timed loop runs it) while nvidia-smi
+    samples the GPU every 50 ms: the SM clock and the power of the samples taken during the loop,
+    as median and range (large GEMMs draw the board to its power limit, and the clock drops)."""
+    import datetime
+    import subprocess
+
+    fn()
+    torch.cuda.synchronize()
+    query = ["nvidia-smi", "-i", str(torch.cuda.current_device()), "--query-gpu=timestamp,clocks.sm,power.draw",
+             "--format=csv,noheader,nounits", "-lms", "50"]  # fmt: skip
+    with subprocess.Popen(query, stdout=subprocess.PIPE, text=True) as smi:
+        time.sleep(1.0)  # nvidia-smi's start
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = datetime.datetime.now()
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        t1 = datetime.datetime.now()
+        smi.terminate()
+        text = smi.communicate()[0]
+    samples = []
+    for line in text.splitlines():
+        try:
+            stamp, mhz, watts = (v.strip() for v in line.split(","))
+            when = datetime.datetime.strptime(stamp, "%Y/%m/%d %H:%M:%S.%f")
+            if t0 <= when <= t1:
+                samples.append((float(mhz), float(watts)))
+        except ValueError:
+            continue
+    ms = start.elapsed_time(end) / iters
+    if not samples:
+        return f"{ms:.3f} ms a call over {iters}; no nvidia-smi samples in the loop"
+    mhz = sorted(s[0] for s in samples)
+    watts = sorted(s[1] for s in samples)
+    return (f"{ms:.3f} ms a call over {iters}; SM clock median {statistics.median(mhz):.0f} MHz "
+            f"({mhz[0]:.0f}-{mhz[-1]:.0f}), power median {statistics.median(watts):.0f} W "
+            f"({watts[0]:.0f}-{watts[-1]:.0f}), {len(samples)} samples")  # fmt: skip
 
 
 if __name__ == "__main__":

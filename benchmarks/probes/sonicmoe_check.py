@@ -2,7 +2,11 @@
 gradient within bf16 tolerance of mok's, on the GPU (run before timing SonicMoE; its first call of a
 shape also autotunes its GEMMs, so this warms the cache the bench then reads).
 
-    python3 benchmarks/probes/sonicmoe_check.py [shape ...]     (default: qwen3-30b-a3b)
+    python3 benchmarks/probes/sonicmoe_check.py [shape ...] [--profile FILE]   (default: qwen3-30b-a3b)
+
+With --profile, after each shape's check: for mok and SonicMoE in turn, one eager forward + backward
+kernel by kernel (layer_time.py's timeline) into FILE, and the clock and power the GPU ran at over
+forwards, then forward + backwards back to back (layer_time.py's sustained_clocks), printed.
 
 Exit status 1 when a figure is off (or SonicMoE is not importable).
 """
@@ -25,10 +29,11 @@ def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
 
 
-def main(names: list[str]) -> int:
+def main(names: list[str], profile: str | None = None) -> int:
     ranks = Ranks(torch.device("cuda", 0), None, 0, 1)
     settings = Settings(allow_slow=False)
     ok = True
+    report: list[str] = []
     for shape in resolve_shapes(",".join(names or ["qwen3-30b-a3b"]), 1):
         sonic, mok = SonicMoEProvider(), MokProvider("mok", "auto", "bf16")
         why = sonic.unavailable(shape, ranks, settings)
@@ -50,8 +55,39 @@ def main(names: list[str]) -> int:
             good = err <= 2e-2 and bool(torch.isfinite(out["sonicmoe"][i]).all())
             ok &= good
             print(f"{shape.name}: sonicmoe vs mok {what}: relative L2 {err:.2e} {'ok' if good else 'OFF'}")
+        if profile is not None:
+            report.extend(profile_providers(shape.name, call, (mok, sonic), ranks, settings))
+    if profile is not None:
+        with open(profile, "w") as f:
+            f.write("\n".join(report) + "\n")
     return 0 if ok else 1
 
 
+def profile_providers(name: str, call, providers, ranks: Ranks, settings: Settings) -> list[str]:
+    """Each provider's kernels (one eager forward + backward) and its clocks under load."""
+    from layer_time import sustained_clocks, timeline
+
+    lines = []
+    for provider in providers:
+        forward = provider.prepare(call, ranks, settings)
+
+        def forward_backward(forward=forward) -> None:
+            call.drop_grads()
+            forward().backward(call.dy_TH)
+
+        lines.extend(timeline(name, forward_backward, label=provider.name))
+        for label, fn in (("forward", forward), ("forward+backward", forward_backward)):
+            clocks = f"{name} {provider.name} {label}: {sustained_clocks(fn)}"
+            print(clocks, flush=True)
+            lines.append(clocks)
+    return lines
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    argv = sys.argv[1:]
+    out = None
+    if "--profile" in argv:
+        i = argv.index("--profile")
+        out = argv[i + 1]
+        del argv[i : i + 2]
+    sys.exit(main(argv, out))
