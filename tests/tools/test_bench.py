@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -74,6 +75,7 @@ def test_quick_run_writes_the_report(tmp_path, capsys):
             assert r["floor_fraction"][p] is None and r["peak_mib"][p] is None  # no ceilings, no CUDA
             assert r["floor"][p]["flops"] > 0 and r["floor"][p]["hbm_bytes"] > 0
             assert r["floor"][p]["nvlink_bytes"] == 0
+            assert r["back_to_back_ms"][p] > 0
         assert r["saved_mib"] > 0 and r["deterministic"] is True
         assert r["speedup_vs_torch_a2a"]["forward"] > 0
     mok = next(r for r in rows if r["provider"] == "mok")
@@ -542,6 +544,26 @@ def test_providers_are_timed_in_turns():
     for name in ("a", "c"):
         times = got[name]
         assert isinstance(times, list) and len(times) == 3 and all(t >= 0 for t in times)
+
+
+def test_back_to_back_times_a_call_among_calls_issued_together():
+    """back_to_back_ms: `rounds` rounds of `calls` calls, before() ahead of each call, the median
+    round's time divided by its calls; bad counts are refused by name."""
+    from mok_torch.bench.timing import Ranks, back_to_back_ms
+
+    log: list[str] = []
+    ranks = Ranks(torch.device("cpu"), None, 0, 1)
+
+    def fn() -> None:
+        log.append("call")
+        time.sleep(0.004)
+
+    ms = back_to_back_ms(ranks, fn, calls=4, rounds=3, before=lambda: log.append("before"))
+    assert log == ["before", "call"] * 12
+    assert 4.0 <= ms < 40.0, ms  # a call's 4 ms sleep, not a round's 16 ms nor a fraction of it
+    for bad in ({"calls": 0}, {"rounds": 0}):
+        with pytest.raises(ValueError, match="calls and rounds"):
+            back_to_back_ms(ranks, fn, **bad)
 
 
 def test_untrustworthy_times_are_flagged():

@@ -30,7 +30,17 @@ from .ceilings import Ceilings, describe_error
 from .inputs import LayerCall, make_call, make_weights, route_counts
 from .providers import Forward, Provider, Settings
 from .shapes import Shape
-from .timing import Ranks, all_ranks, gather_floats, host_ms, median, reduce_max, synchronize, time_in_turns
+from .timing import (
+    Ranks,
+    all_ranks,
+    back_to_back_ms,
+    gather_floats,
+    host_ms,
+    median,
+    reduce_max,
+    synchronize,
+    time_in_turns,
+)
 
 PASSES = ("forward", "forward+backward")
 BASELINES = {"torch-a2a": "speedup_vs_torch_a2a", "sonicmoe": "speedup_vs_sonicmoe"}
@@ -78,6 +88,7 @@ def _empty_row(shape: Shape, routing: str, provider: Provider, ranks: Ranks) -> 
         "speedup_vs_torch_a2a": {},
         "peak_mib": {},
         "host_ms": {},
+        "back_to_back_ms": {},
         "saved_mib": None,
         "saved_method": None,
         "deterministic": None,
@@ -136,7 +147,8 @@ def measure_case(
     """Every figure of one (shape, routing) case for every provider. The times of a pass are taken
     in turns (timing.time_in_turns: iteration i of every provider before iteration i + 1 of any),
     so the device's clock drift falls on all of them alike; then, per provider, the host time to
-    issue a call, the peak memory, the saved activations and the bitwise repeat."""
+    issue a call, the time per call of calls issued back to back (timing.back_to_back_ms), the
+    peak memory, the saved activations and the bitwise repeat."""
     rows = [
         skipped_row(call.shape, call.routing, p, ranks, str(r)) if r is not None
         else _empty_row(call.shape, call.routing, p, ranks)
@@ -184,6 +196,7 @@ def measure_case(
             if row["status"] == "ok":
                 for p in opts.passes:
                     row["host_ms"][p] = host_ms(ranks, run[p], before=call.drop_grads)
+                    row["back_to_back_ms"][p] = back_to_back_ms(ranks, run[p], before=call.drop_grads)
                     row["peak_mib"][p] = peak_mib(ranks, run[p], call)
                 call.drop_grads()
                 saved, method = provider.saved_bytes(call, forward, ranks)

@@ -129,6 +129,41 @@ def host_ms(ranks: Ranks, fn: Callable[[], Any], *, iters: int = 5, before: Call
     return median(reduce_max(ranks, times))
 
 
+def back_to_back_ms(
+    ranks: Ranks,
+    fn: Callable[[], Any],
+    *,
+    calls: int = 10,
+    rounds: int = 3,
+    before: Callable[[], None] | None = None,
+) -> float:
+    """Time in ms per call of `fn()` issued `calls` times back to back, as a training loop issues
+    its steps (the median over `rounds`, each from a lined-up idle device; maximum over ranks):
+    the host issues call i + 1 while the device runs call i, so what shows is the device's time
+    wherever the host keeps ahead of it, and the host's where it does not. `before()` runs ahead
+    of every call, inside the timing (keep it to host work such as dropping gradients)."""
+    if calls < 1 or rounds < 1:
+        raise ValueError(f"calls and rounds must be >= 1, got {calls} and {rounds}")
+    per_call = []
+    for _ in range(rounds):
+        line_up(ranks)
+        if ranks.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            if before is not None:
+                before()
+            fn()
+        if ranks.cuda:
+            end.record()
+            synchronize(ranks)
+            per_call.append(start.elapsed_time(end) / calls)
+        else:
+            per_call.append((time.perf_counter() - t0) * 1e3 / calls)
+    return median(reduce_max(ranks, per_call))
+
+
 def time_in_turns(
     ranks: Ranks,
     fns: dict[str, Callable[[], Any]],
