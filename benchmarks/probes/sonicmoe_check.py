@@ -84,10 +84,10 @@ def profile_providers(name: str, call, providers, ranks: Ranks, settings: Settin
 
 
 if __name__ == "__main__":
-    argv = sys.argv[1:]
-    out = None
-    if "--profile" in argv:
-        i = argv.index("--profile")
-        out = argv[i + 1]
-        del argv[i : i + 2]
-    sys.exit(main(argv, out))
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("shapes", nargs="*")
+    parser.add_argument("--profile", metavar="FILE")
+    args = parser.parse_args()
+    sys.exit(main(args.shapes, args.profile))
