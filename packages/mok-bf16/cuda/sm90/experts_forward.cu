@@ -34,17 +34,18 @@ struct GateUpEpilogue {
   std::uint16_t* b;
   int inner;
 
-  // Deferred (grouped_gemm.cuh): pieces of the packed pairs, a's then b's columns.
+  // Deferred (grouped_gemm.cuh): pieces of the packed pairs, a's columns (n8 blocks j < 16)
+  // then b's.
   static constexpr bool kDeferred = true;
   template <int kChunk>
   __device__ void store(const Tile& tile, int consumer, const gemm::PackedBf16& p) const {
-    constexpr int kUp = kGateUpN / 4;  // the up columns' packed words follow the gate's
-    gemm::for_each_pair_in_chunk<kChunk, kGateUpN>(
-        tile, consumer, inner, [&](std::int64_t row, int col, int q) {
-          const std::int64_t at = row * inner + col;
-          *reinterpret_cast<std::uint32_t*>(a + at) = p.w[q / 2];
-          *reinterpret_cast<std::uint32_t*>(b + at) = p.w[q / 2 + kUp];
-        });
+    constexpr int kUpBlocks = kGateUpN / 8;
+    std::uint16_t* const to = kChunk < gemm::kDrainChunks / 2 ? a : b;
+    gemm::for_each_vector_in_chunk<kChunk>(p, [&](int, int r, int j, const uint4& v) {
+      const std::int64_t row = tile.row0 + 64 * consumer + r;
+      const int col = tile.col0 + 8 * (j % kUpBlocks);
+      if (row < tile.row_end && col < inner) *reinterpret_cast<uint4*>(to + row * inner + col) = v;
+    });
   }
 };
 

@@ -187,19 +187,25 @@ struct Accumulators {
 // ------------------------------------------------------------------ deferred epilogues
 //
 // An epilogue that stores bf16 may be deferred: after a tile's last wgmma its consumer only
-// rounds the accumulators into packed bf16 pairs (PackedBf16, 64 registers), and stores them
-// in kDrainChunks pieces while the tensor cores run the next tile's first k-blocks (one piece
-// after each k-block's wgmmas are issued), so the stores no longer leave the tensor cores idle
-// between tiles. The bits stored are the same; only when they are stored changes.
+// rounds the accumulators into bf16 (PackedBf16, 64 registers), and stores them in kDrainChunks
+// pieces while the tensor cores run the next tile's first k-blocks (one piece after each
+// k-block's wgmmas are issued), so the stores no longer leave the tensor cores idle between
+// tiles. The bits stored are the same; only when they are stored changes.
 //
 // Such an epilogue declares `static constexpr bool kDeferred = true` and has
 // `template <int kChunk> void store(const Tile&, int consumer, const PackedBf16&) const`,
-// which stores the pairs of piece kChunk (for_each_pair_in_chunk).
+// which stores piece kChunk (for_each_vector_in_chunk).
 inline constexpr int kDrainChunks = 8;
 
+// A consumer's rounded tile as the stores write it: v[2 k + half] = the 8 columns of n8 block
+// 4 k + lane % 4 of the thread's row `half` (frag_row(t, 2 half)), k < kDrainChunks. A quad
+// (four threads, one row) holds 64 consecutive bytes of a row in each pair of its vectors, so a
+// warp's 16-byte stores write whole 32-byte sectors; the fragment's own layout (a thread's
+// columns 2c, 2c + 1 of every n8 block) would cover each sector only half per store.
 struct PackedBf16 {
-  std::uint32_t w[kMmaN / 4];  // w[i]: bf16(d[2 i]) | bf16(d[2 i + 1]) << 16
+  uint4 v[2 * kDrainChunks];
 };
+static_assert(kMmaN / 8 == 4 * kDrainChunks, "a piece is one quad's four n8 blocks");
 
 // Rounds to nearest even by the hardware conversion, one instruction per pair: the bits of
 // core::float_to_bf16 for every number; a NaN becomes the canonical 0x7FFF (float_to_bf16
@@ -210,35 +216,70 @@ __device__ inline std::uint32_t pack_bf16x2(float lo, float hi) {
   return w;
 }
 
+// The four packed words a thread holds of n8 blocks j0 .. j0 + 3 of one of its rows (w_i:
+// columns 2c, 2c + 1 of block j0 + i, c = the thread's lane % 4), exchanged across the four
+// threads of its quad (they hold the same row) so that the thread holds block j0 + c whole:
+// word i of the result is columns 2i, 2i + 1 of it. Two butterfly steps: the lane's bit 0
+// swaps with the word index's bit 0, then bit 1 with bit 1. Every lane of the warp calls it.
+__device__ inline uint4 quad_transpose(std::uint32_t w0, std::uint32_t w1, std::uint32_t w2,
+                                       std::uint32_t w3) {
+  const int c = threadIdx.x % 4;
+  const bool odd = (c & 1) != 0;
+  std::uint32_t x = __shfl_xor_sync(0xFFFFFFFFu, odd ? w0 : w1, 1);
+  std::uint32_t y = __shfl_xor_sync(0xFFFFFFFFu, odd ? w2 : w3, 1);
+  if (odd) {
+    w0 = x;
+    w2 = y;
+  } else {
+    w1 = x;
+    w3 = y;
+  }
+  const bool high = (c & 2) != 0;
+  x = __shfl_xor_sync(0xFFFFFFFFu, high ? w0 : w2, 2);
+  y = __shfl_xor_sync(0xFFFFFFFFu, high ? w1 : w3, 2);
+  if (high) {
+    w0 = x;
+    w1 = y;
+  } else {
+    w2 = x;
+    w3 = y;
+  }
+  return make_uint4(w0, w1, w2, w3);
+}
+
+// The accumulators rounded into the stores' layout. Every thread of the warpgroup calls it.
 __device__ inline void pack_bf16(const Accumulators& acc, PackedBf16& out) {
+  const auto word = [&](int j, int half) {  // columns 2c, 2c + 1 of n8 block j, row `half`
+    return pack_bf16x2(acc.d[4 * j + 2 * half], acc.d[4 * j + 2 * half + 1]);
+  };
 #pragma unroll
-  for (int i = 0; i < kMmaN / 4; ++i) out.w[i] = pack_bf16x2(acc.d[2 * i], acc.d[2 * i + 1]);
+  for (int k = 0; k < kDrainChunks; ++k) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int j0 = 4 * k;
+      out.v[2 * k + half] = quad_transpose(word(j0, half), word(j0 + 1, half), word(j0 + 2, half),
+                                           word(j0 + 3, half));
+    }
+  }
+}
+
+// Piece kChunk of a consumer's rounded tile: fn(half, row, j, v) for each of the thread's two
+// rows (row: the row in the consumer's 64, frag_row), v = the 8 columns of n8 block j (columns
+// 8 j ..) of that row, j = 4 kChunk + lane % 4; fn skips the rows and columns that do not
+// exist. For a paired tile, blocks j >= 16 are the second weight's (the accumulators' order).
+template <int kChunk, class Fn>
+__device__ inline void for_each_vector_in_chunk(const PackedBf16& p, const Fn& fn) {
+  const int t = threadIdx.x % 128;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    fn(half, tiles::frag_row(t, 2 * half), 4 * kChunk + t % 4, p.v[2 * kChunk + half]);
+  }
 }
 
 template <class E, class = void>
 struct IsDeferred : std::false_type {};
 template <class E>
 struct IsDeferred<E, std::void_t<decltype(E::kDeferred)>> : std::bool_constant<E::kDeferred> {};
-
-// for_each_pair restricted to piece kChunk: the n8 blocks [kChunk * J, (kChunk + 1) * J) of
-// the first kCols columns, J = kCols / 8 / kDrainChunks.
-template <int kChunk, int kCols, class Fn>
-__device__ inline void for_each_pair_in_chunk(const Tile& tile, int consumer, int n, const Fn& fn) {
-  constexpr int kJ = kCols / 8 / kDrainChunks;
-  static_assert(kJ >= 1 && kCols % (8 * kDrainChunks) == 0);
-  const int t = threadIdx.x % 128;
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const std::int64_t row = tile.row0 + 64 * consumer + tiles::frag_row(t, 2 * half);
-    if (row >= tile.row_end) continue;
-#pragma unroll
-    for (int jj = 0; jj < kJ; ++jj) {
-      const int j = kChunk * kJ + jj;
-      const int col = tile.col0 + tiles::frag_col(t, j, 0);
-      if (col < n) fn(row, col, 4 * j + 2 * half);
-    }
-  }
-}
 
 // fn(std::integral_constant<int, i>{}) for i = 0 .. kN - 1: a loop whose index is a constant
 // in each copy (register arrays indexed by it stay in registers).

@@ -172,10 +172,11 @@ struct StoreBf16 {
   static constexpr bool kDeferred = true;
   template <int kChunk>
   __device__ void store(const gemm::Tile& tile, int consumer, const gemm::PackedBf16& p) const {
-    gemm::for_each_pair_in_chunk<kChunk, gemm::kMmaN>(
-        tile, consumer, n, [&](std::int64_t row, int col, int q) {
-          *reinterpret_cast<std::uint32_t*>(out + row * n + col) = p.w[q / 2];
-        });
+    gemm::for_each_vector_in_chunk<kChunk>(p, [&](int, int r, int j, const uint4& v) {
+      const std::int64_t row = tile.row0 + 64 * consumer + r;
+      const int col = tile.col0 + 8 * j;
+      if (row < tile.row_end && col < n) *reinterpret_cast<uint4*>(out + row * n + col) = v;
+    });
   }
 };
 

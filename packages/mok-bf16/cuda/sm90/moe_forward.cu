@@ -70,7 +70,6 @@ using gemm::kDrainChunks;
 using gemm::kMmaN;
 using gemm::PackedBf16;
 using gemm::unroll;
-using tiles::frag_col;
 using tiles::frag_row;
 using tiles::kBlockM;
 
@@ -79,7 +78,6 @@ constexpr int kThreads = 384;
 constexpr int kProducerRegs = 40;
 constexpr int kConsumerRegs = 232;  // 2 x 128 x 232 + 128 x 40 <= 64 Ki registers
 constexpr int kTaskSlots = 4;
-constexpr int kLagBlocks = gemm::kLagBlocks;
 constexpr int kGateUpN = kMmaN / 2;  // columns of each weight per gate/up tile
 constexpr int kDownN = kMmaN;
 constexpr int kBandTiles = tiles::kBandTiles;
@@ -233,26 +231,6 @@ __device__ inline Task decode(const Params& p, const RowTiles& rt, unsigned int 
   return task;
 }
 
-// fn(half, row, col, word) for the pairs of piece kChunk (grouped_gemm.cuh's
-// for_each_pair_in_chunk, with the half: which of the thread's two rows) among the first kCols
-// columns of the tile.
-template <int kChunk, int kCols, class Fn>
-__device__ inline void for_each_pair_in_chunk(const Task& task, int consumer, int n, const Fn& fn) {
-  constexpr int kJ = kCols / 8 / kDrainChunks;
-  const int t = threadIdx.x % 128;
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int row = task.row0 + 64 * consumer + frag_row(t, 2 * half);
-    if (row >= task.row_end) continue;
-#pragma unroll
-    for (int jj = 0; jj < kJ; ++jj) {
-      const int j = kChunk * kJ + jj;
-      const int col = task.col0 + frag_col(t, j, 0);
-      if (col < n) fn(half, row, col, 2 * j + half);
-    }
-  }
-}
-
 // A tile's rounded results while they are being stored.
 struct Pending {
   PackedBf16 words;
@@ -261,24 +239,29 @@ struct Pending {
   bool live;
 };
 
+// Piece kChunk of a pending tile (grouped_gemm.cuh's for_each_vector_in_chunk): 16-byte vectors
+// of a and b (gate/up: a's columns are n8 blocks j < 16, b's the rest) or of the routed rows of
+// rows_out (down).
 template <int kChunk>
 __device__ inline void store_piece(const Params& p, const Pending& pend, int consumer) {
-  if (pend.task.kind == kGateUp) {
-    constexpr int kUp = kGateUpN / 4;  // the up columns' words follow the gate's
-    for_each_pair_in_chunk<kChunk, kGateUpN>(
-        pend.task, consumer, p.inner, [&](int, int row, int col, int w) {
-          const std::int64_t at = static_cast<std::int64_t>(row) * p.inner + col;
-          *reinterpret_cast<std::uint32_t*>(p.a + at) = pend.words.w[w];
-          *reinterpret_cast<std::uint32_t*>(p.b + at) = pend.words.w[w + kUp];
-        });
+  const Task& task = pend.task;
+  if (task.kind == kGateUp) {
+    constexpr int kUpBlocks = kGateUpN / 8;
+    std::uint16_t* const to = kChunk < kDrainChunks / 2 ? p.a : p.b;
+    gemm::for_each_vector_in_chunk<kChunk>(pend.words, [&](int, int r, int j, const uint4& v) {
+      const int row = task.row0 + 64 * consumer + r;
+      const int col = task.col0 + 8 * (j % kUpBlocks);
+      if (row < task.row_end && col < p.inner)
+        *reinterpret_cast<uint4*>(to + static_cast<std::int64_t>(row) * p.inner + col) = v;
+    });
   } else {
-    for_each_pair_in_chunk<kChunk, kDownN>(
-        pend.task, consumer, p.hidden, [&](int half, int, int col, int w) {
-          const int route = half == 0 ? pend.route[0] : pend.route[1];
-          if (route < 0) return;
-          *reinterpret_cast<std::uint32_t*>(
-              p.rows_out + static_cast<std::int64_t>(route) * p.hidden + col) = pend.words.w[w];
-        });
+    gemm::for_each_vector_in_chunk<kChunk>(pend.words, [&](int half, int, int j, const uint4& v) {
+      const int route = half == 0 ? pend.route[0] : pend.route[1];
+      const int col = task.col0 + 8 * j;
+      if (route >= 0 && col < p.hidden)
+        *reinterpret_cast<uint4*>(p.rows_out + static_cast<std::int64_t>(route) * p.hidden + col) =
+            v;
+    });
   }
 }
 
@@ -558,7 +541,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // The pending words hold nothing now (the next GEMM task overwrites them): constants, so
       // that their registers are free for the element math.
 #pragma unroll
-      for (int i = 0; i < kMmaN / 4; ++i) pend.words.w[i] = 0;
+      for (int i = 0; i < 2 * kDrainChunks; ++i) pend.words.v[i] = make_uint4(0, 0, 0, 0);
       swiglu_task<kTimed>(p, task, consumer, gate_up_target, sig, timer_acc);
       if (timer) account<kTimed>(timer_acc, role, kTimeSwiglu, clock() - task_start);
       continue;

@@ -113,24 +113,15 @@ __device__ inline void zero_box_rows(unsigned char* box, int valid, int t, int t
   }
 }
 
-// Stores piece kChunk (grouped_gemm.cuh's kDrainChunks pieces: n8 blocks [kChunk J, kChunk J +
-// J) of the 256 columns) of a tile's packed bf16 pairs, c16 at the consumer's first row of C.
+// Stores piece kChunk (grouped_gemm.cuh's kDrainChunks pieces, for_each_vector_in_chunk) of a
+// tile's packed bf16 pairs, c16 at the consumer's first row of C.
 template <int kChunk>
 __device__ inline void store_wgrad_piece(const PackedBf16& packed, std::uint16_t* c16, int row0,
-                                         int col0, const WgradProblem& p, int t128) {
-  constexpr int kJ = kMmaN / 8 / kDrainChunks;
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int r = frag_row(t128, 2 * half);
-    if (row0 + r >= p.m) continue;
-#pragma unroll
-    for (int jj = 0; jj < kJ; ++jj) {
-      const int j = kChunk * kJ + jj;
-      const int col = col0 + frag_col(t128, j, 0);
-      if (col < p.n)
-        *reinterpret_cast<std::uint32_t*>(c16 + r * p.n + col) = packed.w[2 * j + half];
-    }
-  }
+                                         int col0, const WgradProblem& p) {
+  for_each_vector_in_chunk<kChunk>(packed, [&](int, int r, int j, const uint4& v) {
+    const int col = col0 + 8 * j;
+    if (row0 + r < p.m && col < p.n) *reinterpret_cast<uint4*>(c16 + r * p.n + col) = v;
+  });
 }
 
 // kCarryIn: start from C's fp32 values; kF32: some part has an fp32 accumulator (else every
@@ -265,7 +256,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const auto drain = [&](auto chunk) {
     if constexpr (kDeferred) {
       if (pending_c16 != nullptr) {
-        store_wgrad_piece<chunk.value>(pending, pending_c16, pending_row0, pending_col0, p, t128);
+        store_wgrad_piece<chunk.value>(pending, pending_c16, pending_row0, pending_col0, p);
       }
     }
   };
