@@ -54,6 +54,11 @@ def test_quick_run_writes_the_report(tmp_path, capsys):
     assert "\r" not in "".join(progress) and len(progress) >= 2, progress
     done, total = progress[-1].split()[2].split("/")
     assert done == total == str(1 + 2 * 3), progress[-1]  # the ceilings, then 2 shapes x 3 providers
+    # ... and a line as each part of the work starts (a provider's first call may take minutes).
+    started = [line.split(", now ", 1)[1] for line in progress if ", now " in line]
+    assert started[0] == "ceilings", started
+    for shape in ("quick", "quick-shared"):
+        assert f"{shape} balanced forward" in started and f"{shape} balanced mok" in started, started
     report = _report(tmp_path)
     name = sorted(tmp_path.glob("*.json"))[0].name
     assert name.endswith("_cpu_layer-ep1-quick.json") and name[:4].isdigit()

@@ -122,7 +122,7 @@ def bench(opts: Options, ranks: Ranks) -> dict[str, Any]:
     progress = None
     total = len(shapes) * len(opts.routings) * len(providers)
     if ranks.lead:
-        progress = progress_bar(total + 1, "mok bench", unit="case", file=sys.stderr, lines=total + 1)
+        progress = progress_bar(total + 1, "mok bench", unit="case", file=sys.stderr, lines=total + 1, announce=True)
         progress.set_postfix_str("ceilings")
     ceilings = ceilings_mod.measure(ranks)
     if progress is not None:
