@@ -3,16 +3,19 @@
 that a GPU call need not compile them (the build took 61-68 s of a call's device time).
 
     python3 tools/gpu_wheels.py build [--python PY]   # here: .whl/mok/*.whl and .whl/mok/SOURCES
+    python3 tools/gpu_wheels.py build --base main     # here: main's wheels in .whl/mok-base
     python3 tools/gpu_wheels.py check                 # there: exit 0 if the wheels fit the tree
 
 `build` runs `pip wheel` for mok-core, mok-bf16 and mok-mxfp8 with MOK_CUDA=ON under PY (a
 Python of the GPU machines' version, 3.12, with the build requirements: scikit-build-core,
 pybind11, cmake, ninja), and lists every source file of the three packages with its SHA-256 in
-SOURCES. `check` holds the tree against that list: the wheels count only when every listed file
-is there with the same bytes and no other source file exists (build outputs, caches and
-egg-info are not sources). tools/gpu-check installs them when `check` passes and they import,
-and builds the packages as before otherwise (a binary built on one machine's image may not load
-on another's).
+SOURCES. `build --base REV` builds commit REV's packages the same way (in a temporary git worktree,
+removed after) into .whl/mok-base: the other side of tools/gpu-check's `ab` stage, which installs
+each folder's wheels in turns on one machine. `check` holds the tree against that list: the
+wheels count only when every listed file is there with the same bytes and no other source file
+exists (build outputs, caches and egg-info are not sources). tools/gpu-check installs them when
+`check` passes and they import, and builds the packages as before otherwise (a binary built on
+one machine's image may not load on another's).
 """
 
 from __future__ import annotations
@@ -23,43 +26,64 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("packages/mok-core", "packages/mok-bf16", "packages/mok-mxfp8")
 OUT = ROOT / ".whl" / "mok"
+BASE_OUT = ROOT / ".whl" / "mok-base"
 LISTING = OUT / "SOURCES"
 NOT_SOURCES = {"build", "dist", "__pycache__", ".pytest_cache", "_skbuild"}
 
 
-def sources() -> dict[str, str]:
-    """Every source file of the compiled packages (path relative to the root -> SHA-256)."""
+def sources(root: Path | None = None) -> dict[str, str]:
+    """Every source file of the compiled packages under `root` (default: this tree), path
+    relative to it -> SHA-256."""
+    root = ROOT if root is None else root
     found = {}
     for pkg in PACKAGES:
-        for dirpath, dirnames, filenames in os.walk(ROOT / pkg):
+        for dirpath, dirnames, filenames in os.walk(root / pkg):
             dirnames[:] = sorted(d for d in dirnames if d not in NOT_SOURCES and not d.endswith(".egg-info"))
             for name in sorted(filenames):
                 if name.endswith((".so", ".pyc", ".whl")):
                     continue
                 path = Path(dirpath) / name
-                found[str(path.relative_to(ROOT))] = hashlib.sha256(path.read_bytes()).hexdigest()
+                found[str(path.relative_to(root))] = hashlib.sha256(path.read_bytes()).hexdigest()
     return found
 
 
-def build(python: str) -> None:
-    shutil.rmtree(OUT, ignore_errors=True)
-    OUT.mkdir(parents=True)
+def build(python: str, root: Path | None = None, out: Path | None = None) -> None:
+    """The wheels of the packages under `root` (default: this tree) into `out` (default
+    .whl/mok), with the list of the sources they were built from."""
+    root = ROOT if root is None else root
+    out = OUT if out is None else out
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
     env = dict(os.environ, MOK_CUDA="ON", CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 2))
     pip = [python, "-m", "pip"]
     for pkg in PACKAGES:
-        subprocess.run([*pip, "wheel", "-q", "--no-build-isolation", "--no-deps", "-w", str(OUT), pkg],
-                       cwd=ROOT, env=env, check=True)  # fmt: skip
+        subprocess.run([*pip, "wheel", "-q", "--no-build-isolation", "--no-deps", "-w", str(out), pkg],
+                       cwd=root, env=env, check=True)  # fmt: skip
         if pkg.endswith("mok-core"):  # what the others build against
-            wheel = next(OUT.glob("mok_core-*.whl"))
+            wheel = next(out.glob("mok_core-*.whl"))
             subprocess.run([*pip, "install", "-q", "--no-index", "--no-deps", "--force-reinstall", str(wheel)],
                            check=True)  # fmt: skip
-    LISTING.write_text("".join(f"{digest}  {path}\n" for path, digest in sources().items()))
-    print(f"{len(list(OUT.glob('*.whl')))} wheels and {LISTING.relative_to(ROOT)} in {OUT.relative_to(ROOT)}")
+    (out / LISTING.name).write_text("".join(f"{digest}  {path}\n" for path, digest in sources(root).items()))
+    print(f"{len(list(out.glob('*.whl')))} wheels and {LISTING.name} in {out}")
+
+
+def build_base(python: str, rev: str) -> None:
+    """Commit `rev`'s wheels into .whl/mok-base, built in a temporary worktree (removed after,
+    whether the build passes or not)."""
+    tmp = Path(tempfile.mkdtemp(prefix="mok-base-"))
+    tree = tmp / "tree"
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", str(tree), rev], check=True)
+    try:
+        build(python, tree, BASE_OUT)
+    finally:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def check() -> int:
@@ -85,10 +109,14 @@ def main() -> int:
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build")
     b.add_argument("--python", default="python3.12", help="a Python of the GPU machines' version (default python3.12)")
+    b.add_argument("--base", metavar="REV", help="build commit REV (e.g. main) into .whl/mok-base instead")
     sub.add_parser("check")
     ns = p.parse_args()
     if ns.command == "build":
-        build(ns.python)
+        if ns.base:
+            build_base(ns.python, ns.base)
+        else:
+            build(ns.python)
         return 0
     return check()
 

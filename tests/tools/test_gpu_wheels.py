@@ -5,6 +5,7 @@ needs a Python 3.12 and nvcc, and runs by hand."""
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -60,3 +61,32 @@ def test_any_other_source_means_build(tool, change, capsys):
         (src / "k.cu").unlink()
     assert tool.check() == 1
     assert "packages/b/src/" in capsys.readouterr().out
+
+
+def test_base_builds_the_commit_in_a_worktree_removed_after(tool, monkeypatch):
+    """`build --base REV` builds REV's sources, not the working tree's, into .whl/mok-base, and
+    leaves no worktree behind even when the build fails."""
+    root = tool.ROOT
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", "-C", str(root), *args], check=True, capture_output=True, text=True)
+        return done.stdout
+
+    git("init", "-q")
+    git("add", "packages")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "base")
+    (root / "packages/a/src/k.cu").write_text("// changed after the commit\n")
+    monkeypatch.setattr(tool, "BASE_OUT", root / ".whl" / "mok-base")
+    seen = {}
+
+    def failing_build(python: str, tree: Path, out: Path) -> None:
+        seen.update(source=(tree / "packages/a/src/k.cu").read_text(), tree=tree, out=out)
+        raise RuntimeError("the build failed")
+
+    monkeypatch.setattr(tool, "build", failing_build)
+    with pytest.raises(RuntimeError, match="the build failed"):
+        tool.build_base("python3", "HEAD")
+    assert seen["source"] == "// packages/a\n"  # the commit's bytes
+    assert seen["out"] == root / ".whl" / "mok-base"
+    assert not seen["tree"].exists()
+    assert len(git("worktree", "list").splitlines()) == 1  # only the main one
