@@ -89,11 +89,22 @@ void on_device(TransportDevice device, const char* fn, bool work, const Cuda& cu
   if (work) cpu();
 }
 
-// Runs body(begin, end) over [0, capacity) split into contiguous ranges, one per worker; worker 0
-// is the calling thread. Every started thread is joined, even when starting another one fails.
+// Bytes of rows a CPU worker thread must have to be worth starting: a thread costs tens of
+// microseconds to start and join, a 64 KiB copy a few. A layer call's moves at small shapes
+// (hundreds of rows of a few KB) then run on the calling thread alone, where 16 workers (the
+// default of MoKConfig's comm SMs) spent ~3 ms a move starting threads.
+constexpr std::int64_t kMinWorkerBytes = 64 * 1024;
+
+// Runs body(begin, end) over [0, capacity) split into contiguous ranges, one per worker: at most
+// num_workers of them, and one per kMinWorkerBytes of the rows' bytes (who moves a row never
+// changes its bytes). Worker 0 is the calling thread. Every started thread is joined, even when
+// starting another one fails.
 template <typename Body>
-void for_row_ranges(std::int64_t capacity, std::int64_t num_workers, const Body& body) {
-  const std::int64_t n = num_workers < capacity ? num_workers : capacity;
+void for_row_ranges(std::int64_t capacity, std::int64_t row_bytes, std::int64_t num_workers,
+                    const Body& body) {
+  const std::int64_t by_bytes = capacity * row_bytes / kMinWorkerBytes;
+  std::int64_t n = num_workers < capacity ? num_workers : capacity;
+  if (by_bytes < n) n = by_bytes;
   if (n <= 1) {
     if (capacity > 0) body(0, capacity);
     return;
@@ -120,7 +131,7 @@ void for_row_ranges(std::int64_t capacity, std::int64_t num_workers, const Body&
 }
 
 void pull_rows_cpu(const PullRows& move, std::int64_t num_workers) {
-  for_row_ranges(move.capacity, num_workers, [&move](std::int64_t begin, std::int64_t end) {
+  const auto body = [&move](std::int64_t begin, std::int64_t end) {
     for (std::int64_t i = begin; i < end; ++i) {
       const unsigned char* src = move.src_row(i);
       if (src != nullptr) {
@@ -129,24 +140,27 @@ void pull_rows_cpu(const PullRows& move, std::int64_t num_workers) {
         std::memset(move.dst_row(i), 0, static_cast<size_t>(move.row_bytes));
       }
     }
-  });
+  };
+  for_row_ranges(move.capacity, move.row_bytes, num_workers, body);
 }
 
 void push_rows_cpu(const PushRows& move, std::int64_t num_workers) {
-  for_row_ranges(move.capacity, num_workers, [&move](std::int64_t begin, std::int64_t end) {
+  const auto body = [&move](std::int64_t begin, std::int64_t end) {
     for (std::int64_t i = begin; i < end; ++i) {
       unsigned char* dst = move.dst_row(i);
       if (dst != nullptr) std::memcpy(dst, move.src_row(i), static_cast<size_t>(move.row_bytes));
     }
-  });
+  };
+  for_row_ranges(move.capacity, move.row_bytes, num_workers, body);
 }
 
 void zero_rows_cpu(const ZeroRows& rows, std::int64_t num_workers) {
-  for_row_ranges(rows.capacity, num_workers, [&rows](std::int64_t begin, std::int64_t end) {
+  const auto body = [&rows](std::int64_t begin, std::int64_t end) {
     for (std::int64_t i = begin; i < end; ++i) {
       if (rows.padding(i)) std::memset(rows.dst_row(i), 0, static_cast<size_t>(rows.row_bytes));
     }
-  });
+  };
+  for_row_ranges(rows.capacity, rows.row_bytes, num_workers, body);
 }
 
 // The CPU side of the barrier protocol. The pads live in POSIX shared memory mapped by several
