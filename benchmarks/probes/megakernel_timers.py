@@ -5,8 +5,9 @@ instantiation of the kernel, accounts of clock64 cycles per CTA and role) after 
 
 Prints, per shape, the untimed and timed launches' times (CUDA events) and, per role (the
 producer's thread 0, each consumer warpgroup's leader), each account's mean over the CTAs as a
-share of the role's total: waiting for a ticket, in gate/up, SwiGLU and down tasks, waiting on a
-ring stage, on a row tile's counter, storing a pending tile at once; and the tasks taken.
+share of the role's total: waiting for a ticket, in gate/up and down tasks, on h (the SwiGLU) at
+the gate/up tiles' ends, waiting on a ring stage, on a row tile's counter, storing a pending tile
+at once; and the tasks taken.
 
 Shape letters: docs/design.md §1.
 """

@@ -6,18 +6,19 @@
 // column tile, row tile fastest):
 //   gate/up tiles  [a, b] = x[rows] @ [Wg_e; Wu_e]^T, 128 rows x (128 columns of each weight).
 //                  The rows' x are gathered from the token rows (row -> route t*K + k -> token t)
-//                  by the operand loads themselves: no routed copy of x exists. Epilogue: a and
-//                  b, bf16 (as the chain's gate/up GEMM).
-//   SwiGLU tasks   h = bf16(silu(a_c) * b_c) (the reference's element math) for the 128 x 128
-//                  elements of one gate/up tile, read back from L2 by the consumer warpgroups.
-//                  Not in the gate/up epilogue: its sigmoid lookups there stalled the wgmmas
-//                  (NOTES.md, session 11: the tensor pipe 48 % busy against the chain's 82 %).
+//                  by the operand loads themselves: no routed copy of x exists. Epilogue: at the
+//                  tile's end h = bf16(silu(a_c) * b_c) (the reference's element math on the
+//                  rounded a and b) from the thread's own words, stored at once; a and b, bf16 (as
+//                  the chain's gate/up GEMM), deferred. h at the tile's end, not in the deferred
+//                  pieces: there its sigmoid lookups stalled the wgmmas between which they ran
+//                  (NOTES.md, session 11); at the tile's end the accumulators are dead, the lookups
+//                  go out together, and the other consumer warpgroup's wgmmas run meanwhile.
 //   down tiles     y = h[rows] @ Wd_e^T, 128 rows x 256 columns. Epilogue: each row stored at its
 //                  route's row of `rows_out` (t*K + k; padding rows nowhere): nothing is summed
 //                  here, the fixed-order combine follows in its own launch.
 // One counter per row tile orders them: each consumer warpgroup bumps it once its part of a
-// gate/up tile is stored, and again once its part of a SwiGLU task is; a SwiGLU task waits for
-// 2 x the column tiles (every gate/up tile of the row tile), a down tile for 4 x.
+// gate/up tile's h is stored; a down tile waits for 2 x the column tiles (every gate/up tile of
+// the row tile).
 //
 // One CTA per SM, 384 threads:
 //   producer warpgroup (40 registers). Thread 0 takes the tickets and hands them to everyone
@@ -37,13 +38,13 @@
 //   consumer warpgroups 1 and 2 (232 registers): grouped_gemm.cuh's mainloop (m64n256k16, one
 //     wgmma group in flight, the second warpgroup kLagBlocks k-blocks behind the first) and its
 //     deferred bf16 epilogue: a tile's results are stored in 8 pieces under the next task's first
-//     k-blocks. A gate/up tile's counter is bumped after its last piece; when the next task is a
-//     SwiGLU or down task the pieces are stored before it starts (it, or its producer, may be
-//     waiting for that very counter), so no wait can depend on work queued behind it. A SwiGLU
-//     task is the consumers' alone: the producer takes the next ticket at once.
+//     k-blocks. A gate/up tile's counter is bumped at the tile's end, after its h stores; no wait
+//     depends on the deferred pieces of a and b (only the backward reads them), so no wait can
+//     depend on work queued behind it.
 //
 // Determinism (docs/determinism.md): every output element is the grouped GEMMs' (grouped_gemm.cuh)
-// fp32 sum over K in blocks of 64 by one CTA, rounded once; h the SwiGLU kernel's element math.
+// fp32 sum over K in blocks of 64 by one CTA, rounded once; h the SwiGLU kernel's element math on
+// the same rounded a and b.
 // The bits are those of the chain of kernels (experts_forward.cu), for any grid size and whichever
 // CTA takes a task.
 #include <cuda_runtime.h>
@@ -90,7 +91,7 @@ constexpr int kConsumersBarrier = 4;  // both consumer warpgroups (the end of th
 
 using R = gemm::Ring<kStages>;
 
-enum Kind : int { kGateUp = 0, kSwiglu = 1, kDown = 2, kNone = 3 };
+enum Kind : int { kGateUp = 0, kDown = 1, kNone = 2 };
 
 struct Params {
   gemm::RowGather x_rows;         // the gate/up tiles' rows: x [T, H] through each row's route
@@ -119,15 +120,14 @@ struct Params {
 enum Timer : int {
   kTimeTicket =
       0,  // waiting for a ticket (producer: a free slot and the atomic; consumers: the slot)
-  kTimeGateUp = 1,     // in gate/up tasks (waits included)
-  kTimeSwiglu = 2,     // in SwiGLU tasks (consumers; their wait included)
-  kTimeDown = 3,       // in down tasks (waits included)
-  kTimeStageWait = 4,  // waiting on a ring stage (producer: empty; consumers: full)
-  kTimeDependency =
-      5,           // waiting on a row tile's counter (producer: a down task; consumers: SwiGLU)
-  kTimeFlush = 6,  // consumers: the pending tile's pieces stored all at once
-  kTimeTotal = 7,  // the role's time from the start to the end of its task loop
-  kTimeTasks = 8,  // tasks taken (a count, not cycles)
+  kTimeGateUp = 1,      // in gate/up tasks (waits included)
+  kTimeSwiglu = 2,      // consumers: h at a gate/up tile's end (the element math, the stores)
+  kTimeDown = 3,        // in down tasks (waits included)
+  kTimeStageWait = 4,   // waiting on a ring stage (producer: empty; consumers: full)
+  kTimeDependency = 5,  // waiting on a row tile's counter (the producer, for a down task)
+  kTimeFlush = 6,       // consumers: the pending tile's pieces stored all at once
+  kTimeTotal = 7,       // the role's time from the start to the end of its task loop
+  kTimeTasks = 8,       // tasks taken (a count, not cycles)
   kTimerSlots = 9,
 };
 constexpr int kTimerRoles = 3;
@@ -187,21 +187,20 @@ __device__ inline int gate_up_columns(const Params& p) {
 }
 __device__ inline int down_columns(const Params& p) { return (p.hidden + kDownN - 1) / kDownN; }
 
-// Task t of the list: every gate/up tile, then a SwiGLU task per gate/up tile (in the same
-// order), then every down tile.
+// Task t of the list: every gate/up tile, then every down tile.
 __device__ inline Task decode(const Params& p, const RowTiles& rt, unsigned int t) {
   const int row_tiles = rt.prefix[p.num_experts];
   const int n_gate_up = row_tiles * gate_up_columns(p);
   const int n_down = row_tiles * down_columns(p);
   Task task{};
-  if (t >= static_cast<unsigned int>(2 * n_gate_up + n_down)) {
+  if (t >= static_cast<unsigned int>(n_gate_up + n_down)) {
     task.kind = kNone;
     return task;
   }
   int local = static_cast<int>(t);
-  task.kind = local < n_gate_up ? kGateUp : local < 2 * n_gate_up ? kSwiglu : kDown;
-  local -= task.kind == kGateUp ? 0 : task.kind == kSwiglu ? n_gate_up : 2 * n_gate_up;
-  const bool gate_up = task.kind != kDown;  // the gate/up tiles' walk
+  task.kind = local < n_gate_up ? kGateUp : kDown;
+  local -= task.kind == kGateUp ? 0 : n_gate_up;
+  const bool gate_up = task.kind == kGateUp;
   const int columns = gate_up ? gate_up_columns(p) : down_columns(p);
   const int block_n = gate_up ? kGateUpN : kDownN;
   int lo = 0, hi = p.num_experts - 1;  // the last expert whose first task is <= local
@@ -225,9 +224,7 @@ __device__ inline Task decode(const Params& p, const RowTiles& rt, unsigned int 
   task.row_end = rt.hi[e];
   task.col0 = (in_band / rows) * block_n;
   task.rt = rt.prefix[e] + tile;
-  task.k_blocks = task.kind == kGateUp ? p.hidden / kBlockK
-                  : task.kind == kDown ? p.inner / kBlockK
-                                       : 0;
+  task.k_blocks = gate_up ? p.hidden / kBlockK : p.inner / kBlockK;
   return task;
 }
 
@@ -272,48 +269,27 @@ __device__ inline void signal(const Params& p, const Task& task, int consumer) {
   if (threadIdx.x % 128 == 0) tasks::add_release(p.ready + task.rt, 1);
 }
 
-// A SwiGLU task, the warpgroup's 64 rows of it: once every gate/up tile of the row tile is stored
-// (`target`), h = swiglu_h(a, b) over the tile's 128 columns. 64 x 128 elements are 1024 vectors of
-// 8: thread t takes vectors t + 128 v (two rows of 256 bytes per warp instruction), kBatch of them
-// loaded before the first is used (a warpgroup has few warps to hide their latency with; the
-// accumulators and the pending tile stay live around this, so registers allow no more).
-template <bool kTimed>
-__device__ inline void swiglu_task(const Params& p, const Task& task, int consumer, int target,
-                                   const core::TableSigmoid& sig,
-                                   unsigned long long (*acc)[kTimerSlots]) {
-  constexpr int kVectors = 64 * kGateUpN / 8 / 128;
-  constexpr int kBatch = 4;
+// A gate/up tile's h = swiglu_h(a, b), the warpgroup's 64 rows of it, at the tile's end from the
+// packed words (grouped_gemm.cuh's PackedBf16): the thread's a and b vectors of the same 8
+// columns are w.v[2 k + half] and w.v[2 (k + 4) + half], k < 4. Then the counter: every thread's
+// h stores fenced for the async proxy (the down tiles' copy engine reads h), the warpgroup
+// gathered, one release.
+__device__ inline void store_h(const Params& p, const Task& task, int consumer, const PackedBf16& w,
+                               const core::TableSigmoid& sig) {
   const int t = threadIdx.x % 128;
-  if (t == 0) {
-    const long long t0 = kTimed ? clock64() : 0;
-    tasks::wait_at_least(p.ready + task.rt, target, p.wait);
-    account<kTimed>(acc, 1 + consumer, kTimeDependency, clock64() - t0);
-  }
-  hopper::named_barrier(kConsumerBarrier + consumer, 128);  // the acquire -> every thread's loads
-  const int row0 = task.row0 + 64 * consumer;
-#pragma unroll 1
-  for (int v0 = 0; v0 < kVectors; v0 += kBatch) {
-    uint4 av[kBatch], bv[kBatch];
-    std::int64_t at[kBatch];
 #pragma unroll
-    for (int v = 0; v < kBatch; ++v) {
-      const int q = t + 128 * (v0 + v);
-      const int row = row0 + q / (kGateUpN / 8);
-      const int col = task.col0 + 8 * (q % (kGateUpN / 8));
-      const bool in = row < task.row_end && col < p.inner;  // p.inner: a multiple of 64
-      at[v] = in ? static_cast<std::int64_t>(row) * p.inner + col : -1;
-      // L2, not L1: other CTAs wrote a and b during this launch.
-      av[v] = in ? __ldcg(reinterpret_cast<const uint4*>(p.a + at[v])) : uint4{};
-      bv[v] = in ? __ldcg(reinterpret_cast<const uint4*>(p.b + at[v])) : uint4{};
-    }
+  for (int k = 0; k < kDrainChunks / 2; ++k) {
 #pragma unroll
-    for (int v = 0; v < kBatch; ++v) {
-      if (at[v] >= 0) {
-        *reinterpret_cast<uint4*>(p.h + at[v]) = core::swiglu_h8(av[v], bv[v], p.limit, sig);
+    for (int half = 0; half < 2; ++half) {
+      const int row = task.row0 + 64 * consumer + frag_row(t, 2 * half);
+      const int col = task.col0 + 8 * (4 * k + t % 4);
+      if (row < task.row_end && col < p.inner) {
+        *reinterpret_cast<uint4*>(p.h + static_cast<std::int64_t>(row) * p.inner + col) =
+            core::swiglu_h8(w.v[2 * k + half], w.v[2 * (k + 4) + half], p.limit, sig);
       }
     }
   }
-  tasks::fence_proxy_async_global();  // the h stores -> the down tiles' copy engine loads
+  tasks::fence_proxy_async_global();
   signal(p, task, consumer);
 }
 
@@ -365,8 +341,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     hopper::fence_barrier_init();
   }
   __syncthreads();
-  const int gate_up_target = 2 * gate_up_columns(p);  // a row tile's gate/up tiles are stored
-  const int swiglu_target = 2 * gate_up_target;       // ... and its h
+  const int gate_up_target = 2 * gate_up_columns(p);  // a row tile's gate/up tiles' h is stored
 
   if (threadIdx.x < 128) {  // ---------------------------------------------- producer
     hopper::regs_dealloc<kProducerRegs>();
@@ -405,7 +380,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       const Task task = decode(p, row_tiles, t);
       if (task.kind == kNone) break;
-      if (task.kind == kSwiglu) continue;  // the consumers' own: nothing to load
       const long long task_start = clock();
       if (task.kind == kGateUp) {
         // The tile's rows: each one's token (whose x row it reads), or -1 (a padding row, or past
@@ -437,7 +411,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (i == 0) {
           const int extra = p.inject > 0 && task.rt == 0 ? 1 : 0;
           const long long t0 = clock();
-          tasks::wait_at_least(p.ready + task.rt, swiglu_target + extra, p.wait);
+          tasks::wait_at_least(p.ready + task.rt, gate_up_target + extra, p.wait);
           account<kTimed>(timer_acc, 0, kTimeDependency, clock() - t0);
           // The acquire above -> the copy engine's reads of h below.
           tasks::fence_proxy_async_global();
@@ -498,14 +472,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     hopper::wgmma_commit();
     pipe.release();
   };
-  // Piece kChunk of the pending tile; after the last one a gate/up tile's counter is bumped.
+  // Piece kChunk of the pending tile.
   const auto drain = [&](auto chunk) {
     if (!pend.live) return;
     store_piece<chunk.value>(p, pend, consumer);
-    if constexpr (chunk.value == kDrainChunks - 1) {
-      if (pend.task.kind == kGateUp) signal(p, pend.task, consumer);
-      pend.live = false;
-    }
+    if constexpr (chunk.value == kDrainChunks - 1) pend.live = false;
   };
 
   for (;;) {
@@ -521,31 +492,20 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     const Task task = decode(p, row_tiles, t);
     const bool done = task.kind == kNone;
-    if (first_task && !done && task.kind != kSwiglu) {  // the first GEMM task
+    if (first_task && !done) {  // the first task
       if (consumer == 1) hopper::mbar_wait(&lag, 0);
       first_task = false;
     }
     // The pending tile's pieces go out one after each of this task's first k-blocks, or all of
     // them first (one site in the code: the kernel's size is what its instruction fetch pays for)
-    // when no task is left, when this task has fewer k-blocks than pieces, or when it waits
-    // for gate/up tiles and the pending one is a gate/up tile (it may be the one waited for).
-    const bool flush = pend.live && (done || task.k_blocks < kDrainChunks ||
-                                     (task.kind != kGateUp && pend.task.kind == kGateUp));
+    // when no task is left or when this task has fewer k-blocks than pieces.
+    const bool flush = pend.live && (done || task.k_blocks < kDrainChunks);
     const long long t1 = clock();
     if (flush) unroll<kDrainChunks>([&](auto c) { drain(c); });
     if (timer && flush) account<kTimed>(timer_acc, role, kTimeFlush, clock() - t1);
     if (done) break;
     if (timer) account<kTimed>(timer_acc, role, kTimeTasks, 1);
     const long long task_start = clock();
-    if (task.kind == kSwiglu) {
-      // The pending words hold nothing now (the next GEMM task overwrites them): constants, so
-      // that their registers are free for the element math.
-#pragma unroll
-      for (int i = 0; i < 2 * kDrainChunks; ++i) pend.words.v[i] = make_uint4(0, 0, 0, 0);
-      swiglu_task<kTimed>(p, task, consumer, gate_up_target, sig, timer_acc);
-      if (timer) account<kTimed>(timer_acc, role, kTimeSwiglu, clock() - task_start);
-      continue;
-    }
     hopper::fence_regs(acc.d);
     pipe.begin_tile();
     unroll<kDrainChunks>([&](auto c) {
@@ -561,7 +521,19 @@ __global__ void __launch_bounds__(kThreads, 1)
     gemm::pack_bf16(acc, pend.words);
     pend.task = task;
     pend.live = true;
-    if (task.kind == kDown) {
+    if (timer) {
+      account<kTimed>(timer_acc, role, task.kind == kGateUp ? kTimeGateUp : kTimeDown,
+                      clock() - task_start);
+    }
+    if (task.kind == kGateUp) {
+      // The accumulators hold nothing now (the next tile's first wgmma does not read them):
+      // constants, so that their registers are free for the lookups and the element math.
+#pragma unroll
+      for (int i = 0; i < kMmaN / 2; ++i) acc.d[i] = 0.0f;
+      const long long t2 = clock();
+      store_h(p, task, consumer, pend.words, sig);
+      if (timer) account<kTimed>(timer_acc, role, kTimeSwiglu, clock() - t2);
+    } else {
       const int t128 = threadIdx.x % 128;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
@@ -572,10 +544,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         else
           pend.route[1] = route;
       }
-    }
-    if (timer) {
-      account<kTimed>(timer_acc, role, task.kind == kGateUp ? kTimeGateUp : kTimeDown,
-                      clock() - task_start);
     }
   }
   if (timer) {
