@@ -8,7 +8,8 @@ that a GPU call need not compile them (the build took 61-68 s of a call's device
 
 `build` runs `pip wheel` for mok-core, mok-bf16 and mok-mxfp8 with MOK_CUDA=ON under PY (a
 Python of the GPU machines' version, 3.12, with the build requirements: scikit-build-core,
-pybind11, cmake, ninja), and lists every source file of the three packages with its SHA-256 in
+pybind11, cmake, ninja, setuptools), and for mok-torch (pure Python: an A/B installs each side's
+Python glue with its kernels), and lists every source file of the three packages with its SHA-256 in
 SOURCES. `build --base REV` builds commit REV's packages the same way (in a temporary git worktree,
 removed after) into .whl/mok-base: the other side of tools/gpu-check's `ab` stage, which installs
 each folder's wheels in turns on one machine. `check` holds the tree against that list: the
@@ -69,6 +70,10 @@ def build(python: str, root: Path | None = None, out: Path | None = None) -> Non
             wheel = next(out.glob("mok_core-*.whl"))
             subprocess.run([*pip, "install", "-q", "--no-index", "--no-deps", "--force-reinstall", str(wheel)],
                            check=True)  # fmt: skip
+    # mok-torch (pure Python) beside them, so that an A/B of two builds swaps the Python glue
+    # that calls the kernels with the kernels (tools/gpu-check ab).
+    subprocess.run([*pip, "wheel", "-q", "--no-build-isolation", "--no-deps", "-w", str(out), "packages/mok-torch"],
+                   cwd=root, env=env, check=True)  # fmt: skip
     (out / LISTING.name).write_text("".join(f"{digest}  {path}\n" for path, digest in sources(root).items()))
     print(f"{len(list(out.glob('*.whl')))} wheels and {LISTING.name} in {out}")
 
