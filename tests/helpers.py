@@ -99,6 +99,7 @@ def run_functional(
         "dWu": g.d_routed[1],
         "dWd": g.d_routed[2],
         "saved_rows": torch.tensor(ctx.x_routed_MH.shape[0]),
+        "x_routed": ctx.x_routed_MH,
     }
     if g.d_shared is not None:
         out.update(dWg_s=g.d_shared[0], dWu_s=g.d_shared[1], dWd_s=g.d_shared[2])

@@ -484,6 +484,69 @@ def test_weights_by_route_give_the_bits_of_weights_in_table_order(device, length
                            v.view(torch.int16 if v.dtype == BF16 else torch.int32))  # fmt: skip
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_gpu)])
+@pytest.mark.parametrize("lengths, H, I", GROUPED_CASES)
+@pytest.mark.parametrize("K", [1, 3])
+def test_dy_by_route_gives_the_bits_of_dy_in_table_order(device, lengths, H, I, K):
+    """`dy_tokens` (the cuda backend at one rank below GATHER_DY_MAX_HIDDEN): each row's dy read
+    through its route from the token rows [T, H], gathered by the g GEMM, which stores them in
+    table order into dy_MH for the weight gradient; dx, d_w, the weight gradients and those rows
+    bitwise the call with dy copied into table order (zeros for padding rows and a route past
+    T*K; the routes a permutation, as a schedule table's are)."""
+    d = make(lengths, H, I, seed=15)
+    M = d["x"].shape[0]
+    g = torch.Generator().manual_seed(16)
+    padding = torch.rand(M, generator=g) < 0.125
+    used = int((~padding).sum())
+    T = -(-(used + 2) // K)
+    route = torch.full((M,), -1, dtype=torch.int32)
+    route[~padding] = torch.randperm(T * K, generator=g)[:used].to(torch.int32)
+    if M > 2:
+        route[M // 2] = T * K + 5  # outside [0, T*K): a padding row
+    dy_T = torch.randn(T, H, generator=g).to(BF16)
+    w_TK = torch.rand(T * K, generator=g)
+    valid = (route >= 0) & (route < T * K)
+    table_dy = torch.where(valid[:, None], dy_T[torch.where(valid, route.long(), 0) // K], torch.zeros((), dtype=BF16))
+    d = to(d, device)
+    results = []
+    for dy, tokens in (
+        (table_dy.to(device), None),
+        (torch.full((M, H), float("nan"), dtype=BF16, device=device), dy_T.to(device)),
+    ):
+        out16 = accumulators(d, fill=3.0, dtype=BF16)
+        out = GroupedBackward(torch.full((M, H), 7.0, dtype=BF16, device=device), torch.full((M,), 7.0, device=device))
+        got = grouped_backward(
+            d["x"], d["offsets"], d["a"], d["b"], dy, w_TK.to(device), d["wg"], d["wu"], d["wd"], None, out=out,
+            carry_in=False, wgrad_out=out16, weight_route=route.to(device), dy_tokens=tokens,
+        )  # fmt: skip
+        results.append((got.dx, got.d_w, *out16, dy))
+    for u, v in zip(*results, strict=True):
+        assert torch.equal(u.view(torch.int16 if u.dtype == BF16 else torch.int32),
+                           v.view(torch.int16 if v.dtype == BF16 else torch.int32))  # fmt: skip
+
+
+def test_bad_dy_tokens_raise_naming_the_argument():
+    d = make([5, 3], 64, 64, seed=1)
+    acc = accumulators(d)
+    route = torch.arange(8, dtype=torch.int32)
+    w = torch.rand(8)
+
+    def call(dy_tokens, weight_route=route, w=w):
+        return grouped_backward(
+            d["x"], d["offsets"], d["a"], d["b"], d["dy"], w, d["wg"], d["wu"], d["wd"], acc,
+            weight_route=weight_route, dy_tokens=dy_tokens,
+        )  # fmt: skip
+
+    with pytest.raises(ValueError, match="dy_tokens needs weight_route"):
+        call(torch.zeros(4, 64, dtype=BF16), weight_route=None, w=d["w"])
+    with pytest.raises(TypeError, match="dy_tokens must have dtype bfloat16"):
+        call(torch.zeros(4, 64))
+    with pytest.raises(ValueError, match=r"dy_tokens must have shape \[T, H\]"):
+        call(torch.zeros(4, 32, dtype=BF16))
+    with pytest.raises(ValueError, match="T\\*K routes for T = 3 tokens"):
+        call(torch.zeros(3, 64, dtype=BF16))
+
+
 def test_bad_weight_route_raises_naming_the_argument():
     d = make([5, 3], 64, 64, seed=1)
     acc = accumulators(d)

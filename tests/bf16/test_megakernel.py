@@ -97,8 +97,8 @@ def test_megakernel_is_bitwise_the_chain(T, H, I, E, K, Is, routing, limit):
     fused = run_functional(inp, cuda_config(swiglu_limit=limit), device="cuda")
     chain = run_functional(inp, cuda_config(swiglu_limit=limit, megakernel=False), device="cuda")
     keys = CONTRACT_KEYS + (("dWg_s", "dWu_s", "dWd_s") if Is else ())
-    assert_bitwise(chain, fused, keys, what="megakernel vs chain: ")
-    assert int(fused["saved_rows"]) == 0, "the megakernel keeps no routed copy of x"
+    # The context's routed x too: the rows the megakernel gathered are the chain's pulled rows.
+    assert_bitwise(chain, fused, keys + ("saved_rows", "x_routed"), what="megakernel vs chain: ")
 
 
 @needs_gpu
@@ -127,31 +127,40 @@ def test_megakernel_matches_fp64_loop(T, H, I, E, K, Is, routing, limit):
 
 
 def _direct(T, H, I, E, K, routing, *, num_sms=0, inject=False, timeout_s=30.0, seed=0, timers=None):
-    """One megakernel launch through megakernel.moe_forward: (a, b, rows, error, state, ws, sched)."""
+    """One megakernel launch through megakernel.moe_forward: (a, b, rows, error, state, ws, sched,
+    x rows); its outputs poisoned (NaN) before the launch, so every element is one it wrote."""
     inp = make_inputs(T, H, I, E, K, 0, routing, seed=seed).to("cuda")
     cfg = cuda_config()
     ws = mok.create_workspace(cfg, None, device="cuda", max_tokens=T, hidden_size=H, topk=K, num_experts=E)
     sched = mok.build_schedule(ws, cfg, inp.top_experts_TK)
     rows = torch.full((T * K, H), float("nan"), dtype=torch.bfloat16, device="cuda")
     error = torch.zeros(4, dtype=torch.int32, device="cuda")
-    a, b = megakernel.moe_forward(
+    # The launch allocates a, b and x: blocks of their sizes, poisoned and freed first, are what the
+    # caching allocator hands it, so that an element the launch leaves unwritten reads as NaN.
+    C = ws.capacity
+    poison = [
+        torch.full((n, w), float("nan"), dtype=torch.bfloat16, device="cuda") for n, w in ((C, I), (C, I), (C, H))
+    ]
+    del poison
+    out = megakernel.moe_forward(
         ws, sched.row_route_C, sched.expert_offsets_El1, inp.x_TH, inp.routed, rows, error, limit=None,
         timeout_ns=int(timeout_s * 1e9), num_sms=num_sms, inject_missing_dependency=inject, timers=timers,
     )  # fmt: skip
     torch.cuda.synchronize()
-    return a, b, rows, error, megakernel.task_state(ws), ws, sched
+    return out.a, out.b, rows, error, megakernel.task_state(ws), ws, sched, out.x
 
 
 @needs_gpu
 def test_megakernel_bits_do_not_depend_on_the_grid():
     runs = [_direct(500, 256, 192, 8, 4, "skewed", num_sms=n, seed=1) for n in (1, 7, 0)]
-    for _, _, rows, error, state, _, _ in runs:
+    for _, _, rows, error, state, _, _, x in runs:
         assert int(error[0]) == 0
         assert not bool(state.any()), "every launch leaves its task queue and counters zero"
         assert not bool(rows.isnan().any()), "every route's row is written"
+        assert not bool(x.isnan().any()), "every table row's x is written"
     for other in runs[1:]:
-        for x, y in zip(runs[0][:3], other[:3], strict=True):
-            assert torch.equal(x, y)
+        for u, v in zip(runs[0][:3] + runs[0][7:], other[:3] + other[7:], strict=True):
+            assert torch.equal(u, v)
 
 
 @needs_gpu
@@ -162,8 +171,8 @@ def test_timed_megakernel_gives_the_untimed_bits():
     timers = torch.zeros(sms * roles * slots, dtype=torch.int64, device="cuda")
     plain = _direct(300, 256, 192, 8, 4, "skewed", num_sms=sms, seed=3)
     timed = _direct(300, 256, 192, 8, 4, "skewed", num_sms=sms, seed=3, timers=timers)
-    for x, y in zip(plain[:3], timed[:3], strict=True):
-        assert torch.equal(x, y)
+    for u, v in zip(plain[:3] + plain[7:], timed[:3] + timed[7:], strict=True):
+        assert torch.equal(u, v)
     total = timers.view(sms, roles, slots)[:, :, megakernel.TIMER_SLOTS.index("total")]
     assert bool((total > 0).all()), "every role of every CTA accounted its time"
     with pytest.raises(ValueError, match="timers must hold"):
@@ -173,16 +182,28 @@ def test_timed_megakernel_gives_the_untimed_bits():
 
 
 @needs_gpu
-def test_megakernel_writes_every_row_of_a_and_b():
-    a, b, _, _, _, ws, sched = _direct(77, 128, 128, 4, 2, "balanced", seed=2)
+@pytest.mark.parametrize(
+    "T,H,I,E,K,routing",
+    [(77, 128, 128, 4, 2, "balanced"), (300, 320, 192, 16, 4, "skewed"), (1, 128, 64, 4, 1, "worst")],
+)
+def test_megakernel_writes_every_row_of_a_b_and_x(T, H, I, E, K, routing):
+    a, b, _, _, _, ws, sched, x = _direct(T, H, I, E, K, routing, seed=2)
     end = int(sched.expert_offsets_El1[-1])
     assert end < ws.capacity
     assert not bool(a[end:].any()) and not bool(b[end:].any()), "the capacity's tail is zero"
+    assert not (a.isnan().any() or b.isnan().any() or x.isnan().any()), "every element is written"
+    # x: each table row's token row, zeros for padding rows and past the last segment.
+    route = sched.row_route_C.long()
+    token = torch.where(route >= 0, route // K, 0)
+    inp = make_inputs(T, H, I, E, K, 0, routing, seed=2).to("cuda")
+    want = torch.where((route >= 0)[:, None], inp.x_TH[token], 0.0)
+    want[end:] = 0
+    assert torch.equal(x, want)
 
 
 @needs_gpu
 def test_missing_dependency_is_an_error_not_a_hang():
-    *_, error, state, _, _ = _direct(300, 128, 128, 8, 2, "balanced", inject=True, timeout_s=0.05)
+    _, _, _, error, state, *_ = _direct(300, 128, 128, 8, 2, "balanced", inject=True, timeout_s=0.05)
     code, _, stage, _ = error.tolist()
     assert (code, stage) == (1, megakernel.STAGE), f"error words {error.tolist()}"
     assert not bool(state.any()), "the launch still ended and reset its state"
@@ -195,7 +216,7 @@ def test_missing_dependency_is_an_error_not_a_hang():
 def test_missing_dependency_raises_through_the_api():
     from mok_torch.backends.native.transport import raise_transport_error
 
-    _, _, _, error, _, _, _ = _direct(64, 128, 64, 4, 2, "worst", inject=True, timeout_s=0.02)
+    _, _, _, error, *_ = _direct(64, 128, 64, 4, 2, "worst", inject=True, timeout_s=0.02)
     with pytest.raises(RuntimeError, match="megakernel"):
         raise_transport_error(error.tolist(), int(0.02e9))
 
@@ -222,6 +243,8 @@ def test_megakernel_in_a_cuda_graph():
         assert torch.equal(y, eager)
 
 
+# A forward and backward at one rank on the megakernel's path: the megakernel, then the backward's
+# grouped GEMMs (the g GEMM gathering dy by route and storing its table-ordered copy).
 SANITIZE = """
 import torch, mok_torch as mok
 from mok_torch.testing import make_inputs
@@ -230,25 +253,35 @@ cfg = mok.MoKConfig(backend="cuda", expert_alignment=64)
 ws = mok.get_workspace(cfg, None, device="cuda", max_tokens=70, hidden_size=128, topk=2, num_experts=4)
 sched = mok.build_schedule(ws, cfg, inp.top_experts_TK)
 y, ctx = mok.forward(cfg, ws, sched, inp.x_TH, inp.router_weights_TK, inp.routed)
+g = mok.backward(cfg, ws, sched, ctx, inp.dy_TH, inp.x_TH, inp.router_weights_TK, inp.routed)
 torch.cuda.synchronize()
-print("ran", tuple(y.shape))
+print("ran", tuple(y.shape), tuple(g.dx.shape))
 """
 
 
 @needs_gpu
-@pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
-def test_megakernel_is_sanitizer_clean(tool):
+@pytest.mark.parametrize(
+    "tool,kernels",
+    [
+        ("memcheck", "moe_forward"),
+        ("racecheck", "moe_forward"),
+        ("synccheck", "moe_forward"),
+        ("memcheck", "grouped_gemm"),
+        ("racecheck", "grouped_gemm"),
+    ],
+)
+def test_megakernel_is_sanitizer_clean(tool, kernels):
     if shutil.which("compute-sanitizer") is None:
         pytest.skip("compute-sanitizer is not on PATH")
     env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
     out = subprocess.run(
-        ["compute-sanitizer", f"--tool={tool}", "--kernel-name", "kns=moe_forward", sys.executable, "-c", SANITIZE],
+        ["compute-sanitizer", f"--tool={tool}", "--kernel-name", f"kns={kernels}", sys.executable, "-c", SANITIZE],
         capture_output=True,
         text=True,
         env=env,
         timeout=600,
     )
     text = out.stdout + out.stderr
-    assert out.returncode == 0 and "ran (70, 128)" in text, text[-3000:]
+    assert out.returncode == 0 and "ran (70, 128) (70, 128)" in text, text[-3000:]
     # memcheck and synccheck end with "ERROR SUMMARY: 0 errors", racecheck with "(0 errors, 0 warnings)".
     assert "ERROR SUMMARY: 0 errors" in text or "(0 errors, 0 warnings)" in text, text[-3000:]

@@ -151,7 +151,7 @@ void register_experts(pybind11::module_& m) {
          std::int64_t num_rows, std::int64_t hidden, std::int64_t inner, std::int64_t num_experts,
          std::optional<double> limit, std::int64_t num_sms, std::int64_t num_threads,
          std::uintptr_t stream, bool zero_outside, std::uintptr_t weight_route,
-         std::int64_t num_routes) {
+         std::int64_t num_routes, std::uintptr_t dy_tokens, std::int64_t topk) {
         GroupedBackwardArgs a;
         a.x = x;
         a.offsets = offsets;
@@ -181,6 +181,8 @@ void register_experts(pybind11::module_& m) {
         a.zero_outside = zero_outside;
         a.weight_route = weight_route;
         a.num_routes = num_routes;
+        a.dy_tokens = dy_tokens;
+        a.topk = topk;
         grouped_backward(device, a, stream);
       },
       py::arg("device"), py::arg("x"), py::arg("offsets"), py::arg("a"), py::arg("b"),
@@ -191,8 +193,8 @@ void register_experts(pybind11::module_& m) {
       py::arg("scratch_d_ab"), py::arg("num_rows"), py::arg("hidden"), py::arg("inner"),
       py::arg("num_experts"), py::arg("limit") = py::none(), py::arg("num_sms") = 0,
       py::arg("num_threads") = 1, py::arg("stream") = 0, py::arg("zero_outside") = false,
-      py::arg("weight_route") = 0, py::arg("num_routes") = 0,
-      py::call_guard<py::gil_scoped_release>(),
+      py::arg("weight_route") = 0, py::arg("num_routes") = 0, py::arg("dy_tokens") = 0,
+      py::arg("topk") = 1, py::call_guard<py::gil_scoped_release>(),
       "SwiGLU expert backward over segments of consecutive rows (grouped_forward's layout). "
       "Writes out_dx (bf16 [M, H]: [d_a, d_b] @ [Wg; Wu]) and out_d_w (fp32 [M]: <g, h>, g = dy "
       "@ Wd unweighted) for the rows of the segments (other rows not written; zero_outside=True: "
@@ -209,8 +211,11 @@ void register_experts(pybind11::module_& m) {
       "(may be 0), offsets checked. weight_route (optional, 'cuda'): int32 [M], each row's route "
       "(-1: padding); given, router_weights is the routes' weights [num_routes] and row r's "
       "weight router_weights[weight_route[r]] (0 for a route outside [0, num_routes)): the bits "
-      "of the call with the weights copied into table order. Raises ValueError naming a bad "
-      "argument.");
+      "of the call with the weights copied into table order. dy_tokens (optional, 'cuda', with "
+      "weight_route): bf16 [num_routes / topk, H], the token rows; given, row r's dy is "
+      "dy_tokens[weight_route[r] / topk] (zeros outside [0, num_routes)), gathered by the g "
+      "GEMM, and dy is written: those rows in table order (the weight gradient's operand). "
+      "Raises ValueError naming a bad argument.");
 
   m.def(
       "moe_forward",
@@ -221,7 +226,8 @@ void register_experts(pybind11::module_& m) {
          std::int64_t capacity, std::int64_t num_tokens, std::int64_t hidden, std::int64_t inner,
          std::int64_t num_experts, std::int64_t topk, std::optional<double> limit,
          std::int64_t num_sms, std::int64_t timeout_ns, std::int64_t stage, std::int64_t rank,
-         bool inject_missing_dependency, std::uintptr_t stream, std::uintptr_t timers) {
+         bool inject_missing_dependency, std::uintptr_t stream, std::uintptr_t timers,
+         std::uintptr_t out_x) {
         MoeForwardArgs a;
         a.x = x;
         a.row_route = row_route;
@@ -245,6 +251,7 @@ void register_experts(pybind11::module_& m) {
         a.rank = rank;
         a.inject_missing_dependency = inject_missing_dependency;
         a.timers = timers;
+        a.out_x = out_x;
         moe_forward(device, a, stream);
       },
       py::arg("device"), py::arg("x"), py::arg("row_route"), py::arg("offsets"), py::arg("w_gate"),
@@ -254,13 +261,14 @@ void register_experts(pybind11::module_& m) {
       py::arg("topk"), py::arg("limit") = py::none(), py::arg("num_sms") = 0,
       py::arg("timeout_ns") = 300000000000LL, py::arg("stage") = 0, py::arg("rank") = 0,
       py::arg("inject_missing_dependency") = false, py::arg("stream") = 0, py::arg("timers") = 0,
-      py::call_guard<py::gil_scoped_release>(),
+      py::arg("out_x") = 0, py::call_guard<py::gil_scoped_release>(),
       "The routed experts of a layer call in one persistent launch (CUDA, sm_90a; "
       "docs/megakernel.md). For each row r of the schedule table's segments (offsets: int32 "
       "[El + 1]; row_route: int32 [C], route t*K + k or -1 for padding): x_r = x[route / K] (bf16 "
       "[T, H]), [a, b] = x_r @ [Wg_e; Wu_e]^T, h = bf16(silu(a_c) * b_c), y_r = h @ Wd_e^T stored "
       "at out_rows[route] (bf16 [T*K, H]). Writes out_a, out_b (bf16 [C, I], zero past the last "
-      "segment); scratch_h bf16 [C, I]. The bits of grouped_forward. task_state: "
+      "segment); scratch_h bf16 [C, I]; out_x (0: none) bf16 [C, H], x_r of every table row (zeros "
+      "for padding rows and past the last segment). The bits of grouped_forward. task_state: "
       "moe_forward_state_bytes(C, El) bytes, zero before the first call (every call leaves it "
       "zero); error: int32 [4], the transport's error words (a task that waits more than "
       "timeout_ns records a timeout with `stage` and `rank`). H and I multiples of 64, El <= "

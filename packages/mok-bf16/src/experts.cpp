@@ -304,6 +304,17 @@ void grouped_backward(std::string_view device, const GroupedBackwardArgs& a,
       (a.num_routes < 0 || a.num_routes > std::numeric_limits<std::int32_t>::max())) {
     invalid(fn, "num_routes must be in [0, 2^31) with weight_route" + got(a.num_routes));
   }
+  check_pointer(fn, "dy_tokens", a.dy_tokens, 16, false);
+  if (a.dy_tokens != 0) {
+    if (!cuda) {
+      invalid(fn, "dy_tokens (dy read by route) is for 'cuda'; on 'cpu' pass dy in table order");
+    }
+    if (a.weight_route == 0) invalid(fn, "dy_tokens needs weight_route (each row's route)");
+    if (a.topk < 1 || a.num_routes % a.topk != 0) {
+      invalid(fn, "topk must be >= 1 and divide num_routes with dy_tokens" + got(a.topk));
+    }
+    check_pointer(fn, "dy", a.dy, 16, true);  // written: the gathered rows in table order
+  }
   if (run_on_cuda(fn, kind, a, stream,
                   [](const auto& args, std::uintptr_t st) { grouped_backward_cuda(args, st); })) {
     return;
@@ -346,6 +357,7 @@ void moe_forward(std::string_view device, const MoeForwardArgs& a, std::uintptr_
   check_pointer(fn, "out_b", a.out_b, 16, rows);
   check_pointer(fn, "scratch_h", a.scratch_h, 16, rows);
   check_pointer(fn, "out_rows", a.out_rows, 16, a.num_tokens > 0);
+  check_pointer(fn, "out_x", a.out_x, 16, false);
   check_pointer(fn, "task_state", a.task_state, 8, true);
   check_pointer(fn, "error", a.error, 4, true);
 #if MOK_WITH_CUDA

@@ -1,7 +1,9 @@
 // The grouped SwiGLU backward on the GPU, over the experts' segments of consecutive rows (dy and
-// the router weights the table's rows):
+// the router weights the table's rows, or read through each row's route: dy_tokens, weight_route):
 //
-//   g:       g = dy @ Wd_e                  (grouped GEMM, Wd N-major; fp32 out, unrounded)
+//   g:       g = dy @ Wd_e                  (grouped GEMM, Wd N-major; fp32 out, unrounded; with
+//            dy_tokens its producers gather dy's rows, and its tiles of column 0 store them into dy
+//            in table order for dWd: grouped_gemm.cuh's RowGather)
 //   SwiGLU:  hw = bf16(w h), d_a, d_b, d_w = <g, h> per row (an elementwise kernel: mok-core's
 //            element math, the reference's bit for bit given a, b, g and w; d_w summed in a
 //            fixed order that depends only on I)
@@ -208,11 +210,24 @@ void grouped_backward_cuda(const GroupedBackwardArgs& args, std::uintptr_t strea
   }
   // g = dy @ Wd_e: Wd [El, H, I] is N-major for this GEMM (K = H rows per expert).
   const CUtensorMap map_wd = hopper::make_tensor_map(ptr(args.w_down), El * H, I, 64);
-  const CUtensorMap map_dy = hopper::make_tensor_map(ptr(args.dy), M, H, gemm::kBlockM);
   const gemm::Problem pg{offsets, s.num_rows, Ei, Ii, Hi, Hi};
-  kernels::launch<BLoad::kNMajor>(map_dy, map_wd, map_wd, pg,
-                                  kernels::StoreF32{reinterpret_cast<float*>(args.scratch_g), Ii},
-                                  sms, stream);
+  const kernels::StoreF32 store_g{reinterpret_cast<float*>(args.scratch_g), Ii};
+  if (args.dy_tokens != 0) {
+    // dy's rows gathered by the GEMM's producers through each row's route, and stored into args.dy
+    // in table order by the tiles of column 0 (dWd's operand below): no pass moves them.
+    const gemm::RowGather dy_rows{reinterpret_cast<const std::uint16_t*>(args.dy_tokens),
+                                  reinterpret_cast<const std::int32_t*>(args.weight_route),
+                                  s.num_rows,
+                                  static_cast<int>(args.num_routes),
+                                  static_cast<int>(args.topk),
+                                  Hi,
+                                  reinterpret_cast<std::uint16_t*>(args.dy)};
+    kernels::launch<BLoad::kNMajor, true>(map_wd, map_wd, map_wd, pg, store_g, sms, stream,
+                                          dy_rows);
+  } else {
+    const CUtensorMap map_dy = hopper::make_tensor_map(ptr(args.dy), M, H, gemm::kBlockM);
+    kernels::launch<BLoad::kNMajor>(map_dy, map_wd, map_wd, pg, store_g, sms, stream);
+  }
 
   const SwigluBackwardRows rows{reinterpret_cast<const std::uint16_t*>(args.a),
                                 reinterpret_cast<const std::uint16_t*>(args.b),

@@ -6,7 +6,8 @@
 // table's), never by the host. A CTA is persistent: it walks output tiles t = blockIdx.x,
 // blockIdx.x + gridDim.x, ... of mok/core/grouped_tiles.cuh's list (expert by expert, bands of
 // 16 row tiles, column tiles, row tiles fastest). Warpgroup 0 is the producer (one thread issues
-// the copy engine's loads into a ring of kStages stages), warpgroups 1 and 2 the consumers: each
+// the copy engine's loads into a ring of kStages stages; or, kGatherA, its 128 threads gather A's
+// rows themselves, RowGather), warpgroups 1 and 2 the consumers: each
 // owns 64 of the tile's 128 rows and issues wgmma for them, the second kLagBlocks k-blocks behind
 // the first; bf16 epilogues are deferred into the next tile's first k-blocks.
 //
@@ -57,18 +58,22 @@ inline constexpr int kLagBlocks = 2;
 enum class BLoad { kPaired, kKMajor, kNMajor };
 
 // Rows gathered by a producer warpgroup's own copies where no routed copy of them exists (the
-// copy engine cannot gather; the megakernel's gate/up tiles, sm90/moe_forward.cu): table row r
-// reads row row_route[r] / divisor of `rows` ([*, cols] bf16 row-major: the token rows), zeros for
-// a padding row (route -1; any route outside [0, num_routes) reads as one), a row past the table
-// and columns from `cols` on. The pieces land where the copy engine would put them (128-byte
-// swizzle), so the wgmmas read the same shared memory either way.
+// copy engine cannot gather; the megakernel's gate/up tiles, sm90/moe_forward.cu, and the
+// backward's g GEMM, experts_backward.cu): table row r reads row row_route[r] / divisor of `rows`
+// ([*, cols] bf16 row-major: the token rows), zeros for a padding row (route -1; any route outside
+// [0, num_routes) reads as one), a row past the table and columns from `cols` on. The pieces land
+// where the copy engine would put them (128-byte swizzle), so the wgmmas read the same shared
+// memory either way. With `copy_to`, the tiles of column 0 also store the rows they gathered
+// there in table order (store_box_rows): a routed copy for the kernels after, made without a pass
+// of its own.
 struct RowGather {
   const std::uint16_t* rows;
   const std::int32_t* row_route;
-  std::int64_t num_rows;  // rows of the table
-  int num_routes;         // routes: source rows x divisor
-  int divisor;            // routes per source row (K)
-  int cols;               // elements per source row
+  std::int64_t num_rows;   // rows of the table
+  int num_routes;          // routes: source rows x divisor
+  int divisor;             // routes per source row (K)
+  int cols;                // elements per source row
+  std::uint16_t* copy_to;  // [num_rows, cols] bf16 row-major, or null
 
   __device__ int source(std::int64_t r) const {
     if (r >= num_rows) return -1;
@@ -97,6 +102,33 @@ __device__ inline void gather_box(unsigned char* box, const RowGather& g, int co
     const std::uint16_t* from =
         g.rows + (valid ? static_cast<std::int64_t>(s) * g.cols + col + 8 * chunk : 0);
     hopper::cp_async_16_zfill(box + piece * 128 + swizzled, from, valid ? 16 : 0);
+  }
+}
+
+// Registers of a GEMM's warpgroups when its 128 producer threads gather A (2 x 128 x 232 + 128 x
+// 40 <= 64 Ki).
+inline constexpr int kGatherProducerRegs = 40;
+inline constexpr int kGatherConsumerRegs = 232;
+// The producer warpgroup's named barrier (1 is the weight-gradient GEMM consumers').
+inline constexpr int kProducerBarrier = 2;
+
+// A consumer warpgroup's 64 rows of a gathered stage's A (`box`: gather_box's 128-byte swizzle,
+// 16-byte chunk c of row r at (c ^ r % 8) * 16) into g.copy_to, table rows [first, end) of them
+// (padding rows are zeros in the stage), columns [col, col + 64). Thread t takes chunks t + 128 j:
+// a warp's loads read 4 whole rows (each phase of 8 threads one row: all 32 banks) and its stores
+// write 4 whole 128-byte row pieces. Called after the k-block's wgmmas are issued and before the
+// stage is given back; one vector in flight, as the consumers' registers are few.
+__device__ inline void store_box_rows(const RowGather& g, const unsigned char* box,
+                                      std::int64_t first, std::int64_t end, int col) {
+  const int t = threadIdx.x % 128;
+#pragma unroll 1
+  for (int j = 0; j < 64 * 8 / 128; ++j) {
+    const int q = t + 128 * j;
+    const int r = q / 8, c = q % 8;
+    if (first + r < end) {
+      const uint4 v = *reinterpret_cast<const uint4*>(box + r * 128 + ((c ^ (r % 8)) << 4));
+      *reinterpret_cast<uint4*>(g.copy_to + (first + r) * g.cols + col + 8 * c) = v;
+    }
   }
 }
 
@@ -292,14 +324,16 @@ __device__ inline void unroll(const Fn& fn) {
   unroll_impl<kN>(fn, std::make_integer_sequence<int, kN>{});
 }
 
-// The persistent kernel, A by the copy engine from map_a, B loaded as kB says. Epilogue: `void
-// operator()(const Tile&, int consumer, const Accumulators&) const` on the consumer warpgroup's
-// 128 threads.
-template <BLoad kB, int kStages, class Epilogue>
+// The persistent kernel, B loaded as kB says, A by the copy engine from map_a or, kGatherA, by
+// the producer warpgroup through `gather` (map_a unused; the tiles of column 0 store the gathered
+// rows into gather.copy_to where it is given). Epilogue: `void operator()(const Tile&, int
+// consumer, const Accumulators&) const` on the consumer warpgroup's 128 threads.
+template <BLoad kB, int kStages, class Epilogue, bool kGatherA = false>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                         const __grid_constant__ CUtensorMap map_b0,
-                        const __grid_constant__ CUtensorMap map_b1, Problem p, Epilogue epilogue) {
+                        const __grid_constant__ CUtensorMap map_b1, Problem p, Epilogue epilogue,
+                        const __grid_constant__ RowGather gather) {
   using R = Ring<kStages>;
   static_assert(kStages > kLagBlocks, "consumer 0 must get kLagBlocks stages before any release");
   constexpr bool kPaired = kB == BLoad::kPaired;
@@ -309,6 +343,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   __shared__ alignas(8) std::uint64_t empty[kStages];
   __shared__ alignas(8) std::uint64_t lag;  // consumer 0 has issued kLagBlocks k-blocks
   __shared__ int prefix[kMaxExperts + 1];
+  __shared__ int tile_source[kGatherA ? kBlockM : 1];  // a tile's rows: their source rows
 
   const R ring{reinterpret_cast<unsigned char*>(
       (reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) & ~std::uintptr_t{1023})};
@@ -318,7 +353,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   list.n_tiles = (p.n + kBlockN - 1) / kBlockN;
   if (threadIdx.x == 32) {
     for (int s = 0; s < kStages; ++s) {
-      hopper::mbar_init(&full[s], 1);
+      hopper::mbar_init(&full[s], kGatherA ? 128 : 1);  // gathering: every producer thread arrives
       hopper::mbar_init(&empty[s], 2);
     }
     hopper::mbar_init(&lag, 1);
@@ -360,6 +395,34 @@ __global__ void __launch_bounds__(kThreads, 1)
         phase ^= 1;
       }
     };
+    if constexpr (kGatherA) {
+      // Every thread copies a share of A's rows; thread 0 also has the copy engine load B.
+      hopper::regs_dealloc<kGatherProducerRegs>();
+      const int i = threadIdx.x;
+      if (i == 0) {
+        hopper::prefetch_tensor_map(&map_b0);
+        if constexpr (kB != BLoad::kKMajor) hopper::prefetch_tensor_map(&map_b1);
+      }
+      for (int t = blockIdx.x; t < total; t += gridDim.x) {
+        const Tile tile = locate(p, list, t, kBlockN);
+        hopper::named_barrier(kProducerBarrier, 128);  // the last tile's sources are read
+        const std::int64_t row = tile.row0 + i;
+        tile_source[i] = row < tile.row_end ? gather.source(row) : -1;  // past the segment: zeros
+        hopper::named_barrier(kProducerBarrier, 128);
+        for (int kb = 0; kb < k_blocks; ++kb) {
+          hopper::mbar_wait(&empty[stage], phase ^ 1);
+          if (i == 0) {
+            hopper::mbar_expect_tx_only(&full[stage], R::kBBytes);
+            load_b(stage, kb, tile);
+          }
+          gather_box<kBlockM>(ring.a(stage), gather, kb * kBlockK, i,
+                              [&](int j) { return tile_source[i / 8 + 16 * j]; });
+          hopper::cp_async_arrive(&full[stage]);  // once this thread's copies have landed
+          advance();
+        }
+      }
+      return;
+    }
     hopper::regs_dealloc<24>();
     if (threadIdx.x != 0) return;
     hopper::prefetch_tensor_map(&map_a);
@@ -384,12 +447,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   // stage given back) only after this one is issued, so the tensor cores always have one
   // queued. The accumulation order does not change: wgmmas on the same accumulators run in
   // issue order.
-  hopper::regs_alloc<240>();
+  hopper::regs_alloc<kGatherA ? kGatherConsumerRegs : 240>();
   constexpr bool kDeferred = IsDeferred<Epilogue>::value;
   const int consumer = threadIdx.x / 128 - 1;  // 0 or 1: rows [64 c, 64 c + 64) of the tile
   // Consumer 0 lets consumer 1 start after kLagBlocks k-blocks.
   ConsumerRing<kStages> pipe{full, empty, &lag, threadIdx.x % 128 == 0, consumer == 0};
   Accumulators acc;
+  // A gathered tile of column 0 with gather.copy_to: the warpgroup's first table row (its rows
+  // are stored from each stage, store_box_rows), else -1; copy_end: the segment's end.
+  std::int64_t copy_first = -1, copy_end = 0;
   const auto k_block = [&](int kb) {
     const int stage = pipe.acquire();
     const std::uint32_t a = hopper::smem_addr(ring.a(stage)) + consumer * 64 * 128;
@@ -406,6 +472,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
     hopper::wgmma_commit();
+    if constexpr (kGatherA) {
+      if (copy_first >= 0) {
+        store_box_rows(gather, ring.a(stage) + consumer * 64 * 128, copy_first, copy_end,
+                       kb * kBlockK);
+      }
+    }
     pipe.release();
   };
   // The previous tile's rounded accumulators while they are being stored (deferred epilogues).
@@ -420,6 +492,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (consumer == 1 && blockIdx.x < total) hopper::mbar_wait(&lag, 0);
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
     const Tile tile = locate(p, list, t, kBlockN);
+    if constexpr (kGatherA) {
+      const bool copy = gather.copy_to != nullptr && tile.col0 == 0;
+      copy_first = copy ? tile.row0 + 64 * consumer : -1;
+      copy_end = tile.row_end;
+    }
     hopper::fence_regs(acc.d);
     pipe.begin_tile();
     if constexpr (kDeferred) {

@@ -193,13 +193,15 @@ struct StoreF32 {
   }
 };
 
-// Launches one grouped GEMM on `stream` with at most `num_sms` CTAs.
-template <gemm::BLoad kB, class Epilogue>
+// Launches one grouped GEMM on `stream` with at most `num_sms` CTAs; kGatherA: A's rows gathered
+// through `gather` (map_a unused).
+template <gemm::BLoad kB, bool kGatherA = false, class Epilogue>
 void launch(const CUtensorMap& map_a, const CUtensorMap& map_b0, const CUtensorMap& map_b1,
-            const gemm::Problem& p, const Epilogue& epilogue, int num_sms, cudaStream_t stream) {
+            const gemm::Problem& p, const Epilogue& epilogue, int num_sms, cudaStream_t stream,
+            const gemm::RowGather& gather = {}) {
   using R = gemm::Ring<kStages>;
   constexpr int kBlockN = kB == gemm::BLoad::kPaired ? gemm::kMmaN / 2 : gemm::kMmaN;
-  constexpr auto kernel = gemm::grouped_gemm_kernel<kB, kStages, Epilogue>;
+  constexpr auto kernel = gemm::grouped_gemm_kernel<kB, kStages, Epilogue, kGatherA>;
   allow_shared_bytes<kernel>(R::kSharedBytes);
   // No more CTAs than tiles can exist: every expert adds at most one partial row tile.
   const std::int64_t n_tiles = (p.n + kBlockN - 1) / kBlockN;
@@ -207,7 +209,8 @@ void launch(const CUtensorMap& map_a, const CUtensorMap& map_b0, const CUtensorM
       ((p.num_rows + gemm::kBlockM - 1) / gemm::kBlockM + p.num_experts) * n_tiles;
   const int grid =
       static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>(num_sms, most)));
-  kernel<<<grid, gemm::kThreads, R::kSharedBytes, stream>>>(map_a, map_b0, map_b1, p, epilogue);
+  kernel<<<grid, gemm::kThreads, R::kSharedBytes, stream>>>(map_a, map_b0, map_b1, p, epilogue,
+                                                            gather);
   check(cudaGetLastError(), "launching a grouped GEMM");
 }
 

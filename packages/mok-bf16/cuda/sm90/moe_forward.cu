@@ -6,7 +6,10 @@
 // column tile, row tile fastest):
 //   gate/up tiles  [a, b] = x[rows] @ [Wg_e; Wu_e]^T, 128 rows x (128 columns of each weight).
 //                  The rows' x are gathered from the token rows (row -> route t*K + k -> token t)
-//                  by the operand loads themselves: no routed copy of x exists. Epilogue: at the
+//                  by the operand loads themselves; the tile of column 0 also stores each
+//                  k-block's gathered rows into x_out (the routed x the backward's weight
+//                  gradients read, so that it pulls no x: the stage's bytes, copied by the
+//                  consumers while their wgmmas run). Epilogue: at the
 //                  tile's end h = bf16(silu(a_c) * b_c) (the reference's element math on the
 //                  rounded a and b) from the thread's own words, stored at once; a and b, bf16 (as
 //                  the chain's gate/up GEMM), deferred. h at the tile's end, not in the deferred
@@ -94,7 +97,8 @@ using R = gemm::Ring<kStages>;
 enum Kind : int { kGateUp = 0, kDown = 1, kNone = 2 };
 
 struct Params {
-  gemm::RowGather x_rows;         // the gate/up tiles' rows: x [T, H] through each row's route
+  gemm::RowGather x_rows;         // the gate/up tiles' rows: x [T, H] through each row's route,
+                                  // stored into copy_to ([C, H], or null) in table order
   const std::int32_t* row_route;  // [C] route t*K + k of each table row, -1 for padding
   const std::int32_t* offsets;    // [El + 1] segment starts
   std::uint16_t* a;               // [C, I]
@@ -457,6 +461,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const auto clock = [&] { return kTimed ? clock64() : 0; };
   const long long start = clock();
 
+  // A gate/up task of column tile 0 with x_rows.copy_to: the warpgroup's first row (its x each
+  // k-block stores from the stage, gemm::store_box_rows), else -1; x_end: the segment's end.
+  int x_first = -1, x_end = 0;
   const auto k_block = [&](int kb) {
     const long long t0 = clock();
     const int stage = pipe.acquire();
@@ -470,6 +477,12 @@ __global__ void __launch_bounds__(kThreads, 1)
                                 (kb | k) != 0);
     }
     hopper::wgmma_commit();
+    // While the wgmmas run: the stage is this warpgroup's until its release after the next
+    // k-block's wgmmas (the loads are done by then: the stores wait for their registers).
+    if (x_first >= 0) {
+      gemm::store_box_rows(p.x_rows, ring.a(stage) + consumer * 64 * 128, x_first, x_end,
+                           kb * kBlockK);
+    }
     pipe.release();
   };
   // Piece kChunk of the pending tile.
@@ -506,6 +519,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (done) break;
     if (timer) account<kTimed>(timer_acc, role, kTimeTasks, 1);
     const long long task_start = clock();
+    const bool copy_x = p.x_rows.copy_to != nullptr && task.kind == kGateUp && task.col0 == 0;
+    x_first = copy_x ? task.row0 + 64 * consumer : -1;
+    x_end = task.row_end;
     hopper::fence_regs(acc.d);
     pipe.begin_tile();
     unroll<kDrainChunks>([&](auto c) {
@@ -551,19 +567,25 @@ __global__ void __launch_bounds__(kThreads, 1)
     write_timers<kTimed>(p, timer_acc, role);
   }
 
-  // The pre-activations of the rows past the last segment (the capacity's tail) are zeroed, so
-  // every byte of a and b is written by the launch.
+  // The pre-activations and x rows past the last segment (the capacity's tail) are zeroed, so
+  // every byte of a, b and x_out is written by the launch.
   {
     const int end = p.offsets[p.num_experts];
     const int from = end < 0 ? 0 : (end > p.capacity ? p.capacity : end);
     const std::int64_t vectors = static_cast<std::int64_t>(p.capacity - from) * p.inner / 8;
     const std::int64_t step = static_cast<std::int64_t>(gridDim.x) * 256;
+    const std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * 256 + (threadIdx.x - 128);
     uint4* a = reinterpret_cast<uint4*>(p.a + static_cast<std::int64_t>(from) * p.inner);
     uint4* b = reinterpret_cast<uint4*>(p.b + static_cast<std::int64_t>(from) * p.inner);
-    for (std::int64_t v = static_cast<std::int64_t>(blockIdx.x) * 256 + (threadIdx.x - 128);
-         v < vectors; v += step) {
+    for (std::int64_t v = first; v < vectors; v += step) {
       a[v] = make_uint4(0, 0, 0, 0);
       b[v] = make_uint4(0, 0, 0, 0);
+    }
+    if (p.x_rows.copy_to != nullptr) {
+      const std::int64_t x_vectors = static_cast<std::int64_t>(p.capacity - from) * p.hidden / 8;
+      uint4* x =
+          reinterpret_cast<uint4*>(p.x_rows.copy_to + static_cast<std::int64_t>(from) * p.hidden);
+      for (std::int64_t v = first; v < x_vectors; v += step) x[v] = make_uint4(0, 0, 0, 0);
     }
   }
   tasks::reset_after_last_cta(p.queue, p.ready, p.num_counters, 128, 256, kConsumersBarrier);
@@ -591,7 +613,8 @@ void moe_forward_cuda(const MoeForwardArgs& args, std::uintptr_t stream_handle) 
               s.num_rows,
               static_cast<int>(args.num_tokens * args.topk),
               static_cast<int>(args.topk),
-              static_cast<int>(s.hidden)};
+              static_cast<int>(s.hidden),
+              reinterpret_cast<std::uint16_t*>(args.out_x)};
   p.offsets = reinterpret_cast<const std::int32_t*>(args.offsets);
   p.a = reinterpret_cast<std::uint16_t*>(args.out_a);
   p.b = reinterpret_cast<std::uint16_t*>(args.out_b);

@@ -76,6 +76,8 @@ def grouped_backward(
     zero_outside: bool = False,
     weight_route: int = 0,
     num_routes: int = 0,
+    dy_tokens: int = 0,
+    topk: int = 1,
 ) -> None: ...
 def swiglu_backward(
     device: str,
@@ -130,5 +132,6 @@ def moe_forward(
     inject_missing_dependency: bool = False,
     stream: int = 0,
     timers: int = 0,
+    out_x: int = 0,
 ) -> None: ...
 def moe_forward_state_bytes(capacity: int, num_experts: int) -> int: ...

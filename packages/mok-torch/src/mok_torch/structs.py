@@ -70,8 +70,7 @@ class ForwardContext:
     Only macrobatch 0 of the routed rows is kept (the ring ends holding it); the backward
     pass replays the others. Nothing of size rows x H is kept beyond `x_routed_MH`.
 
-        x_routed_MH: routed input rows of macrobatch 0 (bf16), or none at all (0 rows while a_MI
-            has some: the megakernel's forward, whose backward gathers them again).
+        x_routed_MH: routed input rows of macrobatch 0 (bf16).
         a_MI, b_MI: gate and up pre-activations of those rows (bf16).
         shared_a_TIs, shared_b_TIs: the shared expert's pre-activations (None without one).
     """

@@ -177,6 +177,12 @@ struct GroupedBackwardArgs {
   // outside [0, num_routes)): no copy of the weights in table order is made.
   std::uintptr_t weight_route = 0;
   std::int64_t num_routes = 0;
+  // Optional, with weight_route: bf16 [num_routes / topk, H], the token rows. Given, row r's dy is
+  // dy_tokens[weight_route[r] / topk] (zeros for a route outside [0, num_routes)), read by the
+  // kernels themselves, and `dy` is an output: those rows in table order (rows outside every
+  // segment left as they are), written for the weight gradient.
+  std::uintptr_t dy_tokens = 0;
+  std::int64_t topk = 1;
 };
 
 // moe_forward: the routed experts of a whole layer call in one persistent launch (CUDA only:
@@ -194,16 +200,19 @@ struct GroupedBackwardArgs {
 // waits longer than timeout_ns for the tiles it depends on records a timeout in `error` (the
 // transport's error words, with `stage` and `rank`) and the launch still ends.
 struct MoeForwardArgs {
-  std::uintptr_t x = 0;           // bf16 [T, H]: the token rows
-  std::uintptr_t row_route = 0;   // int32 [C]: route t*K + k of each table row, -1 for padding
-  std::uintptr_t offsets = 0;     // int32 [El + 1]: segment starts, non-decreasing, in [0, C]
-  std::uintptr_t w_gate = 0;      // bf16 [El, I, H]
-  std::uintptr_t w_up = 0;        // bf16 [El, I, H]
-  std::uintptr_t w_down = 0;      // bf16 [El, H, I]
-  std::uintptr_t out_a = 0;       // bf16 [C, I]
-  std::uintptr_t out_b = 0;       // bf16 [C, I]
-  std::uintptr_t scratch_h = 0;   // bf16 [C, I]
-  std::uintptr_t out_rows = 0;    // bf16 [T * K, H]: one row per route
+  std::uintptr_t x = 0;          // bf16 [T, H]: the token rows
+  std::uintptr_t row_route = 0;  // int32 [C]: route t*K + k of each table row, -1 for padding
+  std::uintptr_t offsets = 0;    // int32 [El + 1]: segment starts, non-decreasing, in [0, C]
+  std::uintptr_t w_gate = 0;     // bf16 [El, I, H]
+  std::uintptr_t w_up = 0;       // bf16 [El, I, H]
+  std::uintptr_t w_down = 0;     // bf16 [El, H, I]
+  std::uintptr_t out_a = 0;      // bf16 [C, I]
+  std::uintptr_t out_b = 0;      // bf16 [C, I]
+  std::uintptr_t scratch_h = 0;  // bf16 [C, I]
+  std::uintptr_t out_rows = 0;   // bf16 [T * K, H]: one row per route
+  // bf16 [C, H]: each table row's x (zeros for padding rows and past the last segment), the
+  // backward's routed x; or 0: not stored.
+  std::uintptr_t out_x = 0;
   std::uintptr_t task_state = 0;  // moe_forward_state_bytes(C, El) bytes, 8-byte aligned
   std::uintptr_t error = 0;       // int32 [4]: the transport's error words
   ExpertShape shape;              // num_rows = C (the table's capacity)

@@ -202,6 +202,11 @@ def static_ring_plan(cfg: MoKConfig, ws: Workspace, inner: int) -> RingPlan:
 # not at H = 7168 (deepseek-v3-e32: 11.6 against 10.7 ms), where its gate/up tiles' row gather over
 # 112 k-blocks costs more than the chain's pull of x (docs/megakernel.md "Next").
 MEGAKERNEL_MAX_HIDDEN = 4096  # exclusive
+# The backward's g GEMM gathers dy's rows itself (and stores their table-ordered copy for dWd)
+# below the same H: at H = 2048 that was measured faster than a pull of the rows into table order
+# and the copy engine's loads (the pull 133 us against +53 us in the GEMM at qwen3-30b-a3b,
+# session 16), at H = 7168 slower (the gathered GEMM +1.27 ms against a 0.47 ms pull).
+GATHER_DY_MAX_HIDDEN = MEGAKERNEL_MAX_HIDDEN  # exclusive
 
 
 def expert_path(cfg: MoKConfig, ws: Workspace, inner: int) -> ExpertPath:
@@ -617,9 +622,9 @@ class NativeBackend:
             tr = self._transport(ws, cfg)
             _log_path(cfg, ws, path, "forward")
             table = self._table(ws, tr, top_experts_TK, one_buffer=True)
-            a, b = self._megakernel_launch(cfg, ws, tr, table.row_route, table.offsets, x_TH, routed)
+            out = self._megakernel_launch(cfg, ws, tr, table.row_route, table.offsets, x_TH, routed)
             sched = self._source_side(ws, tr, top_experts_TK, table)
-            return (sched, *self._megakernel_rest(cfg, ws, sched, tr, x_TH, router_weights_TK, shared, a, b))
+            return (sched, *self._megakernel_rest(cfg, ws, sched, tr, x_TH, router_weights_TK, shared, out))
 
     def recompute_forward_context(self, cfg: MoKConfig, ws: Workspace, *args: Any) -> ForwardContext:
         with _on(ws):
@@ -906,18 +911,18 @@ class NativeBackend:
         self, cfg: MoKConfig, ws: Workspace, sched: Schedule, tr: Transport, x_TH: torch.Tensor,
         router_weights_TK: torch.Tensor, routed: Weights3, shared: Weights3 | None,
     ) -> tuple[torch.Tensor, ForwardContext]:  # fmt: skip
-        """One rank: the routed experts in one launch (each route's row into `rows`), the shared
-        expert, the combine. No barrier (there is no peer) and no routed copy of x: the context
-        keeps none (x_routed has 0 rows), and the backward gathers the rows again. The megakernel
-        is issued first: the device starts it while the host issues the rest."""
-        a, b = self._megakernel_launch(cfg, ws, tr, sched.row_route_C, sched.expert_offsets_El1, x_TH, routed)
-        return self._megakernel_rest(cfg, ws, sched, tr, x_TH, router_weights_TK, shared, a, b)
+        """One rank: the routed experts in one launch (each route's row into `rows`, and the x rows
+        it gathered in table order: the context's routed x, as the chain's), the shared expert, the
+        combine. No barrier (there is no peer). The megakernel is issued first: the device starts
+        it while the host issues the rest."""
+        out = self._megakernel_launch(cfg, ws, tr, sched.row_route_C, sched.expert_offsets_El1, x_TH, routed)
+        return self._megakernel_rest(cfg, ws, sched, tr, x_TH, router_weights_TK, shared, out)
 
     @staticmethod
     def _megakernel_launch(
         cfg: MoKConfig, ws: Workspace, tr: Transport, row_route_C: torch.Tensor, offsets_El1: torch.Tensor,
         x_TH: torch.Tensor, routed: Weights3,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    ) -> megakernel.Outputs:  # fmt: skip
         return megakernel.moe_forward(
             ws, row_route_C, offsets_El1, x_TH, routed, tr.view["rows"], tr.error, limit=cfg.swiglu_limit,
             timeout_ns=tr.timeout_ns,
@@ -925,7 +930,7 @@ class NativeBackend:
 
     def _megakernel_rest(
         self, cfg: MoKConfig, ws: Workspace, sched: Schedule, tr: Transport, x_TH: torch.Tensor,
-        router_weights_TK: torch.Tensor, shared: Weights3 | None, a: torch.Tensor, b: torch.Tensor,
+        router_weights_TK: torch.Tensor, shared: Weights3 | None, out: megakernel.Outputs,
     ) -> tuple[torch.Tensor, ForwardContext]:  # fmt: skip
         """What follows the megakernel's launch: the shared expert, the combine, the error snapshot."""
         T, K, H = sched.num_tokens, sched.topk, ws.hidden_size
@@ -933,8 +938,7 @@ class NativeBackend:
         w = router_weights_TK.float().reshape(-1).contiguous()
         y = self._combine(tr, ys, tr.view["rows"][: T * K], w, T, K, H)
         self._after_call(tr)
-        not_kept = x_TH.new_empty(0, H)
-        return y, ForwardContext(sched, self.name, not_kept, a, b, shared_a, shared_b)
+        return y, ForwardContext(sched, self.name, out.x, out.a, out.b, shared_a, shared_b)
 
     def _recompute_forward_context(
         self,
@@ -952,8 +956,6 @@ class NativeBackend:
         _, shared_a, shared_b = self._shared_forward(cfg, x_TH, shared, outputs=False)
         tr.barrier(8)  # every rank has pulled: x_src may be rewritten
         self._after_call(tr)
-        if expert_path(cfg, ws, routed[2].shape[2]).forward == "megakernel":
-            ring_x = x_TH.new_empty(0, ws.hidden_size)  # the context the megakernel's forward keeps
         return ForwardContext(sched, self.name, ring_x, ring_a, ring_b, shared_a, shared_b)
 
     # ------------------------------------------------------------------ backward
@@ -1029,9 +1031,6 @@ class NativeBackend:
         T, K, H, El = sched.num_tokens, sched.topk, ws.hidden_size, ws.num_local_experts
         inner = routed[2].shape[2]
         replay = replays_in_backward(cfg, ws)
-        # The megakernel's forward keeps no routed x rows (a context with pre-activations but no x
-        # rows): they are gathered again here.
-        kept = ctx.x_routed_MH.shape[0] == ctx.a_MI.shape[0]
         w_TK = router_weights_TK.float().reshape(-1).contiguous()
         plan = self._rows_plan(cfg, ws, sched, inner)
         rows, macro, offsets = plan.num_rows, plan.macrobatch, plan.offsets
@@ -1058,11 +1057,6 @@ class NativeBackend:
         path = expert_path(cfg, ws, inner)
         _log_path(cfg, ws, path, "backward")
         gpu_backward = tensor_cores and path.backward == "tensor-cores"
-        if not kept and not gpu_backward:
-            raise ValueError(
-                "ctx keeps no routed x rows (the megakernel's forward), but this backward runs the "
-                f"{path.backward!r} experts, which read them: use the same config as the forward"
-            )
         if tensor_cores:
             wg_k, wu_k, wd_k = (w.contiguous() for w in routed)
             segments = sched.expert_offsets_El1.to(torch.int64)
@@ -1084,8 +1078,10 @@ class NativeBackend:
         # left them, in table order, through each route's row (no push into route order).
         direct = gpu_backward and ws.world_size == 1 and cfg.combine == "push" and macro >= rows
         # ... where the SwiGLU kernel reads each row's router weight through its route (w_TK as it
-        # is: no copy into table order, which cost a move of 4-byte rows, 40-110 us; session 16).
-        self._send_inputs(cfg, ws, tr, sched, x=x_TH if replay or not kept else None, dy=dy_TH,
+        # is: no copy into table order, which cost a move of 4-byte rows, 40-110 us; session 16),
+        # and below GATHER_DY_MAX_HIDDEN the g GEMM gathers dy's rows by route too (no move of dy).
+        gather_dy = direct and H < GATHER_DY_MAX_HIDDEN and T > 0
+        self._send_inputs(cfg, ws, tr, sched, x=x_TH if replay else None, dy=None if gather_dy else dy_TH,
                           w=None if direct else w_TK)  # fmt: skip
         tr.barrier(5)
         table_dx = table_dw = None
@@ -1115,13 +1111,15 @@ class NativeBackend:
                 # its weight gradients read and write each expert's fp32 accumulators once.
                 n, nw = hi - lo, self._movers(cfg, ws, backward=True)
                 pushed = cfg.dispatch == "push"  # the GEMMs read pushed rows where they are
-                if m == 0 and kept:
+                if m == 0:
                     xs = ctx.x_routed_MH[:n]
-                elif pushed:  # replay (or not kept): the re-dispatched x; a replay recomputes a, b
+                elif pushed:  # replay: the re-dispatched x; a replay recomputes a, b
                     xs = self._received(cfg, tr, "x_recv", lo, hi)
                 else:
                     xs = self._receive(cfg, tr, sched, "x", self._pulled_rows(cfg, n, H, dev), lo, K, nw)
-                if pushed:
+                if gather_dy:  # written by the g GEMM: its gathered rows in table order
+                    dys = torch.empty(n, H, dtype=BF16, device=dev)
+                elif pushed:
                     dys = self._received(cfg, tr, "dy_recv", lo, hi)
                 else:
                     dys = self._receive(cfg, tr, sched, "dy", self._pulled_rows(cfg, n, H, dev), lo, K, nw)
@@ -1146,7 +1144,8 @@ class NativeBackend:
                 out = None if dx_out is None or dw_out is None else GroupedBackward(dx_out, dw_out)
                 dx, d_w = grouped_backward(xs, seg, a, b, dys, wr, wg_k, wu_k, wd_k, acc, cfg.swiglu_limit, out=out,
                                            carry_in=m > 0, wgrad_out=final if last and not fp32 else None,
-                                           weight_route=sched.row_route_C[:n] if direct else None)  # fmt: skip
+                                           weight_route=sched.row_route_C[:n] if direct else None,
+                                           dy_tokens=dy_TH.contiguous() if gather_dy else None)  # fmt: skip
                 if direct:
                     table_dx, table_dw = dx, d_w
                     continue

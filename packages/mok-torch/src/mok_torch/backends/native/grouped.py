@@ -164,6 +164,7 @@ def grouped_backward(
     carry_in: bool = True,
     wgrad_out: Wgrads | None = None,
     weight_route: torch.Tensor | None = None,
+    dy_tokens: torch.Tensor | None = None,
 ) -> GroupedBackward:
     """The SwiGLU experts' backward on rows [offsets[e], offsets[e+1]) for each local expert e.
 
@@ -182,6 +183,13 @@ def grouped_backward(
     routes' weights [T*K] and row r's weight router_weights[weight_route[r]] (0 for a route
     outside [0, T*K)), read by route on CUDA (no copy in table order), copied into table order
     on the CPU: the bits of the call with the weights in table order.
+
+    `dy_tokens` (bf16 [T, H] contiguous, with weight_route; T*K routes: router_weights [T*K]): dy's
+    rows are then read by route, row r's dy = dy_tokens[weight_route[r] // K] (zeros for a route
+    outside [0, T*K)), and dy_MH is an output: the segments' rows of dy in table order (what the
+    weight gradient reads; the rows outside every segment are not part of it). On CUDA the g GEMM
+    gathers them and stores that copy itself (no pass moves rows); on the CPU they are copied into
+    dy_MH first.
     """
     import mok_bf16
 
@@ -205,6 +213,22 @@ def grouped_backward(
             router_weights_M = torch.where(valid, router_weights_M[torch.where(valid, idx, 0)], 0.0).contiguous()
     elif router_weights_M is not None:
         check_tensor("router_weights", router_weights_M, dtypes=(torch.float32,), shape=[("M", M)], device=dev)
+    dy_tokens_ptr, topk = 0, 1
+    if dy_tokens is not None:
+        if weight_route is None:
+            raise ValueError("dy_tokens needs weight_route (each row's route)")
+        dy_tokens = check_tensor("dy_tokens", dy_tokens, dtypes=(BF16,), shape=[("T", None), ("H", H)], device=dev)
+        T = dy_tokens.shape[0]
+        if T == 0 or num_routes % T != 0:
+            raise ValueError(f"dy_tokens: router_weights must hold T*K routes for T = {T} tokens, got {num_routes}")
+        topk = num_routes // T
+        if dev.type == "cuda":
+            dy_tokens_ptr = dy_tokens.data_ptr()
+        else:  # as the kernels: a route outside [0, T*K) reads zeros
+            idx = weight_route.long()
+            valid = (idx >= 0) & (idx < num_routes)
+            gathered = dy_tokens[torch.where(valid, idx, 0) // topk]
+            dy_MH.copy_(torch.where(valid[:, None], gathered, torch.zeros((), dtype=BF16)))
     if acc is None and wgrad_out is None:
         raise ValueError("acc or wgrad_out must be given: where the weight gradients go")
     if carry_in and acc is None:
@@ -291,5 +315,7 @@ def grouped_backward(
             zero_outside=fresh,
             weight_route=route_ptr,
             num_routes=num_routes,
+            dy_tokens=dy_tokens_ptr,
+            topk=topk,
         )
     return out

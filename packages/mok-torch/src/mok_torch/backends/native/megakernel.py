@@ -1,8 +1,9 @@
 """The forward megakernel on tensors: `mok_bf16.moe_forward`, with its outputs and task state.
 
 One persistent launch runs every routed expert tile of a layer call (docs/megakernel.md): the
-gate/up tiles gather their x rows from the token rows by the schedule table, the down tiles
-wait on per-row-tile counters and store each output row at its route. The cuda backend calls it
+gate/up tiles gather their x rows from the token rows by the schedule table (and store them in
+table order: the routed x the backward reads), the down tiles wait on per-row-tile counters and
+store each output row at its route. The cuda backend calls it
 between the schedule and the combine; its bits are those of the chain of grouped kernels.
 
 Shape letters: docs/design.md §1.
@@ -11,7 +12,7 @@ Shape letters: docs/design.md §1.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -27,6 +28,14 @@ TIMER_ROLES = ("producer", "consumer 0", "consumer 1")
 TIMER_SLOTS = ("ticket", "gate/up", "swiglu", "down", "stage wait", "dependency", "flush", "total", "tasks")
 
 
+class Outputs(NamedTuple):
+    """What a launch leaves for the backward: every table row's pre-activations and x."""
+
+    a: torch.Tensor  # [C, I] bf16, zero past the last segment
+    b: torch.Tensor  # [C, I] bf16, zero past the last segment
+    x: torch.Tensor  # [C, H] bf16: x[route // K] of each row, zero for padding and past the last segment
+
+
 def task_state(ws: Workspace) -> torch.Tensor:
     """The workspace's ticket queue and dependency counters (zero; every launch leaves them zero)."""
     state = ws.state.get("megakernel")
@@ -39,7 +48,7 @@ def task_state(ws: Workspace) -> torch.Tensor:
 
 
 def _scratch_h(ws: Workspace, inner: int) -> torch.Tensor:
-    """h [C, I] bf16: written by the SwiGLU tasks and read by the down tiles of the same launch
+    """h [C, I] bf16: written at the gate/up tiles' ends and read by the down tiles of the same launch
     only, so one buffer per workspace serves every call (the stream orders them)."""
     h = ws.state.get("megakernel h")
     if h is None or h.shape[1] != inner:
@@ -61,9 +70,10 @@ def moe_forward(
     num_sms: int = 0,
     inject_missing_dependency: bool = False,
     timers: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The routed experts of one call: y of every route into rows_out [>= T*K, H] (row t*K + k),
-    and the pre-activations a, b [C, I] of every table row (zero past the last segment).
+) -> Outputs:
+    """The routed experts of one call: y of every route into rows_out [>= T*K, H] (row t*K + k);
+    returned, the pre-activations a, b [C, I] and the x rows [C, H] of every table row (Outputs:
+    the context the backward reads, so that it moves no rows).
 
     row_route_C and expert_offsets_El1 are the schedule table's (Schedule's fields of those names:
     the table alone, which the backend issues before the rest of the schedule); K is the
@@ -85,6 +95,7 @@ def moe_forward(
     dev = x_TH.device
     a = torch.empty(C, inner, dtype=BF16, device=dev)
     b = torch.empty(C, inner, dtype=BF16, device=dev)
+    x_rows = torch.empty(C, H, dtype=BF16, device=dev)
     h = _scratch_h(ws, inner)
     mok_bf16.moe_forward(
         "cuda", x_TH.data_ptr(), row_route_C.data_ptr(), expert_offsets_El1.data_ptr(),
@@ -92,9 +103,9 @@ def moe_forward(
         rows_out.data_ptr(), task_state(ws).data_ptr(), error.data_ptr(), C, T, H, inner, El, ws.topk,
         limit=limit, num_sms=num_sms, timeout_ns=timeout_ns, stage=STAGE, rank=ws.rank,
         inject_missing_dependency=inject_missing_dependency, stream=current_stream_handle(dev),
-        timers=0 if timers is None else timers.data_ptr(),
+        timers=0 if timers is None else timers.data_ptr(), out_x=x_rows.data_ptr(),
     )  # fmt: skip
-    return a, b
+    return Outputs(a, b, x_rows)
 
 
 def _check_timers(timers: torch.Tensor, device: torch.device, num_sms: int) -> None:
