@@ -14,7 +14,8 @@ namespace mok::core {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kVec = 8;  // bf16 per 16-byte access
+constexpr int kVec = 8;    // bf16 per 16-byte access
+constexpr int kChunk = 4;  // routes whose rows one thread loads before adding them
 
 struct CombineParams {
   std::uint16_t* out;
@@ -65,15 +66,31 @@ __global__ void __launch_bounds__(kThreads) combine_bf16_kernel(CombineParams p)
 #pragma unroll
         for (int i = 0; i < kVec; ++i) acc[i] = 0.0f;
       }
-      for (std::int64_t k = 0; k < p.topk; ++k) {
-        const std::int64_t route = t * p.topk + k;
-        const std::int64_t row = combine_row(route, p.row_index, p.num_rows);
-        if (row < 0) continue;
-        const float w = weighted ? __ldg(p.weights + route) : 1.0f;
-        std::uint16_t r[kVec];
-        unpack(__ldg(reinterpret_cast<const uint4*>(p.rows + row * p.hidden + h0)), r);
+      // The routes in chunks of kChunk: every row of a chunk is asked for before the first is
+      // added (the loads overlap: one thread's row loads were one round trip each), then they
+      // are added in k order, as always.
+      for (std::int64_t k0 = 0; k0 < p.topk; k0 += kChunk) {
+        uint4 v[kChunk];
+        float w[kChunk];
+        bool live[kChunk];
 #pragma unroll
-        for (int i = 0; i < kVec; ++i) acc[i] = combine_step(acc[i], r[i], weighted, w);
+        for (int c = 0; c < kChunk; ++c) {
+          const std::int64_t route = t * p.topk + k0 + c;
+          const std::int64_t row =
+              k0 + c < p.topk ? combine_row(route, p.row_index, p.num_rows) : -1;
+          live[c] = row >= 0;
+          w[c] = live[c] && weighted ? __ldg(p.weights + route) : 1.0f;
+          v[c] = live[c] ? __ldg(reinterpret_cast<const uint4*>(p.rows + row * p.hidden + h0))
+                         : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int c = 0; c < kChunk; ++c) {
+          if (!live[c]) continue;
+          std::uint16_t r[kVec];
+          unpack(v[c], r);
+#pragma unroll
+          for (int i = 0; i < kVec; ++i) acc[i] = combine_step(acc[i], r[i], weighted, w[c]);
+        }
       }
       unsigned words[4];
 #pragma unroll

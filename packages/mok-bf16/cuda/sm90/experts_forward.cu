@@ -1,9 +1,10 @@
 // The grouped SwiGLU forward on the GPU: two persistent wgmma GEMMs over the experts' segments.
 //
 //   gate/up:  [a, b] = x @ [Wg_e; Wu_e]^T  (one pass over x; 128 columns of each weight per tile,
-//             one m64n256 wgmma for both), rounded to bf16 in the epilogue
-//   SwiGLU:   h = bf16(silu(a_c) * b_c) by mok-core's element math (the reference's, bit for
-//             bit, given a and b), an elementwise kernel over the segments' rows
+//             one m64n256 wgmma for both), rounded to bf16 in the epilogue; at each tile's end
+//             h = bf16(silu(a_c) * b_c) of its columns by mok-core's element math (the
+//             reference's, bit for bit, given a and b), from the consumer's own rounded words
+//             (swiglu_h_tile.cuh, as the megakernel's gate/up tasks): no pass reads a and b back
 //   down:     y = h @ Wd_e^T                (256 columns per tile)
 #include <cuda_runtime.h>
 
@@ -16,6 +17,7 @@
 #include "mok/core/expert_math.h"
 #include "mok/core/hopper.cuh"
 #include "mok/core/sigmoid_table.cuh"
+#include "swiglu_h_tile.cuh"
 
 namespace mok::bf16 {
 namespace {
@@ -32,7 +34,10 @@ constexpr int kDownN = gemm::kMmaN;
 struct GateUpEpilogue {
   std::uint16_t* a;
   std::uint16_t* b;
+  std::uint16_t* h;  // or null: a and b only
   int inner;
+  core::SwigluLimit limit;
+  core::TableSigmoid sig;  // of `limit`, computed on the host (the same IEEE arithmetic)
 
   // Deferred (grouped_gemm.cuh): pieces of the packed pairs, a's columns (n8 blocks j < 16)
   // then b's.
@@ -47,30 +52,13 @@ struct GateUpEpilogue {
       if (row < tile.row_end && col < inner) *reinterpret_cast<uint4*>(to + row * inner + col) = v;
     });
   }
+  // h of the tile's columns, at once (the deferred pieces above carry a and b only).
+  __device__ void at_tile_end(const Tile& tile, int consumer, const gemm::PackedBf16& p) const {
+    if (h == nullptr) return;
+    gemm::store_swiglu_h(h, inner, tile.row0 + 64 * consumer, tile.row_end, tile.col0, p, limit,
+                         sig);
+  }
 };
-
-// h = swiglu_h(a, b) for the rows of the segments (tiles::for_each_row_range), 8 elements of
-// a row per thread, the sigmoid looked up (sigmoid_table.cuh: the same bits without float64
-// math). A kernel of its own, not the GEMM's epilogue: with the float64 sigmoid the element
-// math cost the gate+up GEMM a third of its time, and with the table still 9 % (its unrolled
-// code in every deferred store piece; NOTES.md, session 8) where this kernel costs ~5 %.
-__global__ void swiglu_h_kernel(const std::uint16_t* a, const std::uint16_t* b, std::uint16_t* h,
-                                const std::int64_t* offsets, int num_experts, std::int64_t num_rows,
-                                int inner, core::SwigluLimit limit) {
-  __shared__ int sorted;
-  const auto sig = core::TableSigmoid::of(limit);
-  tiles::for_each_row_range(
-      offsets, num_experts, num_rows, &sorted, [&](std::int64_t lo, std::int64_t hi) {
-        const std::int64_t vectors = (hi - lo) * inner / 8;
-        for (std::int64_t v = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
-             v < vectors; v += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-          const std::int64_t at = lo * inner + 8 * v;
-          const uint4 av = *reinterpret_cast<const uint4*>(a + at);
-          const uint4 bv = *reinterpret_cast<const uint4*>(b + at);
-          *reinterpret_cast<uint4*>(h + at) = core::swiglu_h8(av, bv, limit, sig);
-        }
-      });
-}
 
 }  // namespace
 
@@ -101,19 +89,14 @@ void grouped_forward_cuda(const GroupedForwardArgs& args, std::uintptr_t stream_
                               static_cast<int>(s.num_experts), static_cast<int>(s.inner),
                               static_cast<int>(s.hidden)};
   const GateUpEpilogue e1{reinterpret_cast<std::uint16_t*>(args.out_a),
-                          reinterpret_cast<std::uint16_t*>(args.out_b), static_cast<int>(I)};
+                          reinterpret_cast<std::uint16_t*>(args.out_b),
+                          reinterpret_cast<std::uint16_t*>(args.out_h),
+                          static_cast<int>(I),
+                          args.limit,
+                          core::TableSigmoid::of(args.limit)};
+  if (args.out_h != 0) core::ensure_sigmoid_table(stream);
   launch<BLoad::kPaired>(map_x, map_wg, map_wu, gate_up, e1, sms, stream);
-  if (args.out_h == 0) return;
-  core::ensure_sigmoid_table(stream);
-  // Eight 256-thread blocks per SM (it needs 30 registers): every warp slot, to hide the element
-  // math's latency.
-  swiglu_h_kernel<<<8 * sms, 256, 0, stream>>>(reinterpret_cast<const std::uint16_t*>(args.out_a),
-                                               reinterpret_cast<const std::uint16_t*>(args.out_b),
-                                               reinterpret_cast<std::uint16_t*>(args.out_h),
-                                               gate_up.offsets, gate_up.num_experts, s.num_rows,
-                                               static_cast<int>(I), args.limit);
-  check(cudaGetLastError(), "launching the SwiGLU kernel");
-  if (args.out_y == 0) return;
+  if (args.out_h == 0 || args.out_y == 0) return;
 
   const CUtensorMap map_h =
       hopper::make_tensor_map(reinterpret_cast<const void*>(args.out_h), M, I, gemm::kBlockM);

@@ -313,6 +313,14 @@ struct IsDeferred : std::false_type {};
 template <class E>
 struct IsDeferred<E, std::void_t<decltype(E::kDeferred)>> : std::bool_constant<E::kDeferred> {};
 
+// A deferred epilogue may also have `void at_tile_end(const Tile&, int consumer, const
+// PackedBf16&) const`: called at once with each tile's rounded words (the gate/up GEMM's h), the
+// accumulators set to constants first so that their registers are free for it.
+template <class E, class = void>
+struct HasTileEnd : std::false_type {};
+template <class E>
+struct HasTileEnd<E, std::void_t<decltype(&E::at_tile_end)>> : std::true_type {};
+
 // fn(std::integral_constant<int, i>{}) for i = 0 .. kN - 1: a loop whose index is a constant
 // in each copy (register arrays indexed by it stay in registers).
 template <int kN, class Fn, int... kI>
@@ -522,6 +530,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       pack_bf16(acc, pending);
       pending_tile = tile;
       has_pending = true;
+      if constexpr (HasTileEnd<Epilogue>::value) {
+#pragma unroll
+        for (int i = 0; i < kMmaN / 2; ++i) acc.d[i] = 0.0f;  // dead until the next tile's wgmma
+        epilogue.at_tile_end(tile, consumer, pending);
+      }
     } else {
       epilogue(tile, consumer, acc);
     }

@@ -64,6 +64,7 @@
 #include "mok/core/hopper.cuh"
 #include "mok/core/sigmoid_table.cuh"
 #include "mok/core/task_queue.cuh"
+#include "swiglu_h_tile.cuh"
 
 namespace mok::bf16::sm90 {
 namespace {
@@ -273,26 +274,13 @@ __device__ inline void signal(const Params& p, const Task& task, int consumer) {
   if (threadIdx.x % 128 == 0) tasks::add_release(p.ready + task.rt, 1);
 }
 
-// A gate/up tile's h = swiglu_h(a, b), the warpgroup's 64 rows of it, at the tile's end from the
-// packed words (grouped_gemm.cuh's PackedBf16): the thread's a and b vectors of the same 8
-// columns are w.v[2 k + half] and w.v[2 (k + 4) + half], k < 4. Then the counter: every thread's
-// h stores fenced for the async proxy (the down tiles' copy engine reads h), the warpgroup
-// gathered, one release.
+// A gate/up tile's h, the warpgroup's 64 rows of it, at the tile's end (swiglu_h_tile.cuh). Then
+// the counter: every thread's h stores fenced for the async proxy (the down tiles' copy engine
+// reads h), the warpgroup gathered, one release.
 __device__ inline void store_h(const Params& p, const Task& task, int consumer, const PackedBf16& w,
                                const core::TableSigmoid& sig) {
-  const int t = threadIdx.x % 128;
-#pragma unroll
-  for (int k = 0; k < kDrainChunks / 2; ++k) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = task.row0 + 64 * consumer + frag_row(t, 2 * half);
-      const int col = task.col0 + 8 * (4 * k + t % 4);
-      if (row < task.row_end && col < p.inner) {
-        *reinterpret_cast<uint4*>(p.h + static_cast<std::int64_t>(row) * p.inner + col) =
-            core::swiglu_h8(w.v[2 * k + half], w.v[2 * (k + 4) + half], p.limit, sig);
-      }
-    }
-  }
+  gemm::store_swiglu_h(p.h, p.inner, task.row0 + 64 * consumer, task.row_end, task.col0, w, p.limit,
+                       sig);
   tasks::fence_proxy_async_global();
   signal(p, task, consumer);
 }
