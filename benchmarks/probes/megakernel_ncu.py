@@ -1,6 +1,6 @@
 """One layer forward on the megakernel path and one on the chain, for ncu (the kernels of both):
 
-    ncu --clock-control none --kernel-name regex:"moe_forward|grouped_gemm|swiglu_h" \
+    ncu --clock-control none --kernel-name regex:"moe_forward|grouped_gemm" \
         --section SpeedOfLight --section WarpStateStats ... python3 benchmarks/probes/megakernel_ncu.py [shape]
 
 With --backward: forwards + backwards at one rank with the default config (tools/gpu-check's

@@ -222,7 +222,8 @@ void grouped_backward_cuda(const GroupedBackwardArgs& args, std::uintptr_t strea
                                   static_cast<int>(args.topk),
                                   Hi,
                                   reinterpret_cast<std::uint16_t*>(args.dy)};
-    kernels::launch<BLoad::kNMajor, true>(map_wd, map_wd, map_wd, pg, store_g, sms, stream,
+    const CUtensorMap map_dy_copy = hopper::make_tensor_map(ptr(args.dy), M, H, 64);
+    kernels::launch<BLoad::kNMajor, true>(map_dy_copy, map_wd, map_wd, pg, store_g, sms, stream,
                                           dy_rows);
   } else {
     const CUtensorMap map_dy = hopper::make_tensor_map(ptr(args.dy), M, H, gemm::kBlockM);

@@ -114,12 +114,13 @@ inline constexpr int kProducerBarrier = 2;
 
 // A consumer warpgroup's 64 rows of a gathered stage's A (`box`: gather_box's 128-byte swizzle,
 // 16-byte chunk c of row r at (c ^ r % 8) * 16) into g.copy_to, table rows [first, end) of them
-// (padding rows are zeros in the stage), columns [col, col + 64). Thread t takes chunks t + 128 j:
-// a warp's loads read 4 whole rows (each phase of 8 threads one row: all 32 banks) and its stores
-// write 4 whole 128-byte row pieces. Called after the k-block's wgmmas are issued and before the
-// stage is given back; one vector in flight, as the consumers' registers are few.
-__device__ inline void store_box_rows(const RowGather& g, const unsigned char* box,
-                                      std::int64_t first, std::int64_t end, int col) {
+// (padding rows are zeros in the stage), columns [col, col + 64), by the warpgroup's threads.
+// Thread t takes chunks t + 128 j: a warp's loads read 4 whole rows (each phase of 8 threads one
+// row: all 32 banks) and its stores write 4 whole 128-byte row pieces; one vector in flight, as
+// the consumers' registers are few. For a half the segment's end cuts (store_gathered_rows).
+template <class Row>
+__device__ inline void store_box_rows(const RowGather& g, const unsigned char* box, Row first,
+                                      Row end, int col) {
   const int t = threadIdx.x % 128;
 #pragma unroll 1
   for (int j = 0; j < 64 * 8 / 128; ++j) {
@@ -127,8 +128,47 @@ __device__ inline void store_box_rows(const RowGather& g, const unsigned char* b
     const int r = q / 8, c = q % 8;
     if (first + r < end) {
       const uint4 v = *reinterpret_cast<const uint4*>(box + r * 128 + ((c ^ (r % 8)) << 4));
-      *reinterpret_cast<uint4*>(g.copy_to + (first + r) * g.cols + col + 8 * c) = v;
+      *reinterpret_cast<uint4*>(g.copy_to + static_cast<std::int64_t>(first + r) * g.cols + col +
+                                8 * c) = v;
     }
+  }
+}
+
+// The gathered rows' table-ordered copy (RowGather::copy_to), a consumer warpgroup's 64 rows of a
+// k-block's stage at a time, called after the k-block's wgmmas are issued and before the stage is
+// given back. A half inside the segment (every half where segments start at multiples of 64
+// rows, as the backward's alignment makes them) is stored by the copy engine: the leader fences
+// the gather's writes for the async proxy and has `map` (copy_to's, 64-row boxes, the swizzle the
+// gather wrote) store the box, no instruction of the other threads spent on it; it first waits
+// for the previous k-block's store to have read its stage (`pending`), which is given back next.
+// A half the segment's end cuts is copied by the threads (store_box_rows); rows past the segment
+// are never stored (they are the next expert's). first < 0: nothing to store (only the wait).
+template <class Row>
+__device__ inline void store_gathered_rows(const CUtensorMap* map, const RowGather& g,
+                                           const unsigned char* box, Row first, Row end, int col,
+                                           bool leader, bool& pending) {
+  if (leader && pending) {
+    hopper::bulk_wait_read<0>();
+    pending = false;
+  }
+  if (first < 0 || end <= first) return;
+  if (end - first >= 64) {
+    if (leader) {
+      hopper::fence_proxy_async();
+      hopper::tma_store_2d(map, box, col, static_cast<int>(first));
+      hopper::bulk_commit();
+      pending = true;
+    }
+  } else {
+    store_box_rows(g, box, first, end, col);
+  }
+}
+
+// Before a tile's last stage is given back: the leader's last store has read it.
+__device__ inline void gathered_rows_read(bool leader, bool& pending) {
+  if (leader && pending) {
+    hopper::bulk_wait_read<0>();
+    pending = false;
   }
 }
 
@@ -333,9 +373,10 @@ __device__ inline void unroll(const Fn& fn) {
 }
 
 // The persistent kernel, B loaded as kB says, A by the copy engine from map_a or, kGatherA, by
-// the producer warpgroup through `gather` (map_a unused; the tiles of column 0 store the gathered
-// rows into gather.copy_to where it is given). Epilogue: `void operator()(const Tile&, int
-// consumer, const Accumulators&) const` on the consumer warpgroup's 128 threads.
+// the producer warpgroup through `gather` (the tiles of column 0 then store the gathered rows into
+// gather.copy_to where it is given, map_a being its tensor map: store_gathered_rows). Epilogue:
+// `void operator()(const Tile&, int consumer, const Accumulators&) const` on the consumer
+// warpgroup's 128 threads.
 template <BLoad kB, int kStages, class Epilogue, bool kGatherA = false>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
@@ -462,8 +503,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   ConsumerRing<kStages> pipe{full, empty, &lag, threadIdx.x % 128 == 0, consumer == 0};
   Accumulators acc;
   // A gathered tile of column 0 with gather.copy_to: the warpgroup's first table row (its rows
-  // are stored from each stage, store_box_rows), else -1; copy_end: the segment's end.
+  // are stored from each stage, store_gathered_rows), else -1; copy_end: the segment's end;
+  // copy_pending: the leader's last store may still be reading its stage.
   std::int64_t copy_first = -1, copy_end = 0;
+  bool copy_pending = false;
+  const bool leader = threadIdx.x % 128 == 0;
   const auto k_block = [&](int kb) {
     const int stage = pipe.acquire();
     const std::uint32_t a = hopper::smem_addr(ring.a(stage)) + consumer * 64 * 128;
@@ -481,10 +525,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     hopper::wgmma_commit();
     if constexpr (kGatherA) {
-      if (copy_first >= 0) {
-        store_box_rows(gather, ring.a(stage) + consumer * 64 * 128, copy_first, copy_end,
-                       kb * kBlockK);
-      }
+      store_gathered_rows(&map_a, gather, ring.a(stage) + consumer * 64 * 128, copy_first, copy_end,
+                          kb * kBlockK, leader, copy_pending);
     }
     pipe.release();
   };
@@ -525,6 +567,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     hopper::wgmma_wait<0>();
     hopper::fence_regs(acc.d);
+    if constexpr (kGatherA) gathered_rows_read(leader, copy_pending);
     pipe.end_tile();
     if constexpr (kDeferred) {
       pack_bf16(acc, pending);
@@ -540,6 +583,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
   if constexpr (kDeferred) unroll<kDrainChunks>([&](auto c) { drain(c); });
+  if constexpr (kGatherA) {
+    if (leader) hopper::bulk_wait<0>();  // the copy engine's stores done before the CTA ends
+  }
 }
 
 }  // namespace mok::bf16::gemm

@@ -194,7 +194,7 @@ struct StoreF32 {
 };
 
 // Launches one grouped GEMM on `stream` with at most `num_sms` CTAs; kGatherA: A's rows gathered
-// through `gather` (map_a unused).
+// through `gather` (map_a then the map of gather.copy_to, 64-row boxes, if it is given).
 template <gemm::BLoad kB, bool kGatherA = false, class Epilogue>
 void launch(const CUtensorMap& map_a, const CUtensorMap& map_b0, const CUtensorMap& map_b1,
             const gemm::Problem& p, const Epilogue& epilogue, int num_sms, cudaStream_t stream,

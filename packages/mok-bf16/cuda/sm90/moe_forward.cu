@@ -8,8 +8,8 @@
 //                  The rows' x are gathered from the token rows (row -> route t*K + k -> token t)
 //                  by the operand loads themselves; the tile of column 0 also stores each
 //                  k-block's gathered rows into x_out (the routed x the backward's weight
-//                  gradients read, so that it pulls no x: the stage's bytes, copied by the
-//                  consumers while their wgmmas run). Epilogue: at the
+//                  gradients read, so that it pulls no x: the stage's bytes, stored by the copy
+//                  engine while the wgmmas run, gemm::store_gathered_rows). Epilogue: at the
 //                  tile's end h = bf16(silu(a_c) * b_c) (the reference's element math on the
 //                  rounded a and b) from the thread's own words, stored at once; a and b, bf16 (as
 //                  the chain's gate/up GEMM), deferred. h at the tile's end, not in the deferred
@@ -301,7 +301,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     moe_forward_kernel(const __grid_constant__ CUtensorMap map_wg,
                        const __grid_constant__ CUtensorMap map_wu,
                        const __grid_constant__ CUtensorMap map_h,
-                       const __grid_constant__ CUtensorMap map_wd, Params p) {
+                       const __grid_constant__ CUtensorMap map_wd,
+                       const __grid_constant__ CUtensorMap map_x, Params p) {
   extern __shared__ unsigned char smem_raw[];
   __shared__ alignas(8) std::uint64_t full[kStages];
   __shared__ alignas(8) std::uint64_t empty[kStages];
@@ -343,6 +344,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       hopper::prefetch_tensor_map(&map_wu);
       hopper::prefetch_tensor_map(&map_h);
       hopper::prefetch_tensor_map(&map_wd);
+      hopper::prefetch_tensor_map(&map_x);
     }
     int stage = 0, slot = 0;
     std::uint32_t phase = 0, slot_phase = 0;
@@ -450,8 +452,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   const long long start = clock();
 
   // A gate/up task of column tile 0 with x_rows.copy_to: the warpgroup's first row (its x each
-  // k-block stores from the stage, gemm::store_box_rows), else -1; x_end: the segment's end.
+  // k-block stores from the stage, gemm::store_gathered_rows through map_x), else -1; x_end: the
+  // segment's end; x_pending: the leader's last store may still be reading its stage.
   int x_first = -1, x_end = 0;
+  bool x_pending = false;
   const auto k_block = [&](int kb) {
     const long long t0 = clock();
     const int stage = pipe.acquire();
@@ -466,11 +470,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     hopper::wgmma_commit();
     // While the wgmmas run: the stage is this warpgroup's until its release after the next
-    // k-block's wgmmas (the loads are done by then: the stores wait for their registers).
-    if (x_first >= 0) {
-      gemm::store_box_rows(p.x_rows, ring.a(stage) + consumer * 64 * 128, x_first, x_end,
-                           kb * kBlockK);
-    }
+    // k-block's wgmmas (store_gathered_rows waits for its store's reads before that release).
+    gemm::store_gathered_rows(&map_x, p.x_rows, ring.a(stage) + consumer * 64 * 128, x_first, x_end,
+                              kb * kBlockK, leader, x_pending);
     pipe.release();
   };
   // Piece kChunk of the pending tile.
@@ -521,6 +523,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int kb = kDrainChunks; kb < task.k_blocks; ++kb) k_block(kb);
     hopper::wgmma_wait<0>();
     hopper::fence_regs(acc.d);
+    gemm::gathered_rows_read(leader, x_pending);
     pipe.end_tile();  // (and consumer 1 let go after a first task of fewer than kLagBlocks blocks)
     gemm::pack_bf16(acc, pend.words);
     pend.task = task;
@@ -550,6 +553,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   }
+  if (leader) hopper::bulk_wait<0>();  // the copy engine's x stores done before the CTA ends
   if (timer) {
     account<kTimed>(timer_acc, role, kTimeTotal, clock() - start);
     write_timers<kTimed>(p, timer_acc, role);
@@ -594,6 +598,10 @@ void moe_forward_cuda(const MoeForwardArgs& args, std::uintptr_t stream_handle) 
   const CUtensorMap map_wu = hopper::make_tensor_map(ptr(args.w_up), El * I, H, kGateUpN);
   const CUtensorMap map_h = hopper::make_tensor_map(ptr(args.scratch_h), C, I, kBlockM);
   const CUtensorMap map_wd = hopper::make_tensor_map(ptr(args.w_down), El * H, I, kDownN);
+  // The x rows' table-ordered copy, stored by the copy engine in 64-row boxes (map_h stands in
+  // for it, never used, when there is none).
+  const CUtensorMap map_x =
+      args.out_x != 0 ? hopper::make_tensor_map(ptr(args.out_x), C, H, 64) : map_h;
   Params p{};
   p.row_route = reinterpret_cast<const std::int32_t*>(args.row_route);
   p.x_rows = {reinterpret_cast<const std::uint16_t*>(args.x),
@@ -624,11 +632,11 @@ void moe_forward_cuda(const MoeForwardArgs& args, std::uintptr_t stream_handle) 
   if (args.timers != 0) {
     kernels::allow_shared_bytes<moe_forward_kernel<true>>(R::kSharedBytes);
     moe_forward_kernel<true>
-        <<<sms, kThreads, R::kSharedBytes, stream>>>(map_wg, map_wu, map_h, map_wd, p);
+        <<<sms, kThreads, R::kSharedBytes, stream>>>(map_wg, map_wu, map_h, map_wd, map_x, p);
   } else {
     kernels::allow_shared_bytes<moe_forward_kernel<false>>(R::kSharedBytes);
     moe_forward_kernel<false>
-        <<<sms, kThreads, R::kSharedBytes, stream>>>(map_wg, map_wu, map_h, map_wd, p);
+        <<<sms, kThreads, R::kSharedBytes, stream>>>(map_wg, map_wu, map_h, map_wd, map_x, p);
   }
   kernels::check(cudaGetLastError(), "launching the forward megakernel");
 }

@@ -70,6 +70,27 @@ __device__ inline void tma_load_2d(void* dst, const CUtensorMap* map, std::uint6
       : "memory");
 }
 
+// The copy engine stores a box of `map` at (col, row) from shared memory at `src` (the map's
+// swizzle), as one bulk group of this thread's once committed (bulk_commit). Before `src` is
+// written again the thread waits for the group's reads (bulk_wait_read); before the stores are
+// relied on in this kernel, for the group itself (bulk_wait). Shared memory written by the
+// generic proxy (threads, cp.async) needs fence_proxy_async between those writes and the store.
+__device__ inline void tma_store_2d(const CUtensorMap* map, const void* src, int col, int row) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(
+                   reinterpret_cast<std::uint64_t>(map)),
+               "r"(smem_addr(src)), "r"(col), "r"(row)
+               : "memory");
+}
+__device__ inline void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+template <int kPending>
+__device__ inline void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kPending) : "memory");
+}
+template <int kPending>
+__device__ inline void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;" ::"n"(kPending) : "memory");
+}
+
 // ------------------------------------------------------------------ thread-block clusters
 //
 // A kernel launched in clusters of CTAs (cudaLaunchAttributeClusterDimension) can have the copy
