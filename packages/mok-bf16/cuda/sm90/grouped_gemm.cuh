@@ -64,8 +64,8 @@ enum class BLoad { kPaired, kKMajor, kNMajor };
 // [0, num_routes) reads as one), a row past the table and columns from `cols` on. The pieces land
 // where the copy engine would put them (128-byte swizzle), so the wgmmas read the same shared
 // memory either way. With `copy_to`, the tiles of column 0 also store the rows they gathered
-// there in table order (store_box_rows): a routed copy for the kernels after, made without a pass
-// of its own.
+// there in table order (store_gathered_rows): a routed copy for the kernels after, made without a
+// pass of its own.
 struct RowGather {
   const std::uint16_t* rows;
   const std::int32_t* row_route;

@@ -15,10 +15,10 @@ namespace mok::bf16::gemm {
 // `col0`), from its packed words (PackedBf16, the quads' layout): the thread's a and b vectors of
 // the same 8 columns are w.v[2 k + half] and w.v[2 (k + 4) + half], k < 4, so each thread
 // computes h of its own columns and stores 16 bytes (rows from `first`, those below `row_end`;
-// columns below `inner`). The same element math on the same rounded a and b as the SwiGLU kernel:
-// the same bits. The accumulators are dead by now: a caller that sets them to constants first
-// frees their registers for the lookups and the element math. Row: the caller's row index type
-// (the megakernel's int rows keep its register count).
+// columns below `inner`). core::swiglu_h8, the reference's element math, on the same rounded a
+// and b the context keeps: the same bits. The accumulators are dead by now: a caller that sets them
+// to constants first frees their registers for the lookups and the element math. Row: the caller's
+// row index type (the megakernel's int rows keep its register count).
 template <class Row>
 __device__ inline void store_swiglu_h(std::uint16_t* h, int inner, Row first, Row row_end, int col0,
                                       const PackedBf16& w, core::SwigluLimit limit,

@@ -199,6 +199,7 @@ def grouped_backward(
     check_tensor("b", b_MI, dtypes=(BF16,), shape=rows_I, device=dev)
     check_tensor("dy", dy_MH, dtypes=(BF16,), shape=[("M", M), ("H", H)], device=dev)
     route_ptr, num_routes = 0, 0
+    route_valid = route_at = None  # on the CPU: which rows have a route in [0, T*K), and it (else 0)
     if weight_route is not None:
         check_tensor("weight_route", weight_route, dtypes=(torch.int32,), shape=[("M", M)], device=dev)
         if router_weights_M is None:
@@ -209,8 +210,9 @@ def grouped_backward(
             route_ptr = weight_route.data_ptr()
         else:  # as the kernel: a route outside [0, T*K) weighs 0
             idx = weight_route.long()
-            valid = (idx >= 0) & (idx < num_routes)
-            router_weights_M = torch.where(valid, router_weights_M[torch.where(valid, idx, 0)], 0.0).contiguous()
+            route_valid = (idx >= 0) & (idx < num_routes)
+            route_at = torch.where(route_valid, idx, 0)
+            router_weights_M = torch.where(route_valid, router_weights_M[route_at], 0.0).contiguous()
     elif router_weights_M is not None:
         check_tensor("router_weights", router_weights_M, dtypes=(torch.float32,), shape=[("M", M)], device=dev)
     dy_tokens_ptr, topk = 0, 1
@@ -225,10 +227,9 @@ def grouped_backward(
         if dev.type == "cuda":
             dy_tokens_ptr = dy_tokens.data_ptr()
         else:  # as the kernels: a route outside [0, T*K) reads zeros
-            idx = weight_route.long()
-            valid = (idx >= 0) & (idx < num_routes)
-            gathered = dy_tokens[torch.where(valid, idx, 0) // topk]
-            dy_MH.copy_(torch.where(valid[:, None], gathered, torch.zeros((), dtype=BF16)))
+            assert route_valid is not None and route_at is not None
+            zero = torch.zeros((), dtype=BF16)
+            dy_MH.copy_(torch.where(route_valid[:, None], dy_tokens[route_at // topk], zero))
     if acc is None and wgrad_out is None:
         raise ValueError("acc or wgrad_out must be given: where the weight gradients go")
     if carry_in and acc is None:
