@@ -7,7 +7,8 @@
 Reads every JSON that `mok bench` wrote under benchmarks/results/, keeps the latest result
 per (device, EP size, precision, shape, routing, provider) and writes the table between
 the markers `<!-- bench-table:start -->` and `<!-- bench-table:end -->`. Only GPU runs
-that are not `--quick` smoke runs count, unless `--all-runs`. The component benchmarks get
+that are not `--quick` smoke runs count, and not runs marked `"not_on_main"` (code that did not
+land), unless `--all-runs`. The component benchmarks get
 a table each from their latest GPU run: `mok bench-experts` between
 `<!-- experts-table:start/end -->`, `mok bench-mxfp8` between `<!-- mxfp8-table:... -->`,
 `mok bench-quantize` between `<!-- quantize-table:... -->`
@@ -56,6 +57,10 @@ def load_runs(results: Path, all_runs: bool) -> list[tuple[dict[str, Any], Path]
         # The table compares with torch-a2a measured in the same run: a run without it (a study of
         # mok's own settings, such as the transfer directions) stays in its file, out of the table.
         if not all_runs and "torch-a2a" not in report["config"].get("providers", ["torch-a2a"]):
+            continue
+        # A run of code that did not land on main (noted after the run, in a top-level
+        # "not_on_main" saying why) stays in its file: the table shows the code of main.
+        if not all_runs and report.get("not_on_main"):
             continue
         runs.append((report, path))
     runs.sort(key=lambda rp: (rp[0]["created"], rp[1].name))

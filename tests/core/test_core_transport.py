@@ -191,7 +191,9 @@ def check_zero(device, move, num_workers, seed=0):
     assert torch.equal(dst.cpu(), want)
 
 
-def check_push(device, move, num_workers, dst_offset=0, src_offset=0, seed=0, src_divisor=1):
+def check_push(device, move, num_workers, dst_offset=0, src_offset=0, seed=0, src_divisor=1, local=False):
+    """push_rows against reference_push; `local`: to rank 0's buffer given as dst_local (no
+    pointer array), the rows of the other ranks skipped (their buffers must stay untouched)."""
     row_src_rank_C, row_route_C = make_table(TOKENS_R, K, num_padding=7, seed=seed, num_dropped=4)
     capacity = row_src_rank_C.numel()
     src = offset_buffer(capacity * move.src_stride, src_offset, device, seed=seed + 99)
@@ -208,10 +210,12 @@ def check_push(device, move, num_workers, dst_offset=0, src_offset=0, seed=0, sr
         [d.cpu() for d in dsts_R],
         src_divisor,
     )
+    if local:  # only rank 0's rows move; the other buffers keep their sentinel bytes
+        want = [want[0], *(d.cpu() for d in dsts_R[1:])]
     core.push_rows(
         device,
         src.data_ptr(),
-        dst_ptrs.data_ptr(),
+        0 if local else dst_ptrs.data_ptr(),
         table[0].data_ptr(),
         table[1].data_ptr(),
         capacity,
@@ -221,10 +225,13 @@ def check_push(device, move, num_workers, dst_offset=0, src_offset=0, seed=0, sr
         num_workers,
         stream_of(device),
         src_divisor,
+        dst_local=dsts_R[0].data_ptr() if local else 0,
     )
     synchronize(device)
     for r, (got, exp) in enumerate(zip(dsts_R, want, strict=True)):
         assert torch.equal(got.cpu(), exp), f"rank {r}'s buffer"
+    if local:
+        assert bool((want[0] != SENTINEL).any()), "the table moves no row of rank 0: the case tests nothing"
 
 
 @pytest.mark.parametrize("strides", ["dense", "padded"])
@@ -248,6 +255,30 @@ def test_cpu_push_matches_reference(num_workers, row_bytes, strides):
 def test_cpu_push_of_token_rows_to_every_route(num_workers, row_bytes, strides):
     """src_divisor = K: route i takes token row i // K (the push dispatch)."""
     check_push("cpu", move_of(row_bytes, strides), num_workers, seed=row_bytes, src_divisor=K)
+
+
+@pytest.mark.parametrize("strides", ["dense", "padded"])
+@pytest.mark.parametrize("row_bytes", [4, 6, 14336])
+@pytest.mark.parametrize("src_divisor", [K, 1])
+@pytest.mark.parametrize("num_workers", [1, 3])
+def test_cpu_push_to_a_local_destination(num_workers, src_divisor, row_bytes, strides):
+    """dst_local: rank 0's rows into this process's buffer (one rank's scatter of its token rows
+    into table order), the other ranks' rows skipped."""
+    check_push("cpu", move_of(row_bytes, strides), num_workers, seed=row_bytes + 3, src_divisor=src_divisor, local=True)
+
+
+def test_push_takes_one_destination(valid_move):
+    kwargs, keep = valid_move
+    push = {k: v for k, v in kwargs.items() if k not in ("dst", "src_ptrs", "route_divisor")}
+    push.update(src=kwargs["dst"], dst_ptrs=kwargs["src_ptrs"], capacity=8)
+    with pytest.raises(ValueError, match=r"dst_ptrs .* or dst_local .*, not both"):
+        core.push_rows(**push, dst_local=keep[2].data_ptr())
+    local = {**push, "dst_ptrs": 0, "dst_local": keep[2].data_ptr()}
+    core.push_rows(**local)  # valid
+    with pytest.raises(ValueError, match="dst_local must be an address"):
+        core.push_rows(**{**local, "dst_local": -8})
+    with pytest.raises(ValueError, match="dst_ptrs must not be 0"):
+        core.push_rows(**{**push, "dst_ptrs": 0})
 
 
 @pytest.mark.parametrize("strides", ["dense", "padded"])
@@ -944,6 +975,15 @@ def test_cuda_push_of_token_rows_and_zero_rows(num_workers, row_bytes, strides):
     move = move_of(row_bytes, strides)
     check_push("cuda", move, num_workers, seed=row_bytes, src_divisor=K)
     check_zero("cuda", move, num_workers, seed=row_bytes + 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("row_bytes", [6, 528, 14336])
+@pytest.mark.parametrize("src_divisor", [K, 1])
+@pytest.mark.parametrize("num_workers", [1, 16, 132])
+def test_cuda_push_to_a_local_destination(num_workers, src_divisor, row_bytes):
+    require_cuda()
+    check_push("cuda", move_of(row_bytes, "padded"), num_workers, seed=row_bytes, src_divisor=src_divisor, local=True)
 
 
 @pytest.mark.gpu

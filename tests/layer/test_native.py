@@ -36,6 +36,10 @@ GPU_BACKWARD_CONFIGS = [
     dict(expert_alignment=64, minibatch_size=64, macrobatch_size=128),
     dict(expert_alignment=128, minibatch_size=128, macrobatch_size=256, fwd_num_comm_sms=2, bwd_num_comm_sms=4),
     dict(expert_alignment=64, minibatch_size=64, macrobatch_size=128, dispatch="push", combine="pull"),
+    # one rank on the chain in one macrobatch: x (and, with a pull combine, dy) scattered into the
+    # table (Transport.scatter_local) instead of copied into the transport and pulled
+    dict(expert_alignment=64, megakernel=False),
+    dict(expert_alignment=64, megakernel=False, combine="pull"),
 ]
 ALL_KEYS = CONTRACT_KEYS + ("dWg_s", "dWu_s", "dWd_s")
 
@@ -465,6 +469,36 @@ def test_cuda_backend_with_gpu_gemms(T, H, I, E, K, Is, routing, backward, monke
         want, have = ref[key].double(), first[key].double()
         rel = ((have - want).norm() / want.norm().clamp_min(1e-30)).item()
         assert rel <= 1e-2, f"{key}: relative L2 error {rel:.2e} against the reference backend"
+
+
+@gpu
+@pytest.mark.parametrize("combine", ["push", "pull"])
+def test_cuda_one_rank_scatters_token_rows(combine, monkeypatch):
+    """At one rank on the chain in one macrobatch the token rows go into table order by
+    scatter_local: x in the forward; dy in the backward where the g GEMM does not gather it (a
+    pull combine here; above H 4096 always). The bits are those of the pulls (the configs of
+    test_cuda_backend_with_gpu_gemms hold them to each other); here: that it ran, and where."""
+    T, H, I, E, K = 45, 128, 64, 8, 3
+    if not native.gpu_forward_kernels(config(backend="cuda"), torch.device("cuda"), H, I, 1):
+        pytest.skip("mok-bf16's grouped forward needs an sm_90 GPU and a CUDA build of mok-bf16")
+    from mok_torch.backends.native.transport import Transport
+
+    scattered: list[int] = []
+    real = Transport.scatter_local
+
+    def scatter_local(self, src_TH, dst, *a, **k):
+        scattered.append(src_TH.shape[0])
+        return real(self, src_TH, dst, *a, **k)
+
+    monkeypatch.setattr(Transport, "scatter_local", scatter_local)
+    inp = make_inputs(T, H, I, E, K, 0, "skewed", seed=9)
+    cfg = config(backend="cuda", expert_alignment=64, megakernel=False, combine=combine)
+    got = run_functional(inp, cfg, device="cuda")
+    assert scattered == ([T] if combine == "push" else [T, T]), scattered
+    pulled = run_functional(inp, config(backend="cuda", expert_alignment=64, megakernel=False, macrobatch_size=128,
+                                        minibatch_size=64, combine=combine), device="cuda")  # fmt: skip
+    assert len(scattered) == (1 if combine == "push" else 2), "more than one macrobatch must not scatter"
+    assert_bitwise(pulled, got, CONTRACT_KEYS, what=f"scattered vs pulled rows ({combine} combine): ")
 
 
 @two_gpus

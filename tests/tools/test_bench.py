@@ -265,6 +265,26 @@ def test_readme_table_leaves_out_runs_without_the_baseline(tmp_path):
     assert len(readme_table.load_runs(tmp_path, all_runs=True)) == 2
 
 
+def test_readme_table_leaves_out_runs_of_code_not_on_main(tmp_path):
+    """A run marked not_on_main (its code did not land) keeps its file but gives the table no
+    rows, even when it is the newest."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import readme_table
+    finally:
+        sys.path.pop(0)
+    landed = _synthetic_report("2026-12-01T10:00:00+00:00", 9.0)
+    variant = _synthetic_report("2026-12-02T10:00:00+00:00", 5.0)
+    variant["not_on_main"] = "a kernel variant measured and not merged"
+    for name, report in (("a.json", landed), ("b.json", variant)):
+        (tmp_path / name).write_text(json.dumps(report))
+    runs = readme_table.load_runs(tmp_path, all_runs=False)
+    assert [path.name for _, path in runs] == ["a.json"]
+    rows, _ = readme_table.latest_rows(runs)
+    assert {r["ms"]["forward"] for r in rows if r.get("status") != "skipped"} == {9.0}
+    assert len(readme_table.load_runs(tmp_path, all_runs=True)) == 2
+
+
 def test_readme_table_drops_a_skip_once_a_newer_run_measured_the_provider():
     """A skip's reason is a fact about its run's code: a later measurement of the same provider
     and shape (any routing) retires it; a skip newer than every measurement stays."""

@@ -54,20 +54,25 @@ void register_transport(pybind11::module_& m) {
       [](const std::string& device, std::int64_t src, std::int64_t dst_ptrs,
          std::int64_t row_src_rank, std::int64_t row_route, std::int64_t capacity,
          std::int64_t row_bytes, std::int64_t src_stride, std::int64_t dst_stride,
-         std::int64_t num_workers, std::int64_t stream, std::int64_t src_divisor) {
+         std::int64_t num_workers, std::int64_t stream, std::int64_t src_divisor,
+         std::int64_t dst_local) {
         push_rows(parse_transport_device(device), src, dst_ptrs, row_src_rank, row_route, capacity,
-                  row_bytes, src_stride, dst_stride, num_workers, stream, src_divisor);
+                  row_bytes, src_stride, dst_stride, num_workers, stream, src_divisor, dst_local);
       },
       py::arg("device"), py::arg("src"), py::arg("dst_ptrs"), py::arg("row_src_rank"),
       py::arg("row_route"), py::arg("capacity"), py::arg("row_bytes"), py::arg("src_stride"),
       py::arg("dst_stride"), py::arg("num_workers"), py::arg("stream") = 0,
-      py::arg("src_divisor") = 1, py::call_guard<py::gil_scoped_release>(),
+      py::arg("src_divisor") = 1, py::arg("dst_local") = 0,
+      py::call_guard<py::gil_scoped_release>(),
       "Push rows to other ranks (docs/core-runtime.md). For each i < capacity with "
       "row_src_rank[i] >= 0, copy row_bytes from src + (i // src_divisor) * src_stride to "
       "dst_ptrs[row_src_rank[i]] + row_route[i] * dst_stride (one destination row per i; "
       "i with row_src_rank[i] < 0 are skipped). An expert rank pushes its table rows back to "
       "their routes (src_divisor 1: the push combine); a source rank pushes each token's row "
       "to its routes' rows in the expert ranks' tables (src_divisor K: the push dispatch). "
+      "dst_local (with dst_ptrs 0): the address of this process's destination rows instead, "
+      "for the i with row_src_rank[i] == 0 (others skipped): one rank's scatter of its token "
+      "rows into table order, each token row read once for its routes. "
       "Arguments as in pull_rows.");
 
   m.def(

@@ -51,14 +51,14 @@ void check_rows(const char* fn, std::int64_t capacity, std::int64_t row_bytes, c
 }
 
 void check_row_move(const char* fn, const char* rows, std::int64_t rows_ptr, const char* ptrs,
-                    std::int64_t ptrs_ptr, std::int64_t row_src_rank, std::int64_t row_route,
-                    std::int64_t capacity, std::int64_t row_bytes, std::int64_t src_stride,
-                    std::int64_t dst_stride, std::int64_t num_workers) {
+                    std::int64_t ptrs_ptr, std::int64_t ptrs_align, std::int64_t row_src_rank,
+                    std::int64_t row_route, std::int64_t capacity, std::int64_t row_bytes,
+                    std::int64_t src_stride, std::int64_t dst_stride, std::int64_t num_workers) {
   check_rows(fn, capacity, row_bytes, "src_stride", src_stride, num_workers);
   check_rows(fn, capacity, row_bytes, "dst_stride", dst_stride, num_workers);
   const bool idle = capacity == 0;
   check_pointer(fn, rows, rows_ptr, 1, idle || row_bytes == 0);
-  check_pointer(fn, ptrs, ptrs_ptr, 8, idle);
+  check_pointer(fn, ptrs, ptrs_ptr, ptrs_align, idle);
   check_pointer(fn, "row_src_rank", row_src_rank, 4, idle);
   check_pointer(fn, "row_route", row_route, 4, idle);
 }
@@ -241,8 +241,8 @@ void pull_rows(TransportDevice device, std::int64_t dst, std::int64_t src_ptrs,
                std::int64_t route_divisor, std::int64_t row_bytes, std::int64_t src_stride,
                std::int64_t dst_stride, std::int64_t num_workers, std::int64_t stream) {
   constexpr const char* fn = "pull_rows";
-  check_row_move(fn, "dst", dst, "src_ptrs", src_ptrs, row_src_rank, row_route, capacity, row_bytes,
-                 src_stride, dst_stride, num_workers);
+  check_row_move(fn, "dst", dst, "src_ptrs", src_ptrs, 8, row_src_rank, row_route, capacity,
+                 row_bytes, src_stride, dst_stride, num_workers);
   require(route_divisor >= 1, fn, "route_divisor must be >= 1" + got(route_divisor));
   check_pointer(fn, "stream", stream, 1, true);
   const PullRows move{reinterpret_cast<unsigned char*>(dst),
@@ -263,10 +263,17 @@ void pull_rows(TransportDevice device, std::int64_t dst, std::int64_t src_ptrs,
 void push_rows(TransportDevice device, std::int64_t src, std::int64_t dst_ptrs,
                std::int64_t row_src_rank, std::int64_t row_route, std::int64_t capacity,
                std::int64_t row_bytes, std::int64_t src_stride, std::int64_t dst_stride,
-               std::int64_t num_workers, std::int64_t stream, std::int64_t src_divisor) {
+               std::int64_t num_workers, std::int64_t stream, std::int64_t src_divisor,
+               std::int64_t dst_local) {
   constexpr const char* fn = "push_rows";
-  check_row_move(fn, "src", src, "dst_ptrs", dst_ptrs, row_src_rank, row_route, capacity, row_bytes,
-                 src_stride, dst_stride, num_workers);
+  const bool local = dst_local != 0;
+  require(!(local && dst_ptrs != 0), fn,
+          "give dst_ptrs (the ranks' destinations) or dst_local (this process's), not both");
+  // With dst_local, dst_ptrs is unused: dst_local is checked in its place (rows, any alignment;
+  // dst_ptrs an int64 array).
+  check_row_move(fn, "src", src, local ? "dst_local" : "dst_ptrs", local ? dst_local : dst_ptrs,
+                 local ? 1 : 8, row_src_rank, row_route, capacity, row_bytes, src_stride,
+                 dst_stride, num_workers);
   require(src_divisor >= 1, fn, "src_divisor must be >= 1" + got(src_divisor));
   check_pointer(fn, "stream", stream, 1, true);
   const PushRows move{reinterpret_cast<const unsigned char*>(src),
@@ -277,7 +284,8 @@ void push_rows(TransportDevice device, std::int64_t src, std::int64_t dst_ptrs,
                       row_bytes,
                       src_stride,
                       dst_stride,
-                      src_divisor};
+                      src_divisor,
+                      reinterpret_cast<unsigned char*>(dst_local)};
   on_device(
       device, fn, capacity > 0 && row_bytes > 0,
       [&] { push_rows_cuda(move, static_cast<int>(num_workers), stream); },

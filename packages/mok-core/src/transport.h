@@ -25,11 +25,13 @@ void pull_rows(TransportDevice device, std::int64_t dst, std::int64_t src_ptrs,
                std::int64_t dst_stride, std::int64_t num_workers, std::int64_t stream);
 
 // For each real table row i: copy row_bytes from src + (i / src_divisor) * src_stride to
-// dst_ptrs[row_src_rank[i]] + row_route[i] * dst_stride.
+// dst_ptrs[row_src_rank[i]] + row_route[i] * dst_stride, or with dst_local (dst_ptrs 0) to
+// dst_local + row_route[i] * dst_stride for the rows of rank 0 (the others skipped).
 void push_rows(TransportDevice device, std::int64_t src, std::int64_t dst_ptrs,
                std::int64_t row_src_rank, std::int64_t row_route, std::int64_t capacity,
                std::int64_t row_bytes, std::int64_t src_stride, std::int64_t dst_stride,
-               std::int64_t num_workers, std::int64_t stream, std::int64_t src_divisor = 1);
+               std::int64_t num_workers, std::int64_t stream, std::int64_t src_divisor = 1,
+               std::int64_t dst_local = 0);
 
 // For each padding row i (row_src_rank[i] < 0): zero row_bytes at dst + i * dst_stride.
 void zero_rows(TransportDevice device, std::int64_t dst, std::int64_t row_src_rank,

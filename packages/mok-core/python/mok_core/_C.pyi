@@ -84,6 +84,7 @@ def push_rows(
     num_workers: int,
     stream: int = 0,
     src_divisor: int = 1,
+    dst_local: int = 0,
 ) -> None: ...
 def zero_rows(
     device: str,

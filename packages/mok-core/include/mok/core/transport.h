@@ -71,7 +71,10 @@ struct PullRows {
 // one destination row per route (nothing summed in flight); padding rows are skipped.
 // src_divisor = 1 pushes table rows (an expert rank's outputs, each to its route); K pushes token
 // rows to every route of the token (a source rank's x or dy, each to its rows in the expert
-// ranks' tables: the push dispatch).
+// ranks' tables: the push dispatch). With `dst_local` instead of dst_ptrs the destination is this
+// process's own rows (any buffer, not only a transport field): the rows of rank 0 go there, those
+// of other ranks are skipped. One rank scatters its token rows into table order so (each token's
+// row read once for its K routes, where a pull of the table reads it K times).
 struct PushRows {
   const unsigned char* src;
   const std::int64_t* dst_ptrs;
@@ -82,15 +85,17 @@ struct PushRows {
   std::int64_t src_stride;
   std::int64_t dst_stride;
   std::int64_t src_divisor = 1;
+  unsigned char* dst_local = nullptr;
 
   MOK_HD const unsigned char* src_row(std::int64_t i) const {
     return src + i / src_divisor * src_stride;
   }
-  // nullptr for a padding row.
+  // nullptr for a padding row (and, with dst_local, for a row of another rank).
   MOK_HD unsigned char* dst_row(std::int64_t i) const {
     const std::int32_t s = row_src_rank[i];
-    if (s < 0) return nullptr;
-    return rank_base(dst_ptrs, s) + static_cast<std::int64_t>(row_route[i]) * dst_stride;
+    if (s < 0 || (dst_local != nullptr && s != 0)) return nullptr;
+    unsigned char* base = dst_local != nullptr ? dst_local : rank_base(dst_ptrs, s);
+    return base + static_cast<std::int64_t>(row_route[i]) * dst_stride;
   }
 };
 

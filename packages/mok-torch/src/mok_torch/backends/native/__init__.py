@@ -233,6 +233,19 @@ def expert_path(cfg: MoKConfig, ws: Workspace, inner: int) -> ExpertPath:
     return ExpertPath("megakernel" if fused else "tensor-cores", backward)
 
 
+def scatters_token_rows(cfg: MoKConfig, ws: Workspace, inner: int, path: ExpertPath | None = None) -> bool:
+    """Whether a call on the chain of GPU kernels puts its token rows (the forward's x; the
+    backward's dy where the g GEMM does not gather it) into table order with
+    Transport.scatter_local: at one rank, on the BF16 tensor-core path, in one macrobatch. Each
+    token row is then read once for its K routes; a pull of the table reads it once per route and,
+    before that, copies it into the transport's x_src / dy_src (deepseek-v3-e32 on the H200: 55 us
+    of copy and a 460 us pull, NOTES.md session 21). `path`: the call's expert_path, if known."""
+    if ws.world_size != 1 or (path or expert_path(cfg, ws, inner)).forward != "tensor-cores":
+        return False
+    plan = static_ring_plan(cfg, ws, inner)
+    return plan.macrobatch >= plan.num_rows
+
+
 def describe_expert_paths(device: torch.device) -> dict[str, str]:
     """For `mok info`: the path a call takes on `device`, per precision, with the default config at
     one rank and H, I multiples of 64 (other shapes, EP sizes and configs: `expert_path`)."""
@@ -269,6 +282,12 @@ def _row_experts(sched: Schedule, rows: int) -> torch.Tensor:
     index = torch.arange(rows, device=sched.row_src_rank_C.device, dtype=torch.int32)
     experts = torch.searchsorted(sched.expert_offsets_El1[1:].contiguous(), index, right=True)
     return torch.where(sched.row_src_rank_C[:rows] >= 0, experts, -1).to(torch.int64)
+
+
+def _bf16_rows(t_TH: torch.Tensor) -> torch.Tensor:
+    """Token rows as the row movers read them: bf16, each row contiguous (what a copy into the
+    transport's x_src / dy_src makes of them)."""
+    return t_TH.to(BF16).contiguous()
 
 
 def _ptr(t: torch.Tensor | None) -> int:
@@ -740,13 +759,15 @@ class NativeBackend:
         return out
 
     def _routed_forward(
-        self, cfg: MoKConfig, ws: Workspace, sched: Schedule, tr: Transport, routed: Weights3, *, outputs: bool
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        self, cfg: MoKConfig, ws: Workspace, sched: Schedule, tr: Transport, routed: Weights3, *, outputs: bool,
+        tokens: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
         """The routed experts over the ring: (x rows, a, b, y rows in table order or None). The
         output rows go toward their routes (_give), except at one rank with a push combine and one
         macrobatch on the GPU kernels, where the table-ordered y rows are returned for the combine
         to read through each route's row (nothing moves: what the megakernel's forward and the
-        backward's direct path do)."""
+        backward's direct path do). `tokens`: x itself, scattered into the table here
+        (scatters_token_rows; _send_inputs then sent no x)."""
         H, K, inner = ws.hidden_size, ws.topk, routed[2].shape[2]
         plan = self._rows_plan(cfg, ws, sched, inner)
         rows, offsets = plan.num_rows, plan.offsets
@@ -803,7 +824,10 @@ class NativeBackend:
                 # The copies run alone between the GEMMs: every SM moves rows (fwd_num_comm_sms is
                 # what the fused kernels will give to communication while they compute).
                 nw = self._movers(cfg, ws)
-                if cfg.dispatch == "push" and lo > 0:  # not kept: the GEMMs read the pushed rows
+                if tokens is not None:  # one rank, one macrobatch: x's rows into the table at once
+                    routes = (sched.route_rank_TK, sched.route_row_TK)
+                    xs = tr.scatter_local(tokens, ring_x[:n], routes, sched.row_src_rank_C, K, nw)
+                elif cfg.dispatch == "push" and lo > 0:  # not kept: the GEMMs read the pushed rows
                     xs = self._received(cfg, tr, "x_recv", lo, hi)
                 else:
                     xs = self._receive(cfg, tr, sched, "x", ring_x[:n], lo, K, nw)
@@ -892,9 +916,10 @@ class NativeBackend:
         _log_path(cfg, ws, path, "forward")
         if path.forward == "megakernel":
             return self._megakernel_forward(cfg, ws, sched, tr, x_TH, router_weights_TK, routed, shared)
-        self._send_inputs(cfg, ws, tr, sched, x=x_TH)
+        tokens = _bf16_rows(x_TH) if scatters_token_rows(cfg, ws, routed[2].shape[2], path) else None
+        self._send_inputs(cfg, ws, tr, sched, x=x_TH if tokens is None else None)
         tr.barrier(3)
-        ring_x, ring_a, ring_b, table_y = self._routed_forward(cfg, ws, sched, tr, routed, outputs=True)
+        ring_x, ring_a, ring_b, table_y = self._routed_forward(cfg, ws, sched, tr, routed, outputs=True, tokens=tokens)
         ys, shared_a, shared_b = self._shared_forward(cfg, x_TH, shared, outputs=True)
         w = router_weights_TK.float().reshape(-1).contiguous()
         if table_y is not None:  # one rank: each route's row read where the GEMM left it
@@ -950,9 +975,10 @@ class NativeBackend:
         shared: Weights3 | None,
     ) -> ForwardContext:
         tr = self._transport(ws, cfg)
-        self._send_inputs(cfg, ws, tr, sched, x=x_TH)
+        tokens = _bf16_rows(x_TH) if scatters_token_rows(cfg, ws, routed[2].shape[2]) else None
+        self._send_inputs(cfg, ws, tr, sched, x=x_TH if tokens is None else None)
         tr.barrier(7)
-        ring_x, ring_a, ring_b, _ = self._routed_forward(cfg, ws, sched, tr, routed, outputs=False)
+        ring_x, ring_a, ring_b, _ = self._routed_forward(cfg, ws, sched, tr, routed, outputs=False, tokens=tokens)
         _, shared_a, shared_b = self._shared_forward(cfg, x_TH, shared, outputs=False)
         tr.barrier(8)  # every rank has pulled: x_src may be rewritten
         self._after_call(tr)
@@ -1081,8 +1107,11 @@ class NativeBackend:
         # is: no copy into table order, which cost a move of 4-byte rows, 40-110 us; session 16),
         # and below GATHER_DY_MAX_HIDDEN the g GEMM gathers dy's rows by route too (no move of dy).
         gather_dy = direct and H < GATHER_DY_MAX_HIDDEN and T > 0
-        self._send_inputs(cfg, ws, tr, sched, x=x_TH if replay else None, dy=None if gather_dy else dy_TH,
-                          w=None if direct else w_TK)  # fmt: skip
+        # Else at one rank in one macrobatch dy's rows are scattered into the table (each read
+        # once; scatters_token_rows), not sent to dy_src and pulled.
+        scatter_dy = gpu_backward and not gather_dy and ws.world_size == 1 and macro >= rows
+        self._send_inputs(cfg, ws, tr, sched, x=x_TH if replay else None,
+                          dy=None if gather_dy or scatter_dy else dy_TH, w=None if direct else w_TK)  # fmt: skip
         tr.barrier(5)
         table_dx = table_dw = None
         for m, (lo, hi) in enumerate(plan.macrobatches()):  # first to last
@@ -1119,6 +1148,10 @@ class NativeBackend:
                     xs = self._receive(cfg, tr, sched, "x", self._pulled_rows(cfg, n, H, dev), lo, K, nw)
                 if gather_dy:  # written by the g GEMM: its gathered rows in table order
                     dys = torch.empty(n, H, dtype=BF16, device=dev)
+                elif scatter_dy:
+                    routes = (sched.route_rank_TK, sched.route_row_TK)
+                    dys = tr.scatter_local(_bf16_rows(dy_TH), self._pulled_rows(cfg, n, H, dev), routes,
+                                           sched.row_src_rank_C, K, nw)  # fmt: skip
                 elif pushed:
                     dys = self._received(cfg, tr, "dy_recv", lo, hi)
                 else:

@@ -290,7 +290,7 @@ class Transport:
         """dst[i] = row of table row i from its source's `field` (zero for padding rows)."""
         src_rank, route = sched_rows
         f = self.field_of[field]
-        row_bytes = dst.stride(0) * dst.element_size() if dst.dim() > 1 else dst.element_size()
+        row_bytes = _row_stride(dst)
         src_stride = (f.nbytes // f.shape[0]) if len(f.shape) > 1 else torch.empty(0, dtype=f.dtype).element_size()
         self.core.pull_rows(
             self.dev,
@@ -310,7 +310,7 @@ class Transport:
     def push(
         self,
         src: torch.Tensor,
-        field: str,
+        field: str | torch.Tensor,
         sched_rows: tuple[torch.Tensor, torch.Tensor],
         num_workers: int,
         src_divisor: int = 1,
@@ -318,16 +318,22 @@ class Transport:
         """Row i // src_divisor of src to rank sched_rows[0][i]'s `field`, at row sched_rows[1][i]
         (i with rank -1 skipped): table rows back to their routes (src_divisor 1), or token rows
         to their routes' table rows (src_divisor K, the push dispatch). src's rows may be
-        narrower than the field's (MXFP8 rows in bf16-sized slots)."""
+        narrower than the field's (MXFP8 rows in bf16-sized slots). `field` may instead be a
+        tensor of this process's own (the rows of rank 0 go there, others are skipped): at one
+        rank, token rows scattered straight into a table-ordered buffer (scatter_local)."""
         dst_rank, dst_row = sched_rows
-        f = self.field_of[field]
         row_bytes = src.shape[1] * src.element_size() if src.dim() > 1 else src.element_size()
-        src_stride = src.stride(0) * src.element_size() if src.dim() > 1 else src.element_size()
-        dst_stride = (f.nbytes // f.shape[0]) if len(f.shape) > 1 else torch.empty(0, dtype=f.dtype).element_size()
+        src_stride = _row_stride(src)
+        if isinstance(field, torch.Tensor):
+            dst_ptrs, dst_local, dst_stride = 0, field.data_ptr(), _row_stride(field)
+        else:
+            f = self.field_of[field]
+            dst_ptrs, dst_local = self.ptrs[field].data_ptr(), 0
+            dst_stride = (f.nbytes // f.shape[0]) if len(f.shape) > 1 else torch.empty(0, dtype=f.dtype).element_size()
         self.core.push_rows(
             self.dev,
             src.data_ptr(),
-            self.ptrs[field].data_ptr(),
+            dst_ptrs,
             dst_rank.data_ptr(),
             dst_row.data_ptr(),
             dst_rank.shape[0],
@@ -337,17 +343,37 @@ class Transport:
             num_workers,
             self._stream(),
             src_divisor,
+            dst_local=dst_local,
         )
 
-    def zero_padding(self, field: str, row_src_rank: torch.Tensor, num_workers: int) -> None:
-        """Zero the padding rows of this rank's table-ordered `field` (rows the sources pushed
-        leave them as they were)."""
-        t = self.view[field]
-        row_bytes = t.stride(0) * t.element_size() if t.dim() > 1 else t.element_size()
+    def zero_padding(self, field: str | torch.Tensor, row_src_rank: torch.Tensor, num_workers: int) -> None:
+        """Zero the padding rows of this rank's table-ordered `field` (or of a tensor of table
+        rows), rows the sources pushed leave them as they were."""
+        t = self.view[field] if isinstance(field, str) else field
+        row_bytes = _row_stride(t)
         self.core.zero_rows(
             self.dev, t.data_ptr(), row_src_rank.data_ptr(), row_src_rank.shape[0], row_bytes, row_bytes,
             num_workers, self._stream(),
         )  # fmt: skip
+
+    def scatter_local(
+        self, src_TH: torch.Tensor, dst: torch.Tensor, routes: tuple[torch.Tensor, torch.Tensor],
+        row_src_rank: torch.Tensor, topk: int, num_workers: int,
+    ) -> torch.Tensor:  # fmt: skip
+        """One rank: table rows `dst` [n, H] <- each route's token row of src_TH (route t * K + k,
+        of rank routes[0] = 0, to table row routes[1]), padding rows (row_src_rank < 0) zeroed:
+        what a pull of the token rows into table order gives, with each token row read once for
+        its K routes (a pull reads it once per route, from HBM at the large shapes: a token's
+        routes lie in K experts' segments, far apart in the table). Every route's row must lie in
+        dst's rows."""
+        self.push(src_TH, dst, routes, num_workers, src_divisor=topk)
+        self.zero_padding(dst, row_src_rank[: dst.shape[0]], num_workers)
+        return dst
+
+
+def _row_stride(t: torch.Tensor) -> int:
+    """Bytes from one row of `t` to the next (its element size for a 1-D tensor)."""
+    return t.stride(0) * t.element_size() if t.dim() > 1 else t.element_size()
 
 
 def current_stream_handle(device: torch.device) -> int:
