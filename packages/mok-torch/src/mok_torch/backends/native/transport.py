@@ -291,7 +291,7 @@ class Transport:
         src_rank, route = sched_rows
         f = self.field_of[field]
         row_bytes = _row_stride(dst)
-        src_stride = (f.nbytes // f.shape[0]) if len(f.shape) > 1 else torch.empty(0, dtype=f.dtype).element_size()
+        src_stride = _field_stride(f)
         self.core.pull_rows(
             self.dev,
             dst.data_ptr(),
@@ -329,7 +329,7 @@ class Transport:
         else:
             f = self.field_of[field]
             dst_ptrs, dst_local = self.ptrs[field].data_ptr(), 0
-            dst_stride = (f.nbytes // f.shape[0]) if len(f.shape) > 1 else torch.empty(0, dtype=f.dtype).element_size()
+            dst_stride = _field_stride(f)
         self.core.push_rows(
             self.dev,
             src.data_ptr(),
@@ -369,6 +369,11 @@ class Transport:
         self.push(src_TH, dst, routes, num_workers, src_divisor=topk)
         self.zero_padding(dst, row_src_rank[: dst.shape[0]], num_workers)
         return dst
+
+
+def _field_stride(f: Field) -> int:
+    """Bytes from one row of a transport field to the next (its element size for a 1-D field)."""
+    return (f.nbytes // f.shape[0]) if len(f.shape) > 1 else torch.empty(0, dtype=f.dtype).element_size()
 
 
 def _row_stride(t: torch.Tensor) -> int:
