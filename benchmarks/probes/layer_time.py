@@ -17,7 +17,8 @@ each the median of 30 calls on an idle device (the differences are what each lay
 of one forward + backward through mok.moe; with --timeline, one eager forward + backward of the
 megakernel path from an idle device under torch.profiler, kernel by kernel in the order the
 device ran them: when each started after the call began on the host, how long it ran, and the
-device's idle time before it (what the host's issue leaves exposed).
+device's idle time before it (what the host's issue leaves exposed); then the same call as the last
+of 20 issued back to back (the kernels' times under the sustained load of the bench's loop).
 """
 
 from __future__ import annotations
@@ -132,6 +133,7 @@ def main() -> None:
                 report_layers.extend(host_layers(shape, call, cfg))
             if ns.timeline and fused:
                 report_timeline.extend(timeline(shape.name, forward_backward))
+                report_timeline.extend(timeline(shape.name, forward_backward, warm=19))
     if ns.profile:
         with open(ns.profile, "w") as f:
             f.write("\n".join(report))
@@ -250,34 +252,51 @@ def host_profile(name: str, forward, forward_backward, calls: int = 50) -> str:
     return "\n".join(out)
 
 
-def timeline(name: str, forward_backward, label: str = "megakernel") -> list[str]:
-    """One eager forward + backward from an idle device under torch.profiler: its kernels in the
-    order they ran (start after the call's first host event, duration, the device idle before
-    each), then the totals. `label`: what ran (the path, or a peer's name)."""
+def timeline(name: str, forward_backward, label: str = "megakernel", warm: int = 0) -> list[str]:
+    """One eager forward + backward under torch.profiler: its kernels in the order they ran
+    (start after the call's first host event, duration, the device idle before each), then the
+    totals. `label`: what ran (the path, or a peer's name). warm = 0: from an idle device; warm
+    = N: the call is the last of N + 1 issued back to back with no wait between them (as the
+    bench's timed loop issues them, the device drawing its sustained power): only that last
+    call's kernels are listed (each call launches the same kernels), its first kernel's idle
+    measured from the end of the call before it."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     forward_backward()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        forward_backward()
+        for _ in range(warm + 1):
+            forward_backward()
         torch.cuda.synchronize()
     events = prof.events()
     host = [e for e in events if e.device_type == DeviceType.CPU]
     kernels = sorted((e for e in events if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
     if not host or not kernels:
         return [f"== {name}: no events"]
-    t0 = min(e.time_range.start for e in host)
-    lines = [f"== {name} {label}: one eager forward + backward from an idle device (us)",
+    if len(kernels) % (warm + 1) != 0:
+        return [f"== {name} {label}: {len(kernels)} kernels in {warm + 1} calls: not the same kernels each call"]
+    per_call = len(kernels) // (warm + 1)
+    before = kernels[:-per_call]
+    kernels = kernels[-per_call:]
+    if before:
+        t0 = kernels[0].time_range.start
+        end = max(k.time_range.end for k in before)
+        when = f"the last of {warm + 1} calls issued back to back (us from its first kernel)"
+    else:
+        t0 = min(e.time_range.start for e in host)
+        end = t0
+        when = "one eager forward + backward from an idle device (us)"
+    lines = [f"== {name} {label}: {when}",
              f"{'start':>9s} {'dur':>8s} {'idle before':>11s}  kernel"]  # fmt: skip
-    end, idle = t0, 0.0
+    first_start, idle = kernels[0].time_range.start, 0.0
     for k in kernels:
         gap = max(0.0, k.time_range.start - end)
         idle += gap
         lines.append(f"{k.time_range.start - t0:9.1f} {k.time_range.elapsed_us():8.1f} {gap:11.1f}  {k.name[:90]}")
         end = max(end, k.time_range.end)
     busy = sum(k.time_range.elapsed_us() for k in kernels)
-    lines.append(f"first kernel at {kernels[0].time_range.start - t0:.1f} us; last ends at {end - t0:.1f} us; "
+    lines.append(f"first kernel at {first_start - t0:.1f} us; last ends at {end - t0:.1f} us; "
                  f"kernels {busy:.1f} us; device idle {idle:.1f} us (before the first kernel included)")  # fmt: skip
     print("\n".join(lines[-1:]), flush=True)
     return lines

@@ -76,6 +76,9 @@ def profile_providers(name: str, call, providers, ranks: Ranks, settings: Settin
             forward().backward(call.dy_TH)
 
         lines.extend(timeline(name, forward_backward, label=provider.name))
+        # The same call as the last of 20 back to back (the bench's loop): which kernels slow
+        # down under sustained load.
+        lines.extend(timeline(name, forward_backward, label=provider.name, warm=19))
         for label, fn in (("forward", forward), ("forward+backward", forward_backward)):
             clocks = f"{name} {provider.name} {label}: {sustained_clocks(fn)}"
             print(clocks, flush=True)
