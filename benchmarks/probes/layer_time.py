@@ -133,7 +133,7 @@ def main() -> None:
                 report_layers.extend(host_layers(shape, call, cfg))
             if ns.timeline and fused:
                 report_timeline.extend(timeline(shape.name, forward_backward))
-                report_timeline.extend(timeline(shape.name, forward_backward, warm=19))
+                report_timeline.extend(timeline(shape.name, forward_backward, warm=WARM_CALLS))
     if ns.profile:
         with open(ns.profile, "w") as f:
             f.write("\n".join(report))
@@ -252,6 +252,10 @@ def host_profile(name: str, forward, forward_backward, calls: int = 50) -> str:
     return "\n".join(out)
 
 
+# The calls a sustained timeline issues back to back before the one it lists (timeline's warm).
+WARM_CALLS = 19
+
+
 def timeline(name: str, forward_backward, label: str = "megakernel", warm: int = 0) -> list[str]:
     """One eager forward + backward under torch.profiler: its kernels in the order they ran
     (start after the call's first host event, duration, the device idle before each), then the
@@ -289,14 +293,14 @@ def timeline(name: str, forward_backward, label: str = "megakernel", warm: int =
         when = "one eager forward + backward from an idle device (us)"
     lines = [f"== {name} {label}: {when}",
              f"{'start':>9s} {'dur':>8s} {'idle before':>11s}  kernel"]  # fmt: skip
-    first_start, idle = kernels[0].time_range.start, 0.0
+    idle = 0.0
     for k in kernels:
         gap = max(0.0, k.time_range.start - end)
         idle += gap
         lines.append(f"{k.time_range.start - t0:9.1f} {k.time_range.elapsed_us():8.1f} {gap:11.1f}  {k.name[:90]}")
         end = max(end, k.time_range.end)
     busy = sum(k.time_range.elapsed_us() for k in kernels)
-    lines.append(f"first kernel at {first_start - t0:.1f} us; last ends at {end - t0:.1f} us; "
+    lines.append(f"first kernel at {kernels[0].time_range.start - t0:.1f} us; last ends at {end - t0:.1f} us; "
                  f"kernels {busy:.1f} us; device idle {idle:.1f} us (before the first kernel included)")  # fmt: skip
     print("\n".join(lines[-1:]), flush=True)
     return lines

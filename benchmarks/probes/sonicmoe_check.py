@@ -65,7 +65,7 @@ def main(names: list[str], profile: str | None = None) -> int:
 
 def profile_providers(name: str, call, providers, ranks: Ranks, settings: Settings) -> list[str]:
     """Each provider's kernels (one eager forward + backward) and its clocks under load."""
-    from layer_time import sustained_clocks, timeline
+    from layer_time import WARM_CALLS, sustained_clocks, timeline
 
     lines = []
     for provider in providers:
@@ -76,9 +76,9 @@ def profile_providers(name: str, call, providers, ranks: Ranks, settings: Settin
             forward().backward(call.dy_TH)
 
         lines.extend(timeline(name, forward_backward, label=provider.name))
-        # The same call as the last of 20 back to back (the bench's loop): which kernels slow
-        # down under sustained load.
-        lines.extend(timeline(name, forward_backward, label=provider.name, warm=19))
+        # The same call as the last of WARM_CALLS + 1 back to back (the bench's loop): which
+        # kernels slow down under sustained load.
+        lines.extend(timeline(name, forward_backward, label=provider.name, warm=WARM_CALLS))
         for label, fn in (("forward", forward), ("forward+backward", forward_backward)):
             clocks = f"{name} {provider.name} {label}: {sustained_clocks(fn)}"
             print(clocks, flush=True)
