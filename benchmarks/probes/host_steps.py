@@ -1,0 +1,201 @@
+"""Where the host's time goes while it issues one layer call, step by step, and how late the device
+starts the expert kernels because of it.
+
+    python3 benchmarks/probes/host_steps.py [shape ...] [--calls N] [--out FILE]
+
+Each call starts from an idle device (synchronized before it), as the bench's timed iterations do.
+Every step listed in STEPS is wrapped with a timer: per step the median over the calls of its
+inclusive host time (us) and of when it was first entered after the call began ("at"; the start of
+mok.moe is 0). Device side: a CUDA event recorded just before the call and one recorded on the
+stream just before the forward's expert kernel is issued (the megakernel, or the chain's first
+grouped GEMM) give the device's start of the experts ("experts start"); with an idle device that is
+the host's issue time up to there plus the few small kernels before it (the schedule's). Shapes by
+bench name (default qwen3-30b-a3b and sonic-7b), balanced routing, the default config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import statistics
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+import mok_torch as mok
+from mok_torch import autograd as mok_autograd
+from mok_torch.bench.inputs import make_call, make_weights
+from mok_torch.bench.shapes import resolve_shapes
+from mok_torch.bench.timing import Ranks
+
+# (module, attribute path): what a call passes through, outermost first. A step that the installed
+# version lacks is skipped (so that one probe times two builds against each other).
+STEPS = (
+    ("mok_torch.autograd", "moe"),
+    ("mok_torch.autograd", "Layer.forward"),
+    ("mok_torch.functional", "schedule_and_forward"),
+    ("mok_torch.functional", "_checked_routes"),
+    ("mok_torch.functional", "_check_layer_args"),
+    ("mok_torch.backends.native", "NativeBackend.schedule_and_forward"),
+    ("mok_torch.backends.native", "NativeBackend._transport"),
+    ("mok_torch.backends.native", "expert_path"),
+    ("mok_torch.backends.native", "NativeBackend._table"),
+    ("mok_torch.backends.native", "NativeBackend._megakernel_launch"),
+    ("mok_torch.backends.native", "NativeBackend._source_side"),
+    ("mok_torch.backends.native", "NativeBackend._megakernel_rest"),
+    ("mok_torch.backends.native", "NativeBackend._combine"),
+    ("mok_torch.backends.native", "NativeBackend._after_call"),
+    ("mok_core", "build_table"),
+    ("mok_core", "build_send_side"),
+    ("mok_core", "combine"),
+    ("mok_bf16", "moe_forward"),
+    ("mok_torch.autograd", "Layer.backward"),
+    ("mok_torch.functional", "backward"),
+    ("mok_torch.backends.native", "NativeBackend._backward"),
+    ("mok_torch.backends.native", "NativeBackend._shared_backward"),
+    ("mok_torch.backends.native.grouped", "grouped_backward"),
+    ("mok_bf16", "grouped_backward"),
+)
+# The launch before which the device's start of the experts is marked (the first one a call makes).
+EXPERT_LAUNCHES = (("mok_bf16", "moe_forward"), ("mok_bf16", "grouped_forward"))
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.t0 = 0.0
+        self.inclusive: dict[str, float] = defaultdict(float)
+        self.first: dict[str, float] = {}
+        self.mark: torch.cuda.Event | None = None
+
+    def begin(self) -> None:
+        self.inclusive.clear()
+        self.first.clear()
+        self.mark = None
+        self.t0 = time.perf_counter()
+
+
+def _resolve(module: str, path: str) -> tuple[Any, str, Any] | None:
+    try:
+        owner: Any = importlib.import_module(module)
+    except ImportError:
+        return None
+    *parents, name = path.split(".")
+    for part in parents:
+        owner = getattr(owner, part, None)
+        if owner is None:
+            return None
+    fn = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
+    return None if fn is None else (owner, name, fn)
+
+
+def instrument(rec: Recorder) -> None:
+    for module, path in STEPS:
+        found = _resolve(module, path)
+        if found is None:
+            continue
+        owner, name, fn = found
+        label = f"{module.split('.')[-1]}.{path}"
+        marks = (module, path) in EXPERT_LAUNCHES
+        wrapped = _wrap(rec, label, fn.__func__ if isinstance(fn, staticmethod) else fn, marks)
+        setattr(owner, name, staticmethod(wrapped) if isinstance(fn, staticmethod) else wrapped)
+    for module, path in EXPERT_LAUNCHES:  # marked even where not timed as a step
+        found = _resolve(module, path)
+        if found is not None and (module, path) not in STEPS:
+            owner, name, fn = found
+            setattr(owner, name, _wrap(rec, None, fn, True))
+
+
+def _wrap(rec: Recorder, label: str | None, fn: Any, marks: bool) -> Any:
+    @functools.wraps(fn)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        if marks and rec.mark is None and torch.cuda.is_available():
+            rec.mark = torch.cuda.Event(enable_timing=True)
+            rec.mark.record()
+        t = time.perf_counter()
+        if label is not None and label not in rec.first:
+            rec.first[label] = t - rec.t0
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if label is not None:
+                rec.inclusive[label] += time.perf_counter() - t
+
+    return timed
+
+
+def run(shape_name: str, calls: int) -> list[str]:
+    cuda = torch.cuda.is_available()
+    ranks = Ranks(torch.device("cuda", 0) if cuda else torch.device("cpu"), None, 0, 1)
+    sync = torch.cuda.synchronize if cuda else lambda: None
+    shape = resolve_shapes(shape_name, 1)[0]
+    call = make_call(shape, "balanced", make_weights(shape, ranks), ranks)
+    cfg = mok.MoKConfig()
+    T = shape.tokens
+
+    def forward() -> torch.Tensor:
+        return mok_autograd.moe(call.x_TH, call.top_experts_TK, call.router_weights_TK, call.routed, call.shared,
+                       config=cfg, max_tokens=T)  # fmt: skip
+
+    def forward_backward() -> None:
+        call.drop_grads()
+        forward().backward(call.dy_TH)
+
+    rec = Recorder()
+    instrument(rec)
+    out = []
+    for label, fn in (("forward", forward), ("forward+backward", forward_backward)):
+        for _ in range(3):
+            fn()
+        per_step: dict[str, list[float]] = defaultdict(list)
+        at: dict[str, list[float]] = defaultdict(list)
+        host, start, device = [], [], []
+        for _ in range(calls):
+            sync()
+            if cuda:
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin.record()
+            rec.begin()
+            fn()
+            host.append(time.perf_counter() - rec.t0)
+            if cuda:
+                end.record()
+            sync()
+            device.append(begin.elapsed_time(end) * 1e3 if cuda else float("nan"))
+            if rec.mark is not None:
+                start.append(begin.elapsed_time(rec.mark) * 1e3)
+            for step, seconds in rec.inclusive.items():
+                per_step[step].append(seconds * 1e6)
+                at[step].append(rec.first[step] * 1e6)
+        med = statistics.median
+        out.append(f"== {shape.name} {label}: {calls} calls from an idle device (us, medians)")
+        out.append(
+            f"   call: host {med(host) * 1e6:8.1f}  device {med(device):8.1f}  "
+            f"experts start {med(start) if start else float('nan'):8.1f}"
+        )
+        out.append(f"   {'step':52s} {'host':>8s} {'at':>8s}")
+        for step in sorted(per_step, key=lambda s: med(at[s])):
+            out.append(f"   {step:52s} {med(per_step[step]):8.1f} {med(at[step]):8.1f}")
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("shapes", nargs="*", default=["qwen3-30b-a3b", "sonic-7b"])
+    p.add_argument("--calls", type=int, default=30)
+    p.add_argument("--out", default=None)
+    ns = p.parse_args()
+    lines = []
+    for name in ns.shapes:
+        lines.extend(run(name, ns.calls))
+    text = "\n".join(lines) + "\n"
+    if ns.out:
+        with open(ns.out, "w") as f:
+            f.write(text)
+    print(text, flush=True)
+
+
+if __name__ == "__main__":
+    main()
