@@ -14,6 +14,7 @@ Shape letters: docs/design.md §1.
 
 from __future__ import annotations
 
+import inspect
 import sys
 
 import torch
@@ -59,10 +60,15 @@ def probe(shape, ranks: Ranks) -> None:
     slots = len(megakernel.TIMER_SLOTS)
     timers = torch.zeros(sms * len(megakernel.TIMER_ROLES) * slots, dtype=torch.int64, device="cuda")
 
+    # The table's addresses (since session 25; an older build, timed against this one by tools/gpu-check's
+    # ab stage, takes the tensors).
+    table = (sched.row_route_C.data_ptr(), sched.expert_offsets_El1.data_ptr())
+    if "Tensor" in str(inspect.signature(megakernel.moe_forward).parameters["row_route_C"].annotation):
+        table = (sched.row_route_C, sched.expert_offsets_El1)
+
     def run(timed: bool) -> None:
         megakernel.moe_forward(
-            ws, sched.row_route_C, sched.expert_offsets_El1, x, routed, rows, error, limit=None,
-            timeout_ns=int(30e9), timers=timers if timed else None,
+            ws, *table, x, routed, rows, error, limit=None, timeout_ns=int(30e9), timers=timers if timed else None
         )  # fmt: skip
 
     untimed, timed = launch_ms(lambda: run(False)), launch_ms(lambda: run(True), iters=1)

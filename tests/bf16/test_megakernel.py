@@ -143,7 +143,8 @@ def _direct(T, H, I, E, K, routing, *, num_sms=0, inject=False, timeout_s=30.0, 
     ]
     del poison
     out = megakernel.moe_forward(
-        ws, sched.row_route_C, sched.expert_offsets_El1, inp.x_TH, inp.routed, rows, error, limit=None,
+        ws, sched.row_route_C.data_ptr(), sched.expert_offsets_El1.data_ptr(), inp.x_TH, inp.routed, rows, error,
+        limit=None,
         timeout_ns=int(timeout_s * 1e9), num_sms=num_sms, inject_missing_dependency=inject, timers=timers,
     )  # fmt: skip
     torch.cuda.synchronize()

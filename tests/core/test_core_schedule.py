@@ -286,6 +286,73 @@ def test_table_records_the_first_bad_id(device: str) -> None:
         assert kept["error"].tolist() == [1, 1, 5, 0], case
 
 
+def local_table(
+    routes_TK: torch.Tensor, num_tokens: int, *, max_tokens: int, num_local_experts: int, alignment: int,
+    capacity: int, device: str, error: list[int] | None = None,
+) -> dict[str, torch.Tensor]:  # fmt: skip
+    """build_table at one rank with local_routes: `routes_TK` (int32 or int64, [>= num_tokens, K])
+    read where it is, each route's row into an array of its own; the outputs as core_table names them."""
+    K, El, dev = routes_TK.shape[1], num_local_experts, _torch_device(device)
+    routes = routes_TK.to(dev).contiguous()
+    _, scratch = _scratch(device, mok_core.schedule_scratch_bytes(1, max_tokens, K, El))
+    words = None if error is None else torch.tensor(error, dtype=torch.int32, device=dev)
+    poison = lambda n, dt: torch.full((n,), 12345, dtype=dt, device=dev)  # noqa: E731
+    out = {
+        "row_src_rank": poison(capacity, torch.int32),
+        "row_route": poison(capacity, torch.int32),
+        "expert_offsets": poison(El + 1, torch.int32),
+        "expert_counts": poison(El, torch.int32),
+        "recv_counts": poison(1, torch.int64),
+        "tokens_per_rank": poison(1, torch.int64),
+    }
+    route_row = torch.full((max_tokens * K,), -7, dtype=torch.int32, device=dev)
+    mok_core.build_table(
+        dev, 0, 0, 1, max_tokens, K, 0, El, alignment, capacity, *(t.data_ptr() for t in out.values()),
+        stream=_stream(device), scratch=scratch, error=0 if words is None else words.data_ptr(),
+        local_routes=True, routes=routes.data_ptr(), routes_int64=routes.dtype == torch.int64,
+        num_tokens=num_tokens, route_row=route_row.data_ptr(),
+    )  # fmt: skip
+    _sync(device)
+    got = {k: v.cpu() for k, v in out.items()}
+    got["route_rows"] = route_row.cpu()[None]
+    if words is not None:
+        got["error"] = words.cpu()
+    return got
+
+
+@pytest.mark.parametrize("device", SORT_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize(("T", "Tmax", "K", "El"), [(0, 5, 2, 3), (1, 1, 1, 1), (7, 9, 2, 4), (2500, 3001, 4, 16)])
+def test_one_rank_table_reads_the_routes_in_place(device: str, dtype: torch.dtype, T: int, Tmax: int, K: int, El: int):
+    """At one rank the table may read the rank's own routes (int32 or int64) and T instead of the
+    transport's fields: the same bits, route rows included, and the same first bad id recorded."""
+    g = torch.Generator().manual_seed(T + 3 * K)
+    for bad in (False, True):
+        routes = torch.randint(0, El, (Tmax, K), generator=g).to(dtype)
+        if bad and T:
+            routes.view(-1)[torch.randint(0, T * K, (3,), generator=g)] = El + 2
+        capacity = mok_core.schedule_capacity(1, Tmax, K, El, 8)
+        kw = dict(num_local_experts=El, alignment=8, capacity=capacity, device=device, error=[0] * 4)
+        want = core_table(routes[None].to(torch.int32), torch.tensor([T]), rank=0, **kw)  # type: ignore[arg-type]
+        got = local_table(routes, T, max_tokens=Tmax, **kw)  # type: ignore[arg-type]
+        for name, t in want.items():
+            assert torch.equal(got[name], t), (bad, name)
+
+
+@pytest.mark.parametrize("device", SORT_DEVICES)
+def test_one_rank_table_never_wraps_an_int64_id(device: str) -> None:
+    """An int64 id outside int32 (2^32 + 1 would wrap onto expert 1) is a bad id: recorded, its
+    route in no segment. (A copy into an int32 field would wrap it.)"""
+    routes = torch.tensor([[0, 2**32 + 1], [1, -(2**40)]], dtype=torch.int64)
+    capacity = mok_core.schedule_capacity(1, 2, 2, 2, 4)
+    got = local_table(routes, 2, max_tokens=2, num_local_experts=2, alignment=4, capacity=capacity, device=device,
+                      error=[0] * 4)  # fmt: skip
+    assert got["expert_counts"].tolist() == [1, 1]
+    assert int(got["error"][0]) == 3
+    assert decode_bad_expert(got["error"]) == (1, 2**31 - 1)  # the first bad route, its id read as INT32_MAX
+    assert got["route_rows"][0, [1, 3]].tolist() == [-7, -7], "the bad routes have no row"
+
+
 def test_capacity_matches_workspace(monkeypatch: pytest.MonkeyPatch) -> None:
     for R, Tmax, K, E, align in itertools.product((1, 2, 3, 8), (1, 17, 4096), (1, 2, 8), (8, 24, 256), (1, 8, 128)):
         if E % R or K > E:
@@ -676,6 +743,23 @@ def test_build_table_bad_arguments(device: str, changes: dict, name: str) -> Non
     call()  # the unspoiled call works
     with pytest.raises(ValueError, match=name):
         call(**changes)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_build_table_local_routes_bad_arguments(device: str) -> None:
+    call = TableCall(device)
+    local = dict(local_routes=True, routes=call.routes[0].data_ptr(), num_tokens=3, world_size=1, capacity=12)
+    call(**local)  # one rank, its routes in place: works
+    with pytest.raises(ValueError, match="world_size 1"):
+        call(**{**local, "world_size": 2, "capacity": call.kw["capacity"]})
+    with pytest.raises(ValueError, match="route_row_ptrs must be 0"):
+        call(**local, route_row_ptrs=call.routes_ptrs.data_ptr())
+    with pytest.raises(ValueError, match="num_tokens"):
+        call(**{**local, "num_tokens": 4})
+    with pytest.raises(ValueError, match="routes"):
+        call(**{**local, "routes": 0})
+    with pytest.raises(ValueError, match="routes"):
+        call(**{**local, "routes": call.routes[0].data_ptr() + 4}, routes_int64=True)  # int64 misaligned
 
 
 def test_build_table_null_rank_pointer_on_cpu() -> None:

@@ -30,7 +30,8 @@ void register_schedule(pybind11::module_& m) {
          std::uintptr_t row_src_rank, std::uintptr_t row_route, std::uintptr_t expert_offsets,
          std::uintptr_t expert_counts, std::uintptr_t recv_counts, std::uintptr_t tokens_per_rank,
          std::uintptr_t stream, std::uintptr_t route_row_ptrs, std::uintptr_t scratch,
-         std::uintptr_t error) {
+         std::uintptr_t error, bool local_routes, std::uintptr_t routes, bool routes_int64,
+         std::int64_t num_tokens, std::uintptr_t route_row) {
         TableArgs a;
         a.routes_ptrs = routes_ptrs;
         a.tokens_ptrs = tokens_ptrs;
@@ -50,6 +51,11 @@ void register_schedule(pybind11::module_& m) {
         a.route_row_ptrs = route_row_ptrs;
         a.scratch = scratch;
         a.error = error;
+        a.local_routes = local_routes;
+        a.routes = routes;
+        a.routes_int64 = routes_int64;
+        a.num_tokens = num_tokens;
+        a.route_row = route_row;
         build_table(device, a, stream);
       },
       py::arg("device"), py::arg("routes_ptrs"), py::arg("tokens_ptrs"), py::arg("world_size"),
@@ -57,7 +63,9 @@ void register_schedule(pybind11::module_& m) {
       py::arg("alignment"), py::arg("capacity"), py::arg("row_src_rank"), py::arg("row_route"),
       py::arg("expert_offsets"), py::arg("expert_counts"), py::arg("recv_counts"),
       py::arg("tokens_per_rank"), py::arg("stream") = 0, py::arg("route_row_ptrs") = 0,
-      py::arg("scratch") = 0, py::arg("error") = 0, py::call_guard<py::gil_scoped_release>(),
+      py::arg("scratch") = 0, py::arg("error") = 0, py::arg("local_routes") = false,
+      py::arg("routes") = 0, py::arg("routes_int64") = false, py::arg("num_tokens") = 0,
+      py::arg("route_row") = 0, py::call_guard<py::gil_scoped_release>(),
       "The schedule table of `rank` from every rank's routes. routes_ptrs / tokens_ptrs: address "
       "of an int64 [R] array of pointers to rank s's int32 [max_tokens, K] routes / int64 token "
       "count (host memory on \"cpu\", device memory on \"cuda\"). Writes row_src_rank, row_route "
@@ -71,7 +79,14 @@ void register_schedule(pybind11::module_& m) {
       "transport's int32 [4] error words (8-byte aligned); an expert id outside [0, R * El) routes "
       "nowhere, and the first such route (smallest source rank, then route index) is recorded "
       "there: code 3, words 2-3 as one uint64 whose high half is INT32_MAX - (s * max_tokens * K "
-      "+ i) and whose low half is the id.");
+      "+ i) and whose low half is the id. local_routes (world_size 1 only): `routes` is the "
+      "address "
+      "of this rank's routes [num_tokens, K] (int32, or int64 with routes_int64), read in place "
+      "instead of through routes_ptrs / tokens_ptrs (then ignored, may be 0); route_row the "
+      "address "
+      "of an int32 [num_tokens * K] array for each route's row (0: not written; route_row_ptrs "
+      "must "
+      "be 0). An int64 id outside int32 reads as the nearest int32 (a bad id, never a valid one).");
 
   m.def(
       "build_send_side",

@@ -143,8 +143,7 @@ __device__ void rank_and_emit(std::int64_t n, int num_buckets, int* warp_rows, i
 }
 
 struct TableParams {
-  const std::int64_t* routes_ptrs;
-  const std::int64_t* tokens_ptrs;
+  RouteSource src;  // the routes, token counts and route rows of each source rank
   int world_size;
   int max_tokens;
   int topk;
@@ -159,8 +158,7 @@ struct TableParams {
   std::int32_t* expert_counts;
   std::int64_t* recv_counts;
   std::int64_t* tokens_per_rank;
-  const std::int64_t* route_row_ptrs;  // or null
-  std::int32_t* error;                 // the transport's error words, or null
+  std::int32_t* error;  // the transport's error words, or null
 };
 
 // Route i of source s has expert id `id`; one outside [0, R * El) is recorded in the error words
@@ -196,20 +194,16 @@ __global__ void __launch_bounds__(1024) schedule_table_kernel(TableParams p) {
   for (int i = threadIdx.x; i < num_warps * p.stride + El + 1; i += blockDim.x) smem[i] = 0;
   __syncthreads();
 
-  const auto routes_of = [&](int s) {
-    return reinterpret_cast<const std::int32_t*>(p.routes_ptrs[s]);
-  };
   const auto num_routes = [&](int s) {
-    const std::int64_t tokens = *reinterpret_cast<const std::int64_t*>(p.tokens_ptrs[s]);
-    return clamp_tokens(tokens, p.max_tokens) * p.topk;
+    return clamp_tokens(p.src.tokens(s), p.max_tokens) * p.topk;
   };
 
   for (int s = 0; s < p.world_size; ++s) {
-    const std::int32_t* routes = routes_of(s);
     int to_me = 0;
     count_buckets(num_routes(s), El, next, [&](std::int64_t i) {
-      check_expert_id(p, s, i, routes[i]);
-      const int e = local_expert(routes[i], p.rank, El);
+      const std::int32_t id = p.src.id(s, i);
+      check_expert_id(p, s, i, id);
+      const int e = local_expert(id, p.rank, El);
       to_me += e < El;
       return e;
     });
@@ -218,7 +212,7 @@ __global__ void __launch_bounds__(1024) schedule_table_kernel(TableParams p) {
     __syncthreads();
     if (threadIdx.x == 0) {
       p.recv_counts[s] = *scratch;
-      p.tokens_per_rank[s] = *reinterpret_cast<const std::int64_t*>(p.tokens_ptrs[s]);
+      p.tokens_per_rank[s] = p.src.tokens(s);
       *scratch = 0;
     }
     __syncthreads();
@@ -236,16 +230,14 @@ __global__ void __launch_bounds__(1024) schedule_table_kernel(TableParams p) {
   __syncthreads();
 
   for (int s = 0; s < p.world_size; ++s) {
-    const std::int32_t* routes = routes_of(s);
+    std::int32_t* route_rows = p.src.route_rows(s);
     rank_and_emit(
         num_routes(s), El, warp_rows, p.stride, next,
-        [&](std::int64_t i) { return local_expert(routes[i], p.rank, El); },
+        [&](std::int64_t i) { return local_expert(p.src.id(s, i), p.rank, El); },
         [&](std::int64_t i, int /*e*/, int row) {
           p.row_src_rank[row] = s;
           p.row_route[row] = static_cast<std::int32_t>(i);
-          if (p.route_row_ptrs != nullptr) {
-            reinterpret_cast<std::int32_t*>(p.route_row_ptrs[s])[i] = row;
-          }
+          if (route_rows != nullptr) route_rows[i] = row;
         });
   }
 }
@@ -312,16 +304,14 @@ struct TableSort {
   __device__ int num_buckets() const { return p.num_local_experts; }
   __device__ int num_sources() const { return p.world_size; }
   __device__ std::int64_t num_routes(int s) const {
-    return clamp_tokens(*reinterpret_cast<const std::int64_t*>(p.tokens_ptrs[s]), p.max_tokens) *
-           p.topk;
+    return clamp_tokens(p.src.tokens(s), p.max_tokens) * p.topk;
   }
   __device__ int key(int s, std::int64_t i) const {
-    return local_expert(reinterpret_cast<const std::int32_t*>(p.routes_ptrs[s])[i], p.rank,
-                        p.num_local_experts);
+    return local_expert(p.src.id(s, i), p.rank, p.num_local_experts);
   }
   // The key in the counting pass, which also checks the id.
   __device__ int count_key(int s, std::int64_t i) const {
-    const std::int32_t id = reinterpret_cast<const std::int32_t*>(p.routes_ptrs[s])[i];
+    const std::int32_t id = p.src.id(s, i);
     check_expert_id(p, s, i, id);
     return local_expert(id, p.rank, p.num_local_experts);
   }
@@ -329,7 +319,7 @@ struct TableSort {
   __device__ void emit(int s, std::int64_t i, int row) const {
     p.row_src_rank[row] = s;
     p.row_route[row] = static_cast<std::int32_t>(i);
-    if (p.route_row_ptrs != nullptr) reinterpret_cast<std::int32_t*>(p.route_row_ptrs[s])[i] = row;
+    if (std::int32_t* route_rows = p.src.route_rows(s); route_rows != nullptr) route_rows[i] = row;
   }
   // start[b], total[b]: the bucket's first row and its routes; rows in use: `rows`.
   __device__ void finish(const int* start, const int* total, int rows, const int* counts) const {
@@ -364,7 +354,7 @@ struct TableSort {
       for (int d = 16; d > 0; d >>= 1) sum += __shfl_xor_sync(kFullMask, sum, d);
       if (lane == 0) {
         p.recv_counts[s] = sum;
-        p.tokens_per_rank[s] = *reinterpret_cast<const std::int64_t*>(p.tokens_ptrs[s]);
+        p.tokens_per_rank[s] = p.src.tokens(s);
       }
     }
   }
@@ -545,8 +535,7 @@ bool launch_multi_cta_sort(const Sort& sort, int num_sources, int chunks, int nu
 void build_table_cuda(const TableArgs& a, std::uintptr_t stream_handle) {
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
   TableParams p;
-  p.routes_ptrs = reinterpret_cast<const std::int64_t*>(a.routes_ptrs);
-  p.tokens_ptrs = reinterpret_cast<const std::int64_t*>(a.tokens_ptrs);
+  p.src = route_source(a);
   p.world_size = static_cast<int>(a.world_size);
   p.max_tokens = static_cast<int>(a.max_tokens);
   p.topk = static_cast<int>(a.topk);
@@ -560,7 +549,6 @@ void build_table_cuda(const TableArgs& a, std::uintptr_t stream_handle) {
   p.expert_counts = reinterpret_cast<std::int32_t*>(a.expert_counts);
   p.recv_counts = reinterpret_cast<std::int64_t*>(a.recv_counts);
   p.tokens_per_rank = reinterpret_cast<std::int64_t*>(a.tokens_per_rank);
-  p.route_row_ptrs = reinterpret_cast<const std::int64_t*>(a.route_row_ptrs);
   p.error = reinterpret_cast<std::int32_t*>(a.error);
   if (a.scratch != 0) {
     const std::int64_t routes = a.max_tokens * a.topk;

@@ -109,8 +109,25 @@ void build_table(std::string_view device, const TableArgs& a, std::uintptr_t str
                              str(a.capacity));
   }
   check_at_most(fn, "capacity", a.capacity, kMaxTableRows);
-  check_pointer(fn, "routes_ptrs", a.routes_ptrs, 8);
-  check_pointer(fn, "tokens_ptrs", a.tokens_ptrs, 8);
+  const bool local = a.local_routes;
+  if (local) {
+    if (a.world_size != 1) {
+      invalid_argument(fn,
+                       "local_routes (one rank's routes read in place) needs world_size 1, got " +
+                           str(a.world_size) + " (pass routes_ptrs / tokens_ptrs)");
+    }
+    if (a.route_row_ptrs != 0) {
+      invalid_argument(
+          fn, "with local_routes the route rows go to route_row: route_row_ptrs must be 0");
+    }
+    check_at_least(fn, "num_tokens", a.num_tokens, 0);
+    check_at_most(fn, "num_tokens", a.num_tokens, a.max_tokens);
+    check_pointer(fn, "routes", a.routes, a.routes_int64 ? 8 : 4, a.num_tokens > 0);
+    check_pointer(fn, "route_row", a.route_row, 4, false);
+  } else {
+    check_pointer(fn, "routes_ptrs", a.routes_ptrs, 8);
+    check_pointer(fn, "tokens_ptrs", a.tokens_ptrs, 8);
+  }
   check_pointer(fn, "row_src_rank", a.row_src_rank, 4, a.capacity > 0);
   check_pointer(fn, "row_route", a.row_route, 4, a.capacity > 0);
   check_pointer(fn, "expert_offsets", a.expert_offsets, 4);
@@ -120,7 +137,7 @@ void build_table(std::string_view device, const TableArgs& a, std::uintptr_t str
   check_pointer(fn, "route_row_ptrs", a.route_row_ptrs, 8, false);
   check_pointer(fn, "scratch", a.scratch, 4, false);
   check_pointer(fn, "error", a.error, 8, false);
-  if (kind == DeviceKind::kCpu) {
+  if (kind == DeviceKind::kCpu && !local) {
     // Host memory: the per-rank pointers can be checked before anything is written.
     const auto* routes = reinterpret_cast<const std::int64_t*>(a.routes_ptrs);
     const auto* tokens = reinterpret_cast<const std::int64_t*>(a.tokens_ptrs);
@@ -132,6 +149,8 @@ void build_table(std::string_view device, const TableArgs& a, std::uintptr_t str
       check_pointer(fn, ("routes_ptrs" + at).c_str(), static_cast<std::uintptr_t>(routes[s]), 4,
                     n > 0);
     }
+  }
+  if (kind == DeviceKind::kCpu) {
     build_table_cpu(a);
     return;
   }
@@ -142,13 +161,28 @@ void build_table(std::string_view device, const TableArgs& a, std::uintptr_t str
 #endif
 }
 
+RouteSource route_source(const TableArgs& a) {
+  RouteSource src;
+  if (a.local_routes) {
+    src.local = true;
+    src.local_routes = reinterpret_cast<const void*>(a.routes);
+    src.local_int64 = a.routes_int64;
+    src.local_tokens = a.num_tokens;
+    src.local_route_row = reinterpret_cast<std::int32_t*>(a.route_row);
+  } else {
+    src.routes_ptrs = reinterpret_cast<const std::int64_t*>(a.routes_ptrs);
+    src.tokens_ptrs = reinterpret_cast<const std::int64_t*>(a.tokens_ptrs);
+    src.route_row_ptrs = reinterpret_cast<const std::int64_t*>(a.route_row_ptrs);
+  }
+  return src;
+}
+
 void build_table_cpu(const TableArgs& a) {
   const int R = static_cast<int>(a.world_size);
   const int K = static_cast<int>(a.topk);
   const int El = static_cast<int>(a.num_local_experts);
   const int rank = static_cast<int>(a.rank);
-  const auto* routes_ptrs = reinterpret_cast<const std::int64_t*>(a.routes_ptrs);
-  const auto* tokens_ptrs = reinterpret_cast<const std::int64_t*>(a.tokens_ptrs);
+  const RouteSource src = route_source(a);
   auto* row_src = reinterpret_cast<std::int32_t*>(a.row_src_rank);
   auto* row_route = reinterpret_cast<std::int32_t*>(a.row_route);
   auto* offsets = reinterpret_cast<std::int32_t*>(a.expert_offsets);
@@ -156,12 +190,9 @@ void build_table_cpu(const TableArgs& a) {
   auto* recv = reinterpret_cast<std::int64_t*>(a.recv_counts);
   auto* tokens_out = reinterpret_cast<std::int64_t*>(a.tokens_per_rank);
 
-  const auto routes_of = [&](int s) {
-    return reinterpret_cast<const std::int32_t*>(routes_ptrs[s]);
-  };
   std::vector<std::int64_t> num_routes(R);
   for (int s = 0; s < R; ++s) {
-    const std::int64_t tokens = *reinterpret_cast<const std::int64_t*>(tokens_ptrs[s]);
+    const std::int64_t tokens = src.tokens(s);
     tokens_out[s] = tokens;
     num_routes[s] = clamp_tokens(tokens, a.max_tokens) * K;
   }
@@ -171,13 +202,11 @@ void build_table_cpu(const TableArgs& a) {
   std::uint64_t bad = 0;
   const std::int64_t E = static_cast<std::int64_t>(R) * El;
   for (int s = 0; s < R; ++s) {
-    const std::int32_t* routes = routes_of(s);
     std::int64_t mine = 0;
     for (std::int64_t i = 0; i < num_routes[s]; ++i) {
-      if (bad == 0 && (routes[i] < 0 || routes[i] >= E)) {
-        bad = bad_expert_word(s * a.max_tokens * K + i, routes[i]);
-      }
-      const int e = local_expert(routes[i], rank, El);
+      const std::int32_t id = src.id(s, i);
+      if (bad == 0 && (id < 0 || id >= E)) bad = bad_expert_word(s * a.max_tokens * K + i, id);
+      const int e = local_expert(id, rank, El);
       if (e < El) {
         ++next[e];
         ++mine;
@@ -193,13 +222,10 @@ void build_table_cpu(const TableArgs& a) {
   std::fill(row_src, row_src + a.capacity, -1);
   std::fill(row_route, row_route + a.capacity, -1);
   for (int e = 0; e < El; ++e) next[e] = offsets[e];
-  const auto* route_rows = reinterpret_cast<const std::int64_t*>(a.route_row_ptrs);
   for (int s = 0; s < R; ++s) {
-    const std::int32_t* routes = routes_of(s);
-    auto* route_row =
-        route_rows == nullptr ? nullptr : reinterpret_cast<std::int32_t*>(route_rows[s]);
+    std::int32_t* route_row = src.route_rows(s);
     for (std::int64_t i = 0; i < num_routes[s]; ++i) {
-      const int e = local_expert(routes[i], rank, El);
+      const int e = local_expert(src.id(s, i), rank, El);
       if (e < El) {
         const std::int64_t row = next[e]++;
         row_src[row] = s;

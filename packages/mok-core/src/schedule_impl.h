@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <string_view>
 
+#include "mok/core/schedule.h"
+
 namespace mok::core {
 
 // Pointers are addresses (Python ints); sizes arrive unchecked from Python.
@@ -34,7 +36,19 @@ struct TableArgs {
   // Optional: the transport's int32 [4] error words (8-byte aligned), which get the first route
   // with an expert id outside [0, R * El) (schedule.h, bad_expert_word); 0: not recorded.
   std::uintptr_t error = 0;
+  // One rank only, with local_routes (schedule.h, RouteSource): this rank's routes [num_tokens, K]
+  // read in place at `routes` (int32, or int64 with routes_int64) instead of through routes_ptrs /
+  // tokens_ptrs (which may then be 0), and each route's row written to route_row (int32
+  // [num_tokens * K], or 0: not written) instead of through route_row_ptrs (which must be 0).
+  bool local_routes = false;
+  std::uintptr_t routes = 0;
+  bool routes_int64 = false;
+  std::int64_t num_tokens = 0;
+  std::uintptr_t route_row = 0;
 };
+
+// The RouteSource of checked TableArgs.
+RouteSource route_source(const TableArgs& args);
 
 struct SendSideArgs {
   std::uintptr_t top_experts = 0;  // int32 [T, K]

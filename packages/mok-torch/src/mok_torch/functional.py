@@ -17,7 +17,16 @@ from .backends import check_backend_errors, checks_expert_ids_on_device, resolve
 from .config import MoKConfig
 from .mxfp8 import MXFP8Tensor
 from .structs import ForwardContext, Grads, Schedule
-from .validation import FLOAT_DTYPES, INDEX_DTYPES, check_expert_ids, check_tensor, check_weights, describe
+from .validation import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    CheckedCalls,
+    call_signature,
+    check_expert_ids,
+    check_tensor,
+    check_weights,
+    describe,
+)
 from .workspace import Workspace, cached_workspaces
 
 BF16 = (torch.bfloat16,)
@@ -186,18 +195,50 @@ def _checked_routes(ws: Workspace, cfg: MoKConfig, top_experts: object) -> tuple
         raise ValueError(
             f"top_experts has {te.shape[0]} tokens, more than the workspace's max_tokens ({ws.max_tokens})"
         )
-    # The ids are read on the host where that costs no wait (CPU tensors). On a GPU a backend that
-    # checks them on the device (the native one) records a bad id for the next call to raise, so
-    # that the host never waits for the GPU; in a CUDA graph capture no host read is allowed
-    # (docs/core-runtime.md "Schedule").
-    if not te.is_cuda:
-        check_expert_ids("top_experts", te, ws.num_experts)
     backend = resolve_backend(cfg, ws.device)
-    capturing = te.is_cuda and torch.cuda.is_current_stream_capturing()
-    if te.is_cuda and not capturing and not checks_expert_ids_on_device(backend, te.device):
-        check_expert_ids("top_experts", te, ws.num_experts)
+    if _ids_read_on_host(te, backend):
+        _check_ids_on_host(ws, te)
     # Before any buffer is made or row moves: every rank holds the same workspace and config.
     agreement.agree_call(ws, cfg, backend.name)
+    return te, backend
+
+
+def _ids_read_on_host(te: torch.Tensor, backend: Any) -> bool:
+    """Whether a call's expert ids are checked on the host: where that costs no wait (CPU tensors),
+    and on a GPU whose backend does not check them on the device. The native one does (a bad id is
+    recorded for the next call to raise), so that the host never waits for the GPU."""
+    return not te.is_cuda or not checks_expert_ids_on_device(backend, te.device)
+
+
+def _check_ids_on_host(ws: Workspace, te: torch.Tensor) -> None:
+    """The ids in [0, E), read on the host (no host read inside a CUDA graph capture:
+    docs/core-runtime.md "Schedule")."""
+    if not te.is_cuda or not torch.cuda.is_current_stream_capturing():
+        check_expert_ids("top_experts", te, ws.num_experts)
+
+
+def _checked_forward_call(
+    cfg: MoKConfig, ws: Workspace, top_experts: torch.Tensor, x: torch.Tensor, router_weights: torch.Tensor,
+    routed: Weights3, shared: Weights3 | None, signature: tuple | None,
+) -> tuple[torch.Tensor, Any]:  # fmt: skip
+    """schedule_and_forward's checks and agreement: (the routes, contiguous; the backend). A call
+    whose `signature` (validation.call_signature of its routes, x, router weights, routed and shared
+    weights, or None) passed on `ws` with this config before skips the metadata checks, which would
+    pass again; the workspace's usability and ids read on the host are checked on every call."""
+    calls = ws.state.get("checked forward calls")
+    found = None if calls is None else calls.get(cfg, signature)
+    if found is not None:
+        backend, host_ids = found  # type: ignore[misc]
+        agreement.check_usable(ws)
+        te = top_experts.contiguous()
+        if host_ids:
+            _check_ids_on_host(ws, te)
+        return te, backend
+    te, backend = _checked_routes(ws, cfg, top_experts)
+    _agree_weights(ws, cfg, _check_layer_args(ws, te.shape[0], x, router_weights, routed, shared, cfg.precision))
+    if calls is None:
+        calls = ws.state["checked forward calls"] = CheckedCalls()
+    calls.add(cfg, signature, (backend, _ids_read_on_host(te, backend)))
     return te, backend
 
 
@@ -214,9 +255,22 @@ def schedule_and_forward(
     checks and the same bits. What mok.moe runs outside torch.compile: a backend may issue the
     forward's first kernel before the schedule's last ones (the native backend issues its
     megakernel right after the table, which is all the megakernel reads).
+
+    A call whose arguments have the types, dtypes, shapes, devices and layouts of one that passed
+    its checks on `ws` with this config skips the checks that read only those
+    (validation.call_signature).
     """
-    te, backend = _checked_routes(ws, cfg, top_experts)
-    _agree_weights(ws, cfg, _check_layer_args(ws, te.shape[0], x, router_weights, routed, shared, cfg.precision))
+    signature = call_signature(top_experts, x, router_weights, routed, shared)
+    return _schedule_and_forward(cfg, ws, top_experts, x, router_weights, routed, shared, signature)
+
+
+def _schedule_and_forward(
+    cfg: MoKConfig, ws: Workspace, top_experts: torch.Tensor, x: torch.Tensor, router_weights: torch.Tensor,
+    routed: Weights3, shared: Weights3 | None, signature: tuple | None,
+) -> tuple[Schedule, torch.Tensor, ForwardContext]:  # fmt: skip
+    """schedule_and_forward with the caller's signature: of these arguments, or of those they were
+    made from without a change of any signature's outcome (mok.moe's, before x becomes bf16)."""
+    te, backend = _checked_forward_call(cfg, ws, top_experts, x, router_weights, routed, shared, signature)
     routed_t, shared_t = tuple(routed), None if shared is None else tuple(shared)
     fused = getattr(backend, "schedule_and_forward", None)
     if fused is not None:

@@ -114,12 +114,13 @@ def run_forward(
 
 def run_schedule_forward(
     cfg: MoKConfig, ws: Workspace, top_experts: torch.Tensor, x: torch.Tensor, router_weights: torch.Tensor,
-    routed: tuple[torch.Tensor, ...], shared: tuple[torch.Tensor | None, ...],
+    routed: tuple[torch.Tensor, ...], shared: tuple[torch.Tensor | None, ...], signature: tuple | None,
 ) -> tuple[Schedule, torch.Tensor, ForwardContext]:  # fmt: skip
     """`mok::build_schedule` then run_forward, from one call (functional.schedule_and_forward):
-    (schedule, y in x's dtype, context)."""
-    args = _forward_args(x, router_weights, routed, shared)
-    sched, y, ctx = functional.schedule_and_forward(cfg, ws, top_experts, *args)
+    (schedule, y in x's dtype, context). `signature`: validation.call_signature of (top_experts, x,
+    router_weights, routed, shared) as given here (the conversions below change no check's outcome)."""
+    xb, w, routed_b, shared_b = _forward_args(x, router_weights, routed, shared)
+    sched, y, ctx = functional._schedule_and_forward(cfg, ws, top_experts, xb, w, routed_b, shared_b, signature)
     return sched, (y if y.dtype == x.dtype else y.to(x.dtype)), ctx
 
 

@@ -2,7 +2,10 @@
 
 Every call checks its tensors before any backend sees them and raises TypeError (wrong type
 or dtype) or ValueError (wrong shape, device, layout or value) with a message that names the
-argument, so bad input can never reach a kernel.
+argument, so bad input can never reach a kernel. A call whose arguments have the metadata of one
+that passed (call_signature) skips the checks that read only metadata, which would pass again
+(CheckedCalls; mok.moe and the functional API keep them): its host time before the first launch
+is time the device waits in a call from an idle device.
 """
 
 from __future__ import annotations
@@ -88,3 +91,53 @@ def check_weights(
         check_tensor(f"{name}[{i}] ({parts[i]})", w, dtypes=dtypes, shape=s, device=device)
         for i, (w, s) in enumerate(zip(weights, shapes, strict=True))
     )
+
+
+def call_signature(*args: object) -> tuple | None:
+    """What the metadata checks of a call read from its arguments: per tensor its dtype, shape,
+    device and contiguity (None stays None, a tuple or list of tensors counts as its tensors); None
+    when an argument is anything else (an MXFP8Tensor, say: such calls are checked in full). Two
+    calls with equal signatures, config and workspace pass or fail the same metadata checks, so a
+    call may skip them when its signature is that of a call that passed (`CheckedCalls`)."""
+    out: list[object] = []
+    for a in args:
+        if a is None:
+            out.append(None)
+        elif isinstance(a, torch.Tensor):
+            out.append((a.dtype, a.shape, a.device, a.is_contiguous()))
+        elif isinstance(a, (tuple, list)):
+            for t in a:
+                if not isinstance(t, torch.Tensor):
+                    return None
+                out.append((t.dtype, t.shape, t.device, t.is_contiguous()))
+            out.append(len(a))
+        else:
+            return None
+    return tuple(out)
+
+
+class CheckedCalls:
+    """Signatures (call_signature) of calls that passed their checks, with what the checks found
+    (e.g. the backend), for one config object: a few kept, the oldest dropped first. A call with a
+    known signature skips the metadata checks; values that must be read on every call (expert ids
+    of a CPU tensor, a workspace's usability) are still checked by the caller."""
+
+    LIMIT = 8
+
+    def __init__(self) -> None:
+        self.config: object = None
+        self.found: dict[tuple, object] = {}
+
+    def get(self, config: object, signature: tuple | None) -> object | None:
+        if signature is None or (config is not self.config and config != self.config):
+            return None
+        return self.found.get(signature)
+
+    def add(self, config: object, signature: tuple | None, found: object) -> None:
+        if signature is None:
+            return
+        if config is not self.config and config != self.config:
+            self.config, self.found = config, {}
+        if len(self.found) >= self.LIMIT:
+            del self.found[next(iter(self.found))]
+        self.found[signature] = found

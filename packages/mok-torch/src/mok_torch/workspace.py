@@ -201,6 +201,12 @@ def _settle_gloo_at_exit() -> None:
 
 _CACHE: dict[tuple, Workspace] = {}
 _CACHE_LOCK = threading.Lock()
+_CACHE_GENERATION = [0]  # clear_workspace_cache's count: a workspace remembered before it is not used
+
+
+def cache_generation() -> int:
+    """How often the workspace cache was cleared: what a remembered workspace is held against."""
+    return _CACHE_GENERATION[0]
 
 
 def get_workspace(
@@ -249,3 +255,4 @@ def clear_workspace_cache() -> None:
     """Drop every cached workspace (and the buffers backends keep in them)."""
     with _CACHE_LOCK:
         _CACHE.clear()
+        _CACHE_GENERATION[0] += 1

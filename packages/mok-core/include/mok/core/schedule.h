@@ -45,6 +45,37 @@ MOK_HD inline int local_expert(std::int32_t global_expert, int rank, int num_loc
   return (local >= 0 && local < num_local_experts) ? static_cast<int>(local) : num_local_experts;
 }
 
+// Where a table build reads each source rank's routes and token count, and writes each route's
+// row: through per-rank pointer arrays (the transport's fields of every rank), or, at one rank,
+// straight from this rank's own routes ([T, K], int32 or int64) and T, into its own route-row
+// array (nothing copied into the transport first). An int64 id outside int32 reads as the nearest
+// int32, which is outside [0, E) too: recorded as a bad id, never wrapped onto a valid one.
+struct RouteSource {
+  const std::int64_t* routes_ptrs = nullptr;     // int64 [R]: rank s's int32 routes (or null)
+  const std::int64_t* tokens_ptrs = nullptr;     // int64 [R]: rank s's int64 count (or null)
+  const std::int64_t* route_row_ptrs = nullptr;  // int64 [R]: rank s's int32 route rows, or null
+  bool local = false;                            // one rank, its own arrays below:
+  const void* local_routes = nullptr;            //   its routes [T, K]
+  bool local_int64 = false;                      //   ... as int64 (else int32)
+  std::int64_t local_tokens = 0;                 //   its token count T
+  std::int32_t* local_route_row = nullptr;       //   its route rows [T * K] (or null)
+
+  MOK_HD std::int32_t id(int s, std::int64_t i) const {
+    if (!local) return reinterpret_cast<const std::int32_t*>(routes_ptrs[s])[i];
+    if (!local_int64) return static_cast<const std::int32_t*>(local_routes)[i];
+    const std::int64_t v = static_cast<const std::int64_t*>(local_routes)[i];
+    return v < INT32_MIN ? INT32_MIN : (v > INT32_MAX ? INT32_MAX : static_cast<std::int32_t>(v));
+  }
+  MOK_HD std::int64_t tokens(int s) const {
+    return local ? local_tokens : *reinterpret_cast<const std::int64_t*>(tokens_ptrs[s]);
+  }
+  // Rank s's array of route rows, or null (not written).
+  MOK_HD std::int32_t* route_rows(int s) const {
+    if (local) return local_route_row;
+    return route_row_ptrs == nullptr ? nullptr : reinterpret_cast<std::int32_t*>(route_row_ptrs[s]);
+  }
+};
+
 // A route whose expert id lies outside [0, E) routes nowhere. A table build given the error
 // words (transport.h) also records the first such route, (source s, route index i) smallest, as
 // code kErrorBadExpert and this word over error words 2-3 (the largest word is the first route):

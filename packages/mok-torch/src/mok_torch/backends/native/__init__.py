@@ -43,6 +43,7 @@ import contextlib
 import functools
 import importlib
 import logging
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -211,7 +212,16 @@ GATHER_DY_MAX_HIDDEN = MEGAKERNEL_MAX_HIDDEN  # exclusive
 
 def expert_path(cfg: MoKConfig, ws: Workspace, inner: int) -> ExpertPath:
     """What runs the routed experts of a call with `cfg` on `ws` (routed inner size `inner`): the one
-    place the native backends decide it."""
+    place the native backends decide it (once per workspace, config and I: the last one is kept)."""
+    last = ws.state.get("expert path")
+    if last is not None and last[0] is cfg and last[1] == inner:
+        return last[2]  # type: ignore[no-any-return]
+    path = _expert_path(cfg, ws, inner)
+    ws.state["expert path"] = (cfg, inner, path)
+    return path
+
+
+def _expert_path(cfg: MoKConfig, ws: Workspace, inner: int) -> ExpertPath:
     H, El, dev = ws.hidden_size, ws.num_local_experts, ws.device
     if dev.type == "cpu":
         compiled = _mxfp8_kernels("cpu") if cfg.precision == "mxfp8" else _expert_kernels("cpu")
@@ -366,7 +376,8 @@ def _on(ws: Workspace) -> Any:
 
 
 class _Table(NamedTuple):
-    """The expert side of a schedule, as its table launch leaves it (Schedule's fields of these names)."""
+    """The expert side of a schedule, as its table launch leaves it (Schedule's fields of these
+    names; route_row: at one rank each route's row, which the table writes there itself, else None)."""
 
     row_src: torch.Tensor
     row_route: torch.Tensor
@@ -374,6 +385,17 @@ class _Table(NamedTuple):
     counts: torch.Tensor
     recv: torch.Tensor
     tokens: torch.Tensor
+    route_row: torch.Tensor | None
+
+
+class _IssuedTable(NamedTuple):
+    """A table whose launch is issued: the addresses of the two arrays the experts' kernels read,
+    and its tensors from `tensors()` (views of one buffer are made only then: after the launches
+    that need just the addresses)."""
+
+    row_route: int
+    offsets: int
+    tensors: Callable[[], _Table]
 
 
 class _Rows:
@@ -642,7 +664,7 @@ class NativeBackend:
             _log_path(cfg, ws, path, "forward")
             table = self._table(ws, tr, top_experts_TK, one_buffer=True)
             out = self._megakernel_launch(cfg, ws, tr, table.row_route, table.offsets, x_TH, routed)
-            sched = self._source_side(ws, tr, top_experts_TK, table)
+            sched = self._source_side(ws, tr, top_experts_TK, table.tensors())
             return (sched, *self._megakernel_rest(cfg, ws, sched, tr, x_TH, router_weights_TK, shared, out))
 
     def recompute_forward_context(self, cfg: MoKConfig, ws: Workspace, *args: Any) -> ForwardContext:
@@ -670,39 +692,62 @@ class NativeBackend:
 
     def _build_schedule(self, ws: Workspace, cfg: MoKConfig, top_experts_TK: torch.Tensor) -> Schedule:
         tr = self._transport(ws, cfg)
-        sched = self._source_side(ws, tr, top_experts_TK, self._table(ws, tr, top_experts_TK))
+        sched = self._source_side(ws, tr, top_experts_TK, self._table(ws, tr, top_experts_TK).tensors())
         self._after_call(tr)
         return sched
 
-    def _table(self, ws: Workspace, tr: Transport, top_experts_TK: torch.Tensor, *, one_buffer: bool = False) -> _Table:
-        """Issue the schedule table, the expert side: what the experts' kernels read. With
-        `one_buffer` its six arrays are views of one allocation (mok.moe's eager call, whose
+    def _table(
+        self, ws: Workspace, tr: Transport, top_experts_TK: torch.Tensor, *, one_buffer: bool = False
+    ) -> _IssuedTable:
+        """Issue the schedule table, the expert side: what the experts' kernels read. At one rank the
+        table reads the routes where they are (int32 or int64) and writes each route's row into an
+        array of the schedule's own; across ranks it reads every rank's routes from the transport.
+        With `one_buffer` its arrays are views of one allocation (mok.moe's eager call, whose
         schedule never leaves the layer; a custom op would have to clone such views)."""
         core, dev, stream = tr.core, tr.dev, tr._stream()
         T, K = top_experts_TK.shape
         R, El, C = ws.world_size, ws.num_local_experts, ws.capacity
-        tr.view["routes"][:T].copy_(top_experts_TK)  # int32 in the field, whatever the ids' dtype
-        tr.view["tokens"].fill_(T)
-        tr.barrier(1)
-        if one_buffer:  # the int64 arrays first, at 8-byte offsets
-            buf = torch.empty(4 * R + 2 * C + 2 * El + 1, dtype=torch.int32, device=ws.device)
-            parts = buf.split([2 * R, 2 * R, C, C, El + 1, El])
-            recv, tokens = parts[0].view(torch.int64), parts[1].view(torch.int64)
-            row_src, row_route, offsets, counts = parts[2:]
+        local = R == 1  # nothing to share: no copy of the routes into the transport, no barrier
+        if not local:
+            tr.view["routes"][:T].copy_(top_experts_TK)  # int32 in the field, whatever the ids' dtype
+            tr.view["tokens"].fill_(T)
+            tr.barrier(1)
+        # int32 words: recv and tokens (int64 [R] each, first: 8-byte offsets), row_src, row_route,
+        # offsets, counts, and at one rank the route rows.
+        sizes = [2 * R, 2 * R, C, C, El + 1, El] + ([T * K] if local else [])
+        if one_buffer:
+            buf = torch.empty(sum(sizes), dtype=torch.int32, device=ws.device)
+            addr, at = [], buf.data_ptr()
+            for n in sizes:
+                addr.append(at)
+                at += 4 * n
+
+            def tensors() -> _Table:
+                parts = buf.split(sizes)
+                route_row = parts[6] if local else None
+                recv, tokens = parts[0].view(torch.int64), parts[1].view(torch.int64)
+                return _Table(parts[2], parts[3], parts[4], parts[5], recv, tokens, route_row)
+
         else:
-            new = lambda n, dt: torch.empty(n, dtype=dt, device=ws.device)  # noqa: E731
-            row_src, row_route = new(C, torch.int32), new(C, torch.int32)
-            offsets, counts = new(El + 1, torch.int32), new(El, torch.int32)
-            recv, tokens = new(R, torch.int64), new(R, torch.int64)
-        # The table also writes each route's row in it into the route's source rank (for a push
-        # dispatch and a pull combine); on the GPU many CTAs build it, in a scratch of the workspace.
+            new = lambda n, dt=torch.int32: torch.empty(n, dtype=dt, device=ws.device)  # noqa: E731
+            table = _Table(new(C), new(C), new(El + 1), new(El), new(R, torch.int64), new(R, torch.int64),
+                           new(T * K) if local else None)  # fmt: skip
+            parts = [table.recv, table.tokens, *table[:4]] + ([] if table.route_row is None else [table.route_row])
+            addr = [t.data_ptr() for t in parts]
+            tensors = lambda: table  # noqa: E731
+        if local:
+            int64 = top_experts_TK.dtype == torch.int64
+            routes = dict(local_routes=True, routes=top_experts_TK.data_ptr(), routes_int64=int64, num_tokens=T,
+                          route_row=addr[6])  # fmt: skip
+        else:  # each route's row goes back to its rank (for a push dispatch and a pull combine)
+            routes = dict(route_row_ptrs=tr.ptrs["route_row"].data_ptr())
+        # On the GPU many CTAs build it, in a scratch of the workspace.
         core.build_table(
-            dev, tr.ptrs["routes"].data_ptr(), tr.ptrs["tokens"].data_ptr(), R, ws.max_tokens, K, ws.rank, El,
-            ws.expert_alignment, C, row_src.data_ptr(), row_route.data_ptr(), offsets.data_ptr(), counts.data_ptr(),
-            recv.data_ptr(), tokens.data_ptr(), stream, route_row_ptrs=tr.ptrs["route_row"].data_ptr(),
-            scratch=self._schedule_scratch(ws), error=tr.error.data_ptr(),
+            dev, 0 if local else tr.ptrs["routes"].data_ptr(), 0 if local else tr.ptrs["tokens"].data_ptr(), R,
+            ws.max_tokens, K, ws.rank, El, ws.expert_alignment, C, addr[2], addr[3], addr[4], addr[5], addr[0],
+            addr[1], stream, scratch=self._schedule_scratch(ws), error=tr.error.data_ptr(), **routes,
         )  # fmt: skip
-        return _Table(row_src, row_route, offsets, counts, recv, tokens)
+        return _IssuedTable(addr[3], addr[4], tensors)
 
     def _source_side(self, ws: Workspace, tr: Transport, top_experts_TK: torch.Tensor, table: _Table) -> Schedule:
         """Issue the rest of the schedule after `table`: this rank's own routes (the send side,
@@ -717,7 +762,9 @@ class NativeBackend:
             scratch=self._schedule_scratch(ws),
         )  # fmt: skip
         tr.barrier(2)  # every rank has read every rank's routes (they may be rewritten); rows landed
-        route_row = tr.view["route_row"][: T * K].clone()  # the next schedule rewrites the field
+        route_row = table.route_row
+        if route_row is None:  # the transport's field, which the next schedule rewrites
+            route_row = tr.view["route_row"][: T * K].clone()
         route_rank = torch.div(top.reshape(-1), El, rounding_mode="floor").to(torch.int32)
         return Schedule(
             workspace=ws,
@@ -940,16 +987,18 @@ class NativeBackend:
         it gathered in table order: the context's routed x, as the chain's), the shared expert, the
         combine. No barrier (there is no peer). The megakernel is issued first: the device starts
         it while the host issues the rest."""
-        out = self._megakernel_launch(cfg, ws, tr, sched.row_route_C, sched.expert_offsets_El1, x_TH, routed)
+        table = (sched.row_route_C.data_ptr(), sched.expert_offsets_El1.data_ptr())
+        out = self._megakernel_launch(cfg, ws, tr, *table, x_TH, routed)
         return self._megakernel_rest(cfg, ws, sched, tr, x_TH, router_weights_TK, shared, out)
 
     @staticmethod
     def _megakernel_launch(
-        cfg: MoKConfig, ws: Workspace, tr: Transport, row_route_C: torch.Tensor, offsets_El1: torch.Tensor,
-        x_TH: torch.Tensor, routed: Weights3,
+        cfg: MoKConfig, ws: Workspace, tr: Transport, row_route: int, offsets: int, x_TH: torch.Tensor,
+        routed: Weights3,
     ) -> megakernel.Outputs:  # fmt: skip
+        """The megakernel on the table at those addresses (row_route_C's, expert_offsets_El1's)."""
         return megakernel.moe_forward(
-            ws, row_route_C, offsets_El1, x_TH, routed, tr.view["rows"], tr.error, limit=cfg.swiglu_limit,
+            ws, row_route, offsets, x_TH, routed, tr.view["rows"], tr.error, limit=cfg.swiglu_limit,
             timeout_ns=tr.timeout_ns,
         )  # fmt: skip
 

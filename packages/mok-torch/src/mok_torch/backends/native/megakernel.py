@@ -58,8 +58,8 @@ def _scratch_h(ws: Workspace, inner: int) -> torch.Tensor:
 
 def moe_forward(
     ws: Workspace,
-    row_route_C: torch.Tensor,
-    expert_offsets_El1: torch.Tensor,
+    row_route_C: int,
+    expert_offsets_El1: int,
     x_TH: torch.Tensor,
     routed: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     rows_out: torch.Tensor,
@@ -75,10 +75,11 @@ def moe_forward(
     returned, the pre-activations a, b [C, I] and the x rows [C, H] of every table row (Outputs:
     the context the backward reads, so that it moves no rows).
 
-    row_route_C and expert_offsets_El1 are the schedule table's (Schedule's fields of those names:
-    the table alone, which the backend issues before the rest of the schedule); K is the
-    workspace's.
-    x_TH bf16 [T, H] contiguous; routed (Wg, Wu [El, I, H], Wd [El, H, I]) bf16; error the
+    row_route_C and expert_offsets_El1: the addresses of the schedule table's arrays of those names
+    (Schedule's fields: the table alone, which the backend issues before the rest of the schedule,
+    and whose tensors it makes after this launch); K is the workspace's.
+    x_TH bf16 [T, H] contiguous; routed (Wg, Wu [El, I, H], Wd [El, H, I]) bf16 contiguous (as the
+    functional API's checks leave them); error the
     transport's int32 [4] error words (a dependency that times out is recorded there).
     timers: a probe's int64 [CTAs * 3 * 9] (zeroed by the kernel's roles as they finish): the
     timed kernel adds up clock64 cycles per CTA and role (TIMER_SLOTS; benchmarks/probes/
@@ -88,7 +89,7 @@ def moe_forward(
 
     if timers is not None:
         _check_timers(timers, x_TH.device, num_sms)
-    wg, wu, wd = (w.contiguous() for w in routed)
+    wg, wu, wd = routed
     T, H = x_TH.shape
     El, inner = wg.shape[:2]
     C = ws.capacity
@@ -98,7 +99,7 @@ def moe_forward(
     x_rows = torch.empty(C, H, dtype=BF16, device=dev)
     h = _scratch_h(ws, inner)
     mok_bf16.moe_forward(
-        "cuda", x_TH.data_ptr(), row_route_C.data_ptr(), expert_offsets_El1.data_ptr(),
+        "cuda", x_TH.data_ptr(), row_route_C, expert_offsets_El1,
         wg.data_ptr(), wu.data_ptr(), wd.data_ptr(), a.data_ptr(), b.data_ptr(), h.data_ptr(),
         rows_out.data_ptr(), task_state(ws).data_ptr(), error.data_ptr(), C, T, H, inner, El, ws.topk,
         limit=limit, num_sms=num_sms, timeout_ns=timeout_ns, stage=STAGE, rank=ws.rank,
