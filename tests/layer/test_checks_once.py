@@ -86,3 +86,27 @@ def test_moe_never_uses_a_dropped_workspace():
     assert torch.equal(_moe(inp, cfg, max_tokens=T), y)
     (fresh,) = [w for w in cached_workspaces() if w.max_tokens == T and w.hidden_size == H]
     assert fresh is not ws, "the call after the cache was cleared got its workspace from get_workspace"
+
+
+def test_backward_after_a_good_call_still_rejects():
+    inp = make_inputs(T, H, I, E, K, 0, seed=3).to(DEVICE)
+    cfg = config(expert_alignment=8)
+    ws = mok.create_workspace(cfg, None, device=DEVICE, max_tokens=T, hidden_size=H, topk=K, num_experts=E)
+    sched = mok.build_schedule(ws, cfg, inp.top_experts_TK)
+    _, ctx = mok.forward(cfg, ws, sched, inp.x_TH, inp.router_weights_TK, inp.routed)
+    args = (inp.x_TH, inp.router_weights_TK, inp.routed)
+    first = mok.backward(cfg, ws, sched, ctx, inp.dy_TH, *args)
+    again = mok.backward(cfg, ws, sched, ctx, inp.dy_TH, *args)
+    assert torch.equal(first.dx, again.dx) and torch.equal(first.d_routed[0], again.d_routed[0])
+    with pytest.raises(TypeError, match="dy must have dtype"):
+        mok.backward(cfg, ws, sched, ctx, inp.dy_TH.float(), *args)
+    with pytest.raises(ValueError, match="dy must have shape"):
+        mok.backward(cfg, ws, sched, ctx, inp.dy_TH[:, :-1].contiguous(), *args)
+    with pytest.raises(ValueError, match="another schedule"):  # identities: checked on every call
+        mok.backward(cfg, ws, mok.build_schedule(ws, cfg, inp.top_experts_TK), ctx, inp.dy_TH, *args)
+    short = mok.build_schedule(ws, cfg, inp.top_experts_TK[:-1])  # another T: the same signature is no pass
+    with pytest.raises(ValueError, match="x must have shape"):
+        mok.backward(cfg, ws, short, ctx, inp.dy_TH, *args)
+    ws.state["broken"] = "a wait that timed out (a test)"
+    with pytest.raises(RuntimeError, match="unusable"):
+        mok.backward(cfg, ws, sched, ctx, inp.dy_TH, *args)

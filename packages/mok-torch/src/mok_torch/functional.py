@@ -338,12 +338,24 @@ def backward(
     """Gradients of one layer call given dy [T, H] (bf16).
 
     Weight gradients are accumulated in fp32 and returned in `wgrad_dtype` (bf16 or fp32);
-    d_router_weights has the dtype of router_weights.
+    d_router_weights has the dtype of router_weights. As in schedule_and_forward, a call like one
+    that passed its checks skips those that read only its arguments' metadata.
     """
     _check_config(cfg, ws)
     sched = _check_schedule(sched, ws)
-    _agree_weights(ws, cfg, _check_layer_args(ws, sched.num_tokens, x, router_weights, routed, shared, cfg.precision))
-    check_tensor("dy", dy, dtypes=BF16, shape=[("T", sched.num_tokens), ("H", ws.hidden_size)], device=ws.device)
+    # Metadata checks once per signature, as in schedule_and_forward (T is the schedule's).
+    signature = call_signature(x, router_weights, routed, shared, dy)
+    calls = ws.state.get("checked backward calls")
+    if calls is None or calls.get(cfg, None if signature is None else (signature, sched.num_tokens)) is None:
+        _agree_weights(
+            ws, cfg, _check_layer_args(ws, sched.num_tokens, x, router_weights, routed, shared, cfg.precision)
+        )
+        check_tensor("dy", dy, dtypes=BF16, shape=[("T", sched.num_tokens), ("H", ws.hidden_size)], device=ws.device)
+        if calls is None:
+            calls = ws.state["checked backward calls"] = CheckedCalls()
+        calls.add(cfg, None if signature is None else (signature, sched.num_tokens), True)
+    else:
+        agreement.check_usable(ws)
     if not isinstance(ctx, ForwardContext):
         raise TypeError(f"ctx must be the ForwardContext of forward(), got {type(ctx).__name__}")
     if ctx.schedule is not sched:
