@@ -187,7 +187,9 @@ def test_bad_expert_words_name_the_route():
             "cpu", routes_ptrs.data_ptr(), tokens_ptrs.data_ptr(), 1, T, K, 0, E, 1, ws.capacity, rows.data_ptr(),
             *(o.data_ptr() for o in out), error=words.data_ptr(),
         )  # fmt: skip
-        with pytest.raises(ValueError, match=rf"top_experts holds expert id {value} at position \[{t}, {k}\], outside"):
+        note = r" \(or an int64 id beyond int32\)" if value == 2**31 - 1 else ""  # (where such ids read)
+        named = rf"top_experts holds expert id {value}{note} at position \[{t}, {k}\], outside"
+        with pytest.raises(ValueError, match=named):
             raise_transport_error(words.tolist(), 10**9, ws)
         assert "broken" not in ws.state  # at R = 1 the workspace serves on
 
@@ -343,6 +345,35 @@ def test_cuda_bad_expert_id_is_raised_by_the_next_call(dims):
     graph.replay()
     mok.check_errors()
     assert torch.equal(replayed, good)
+
+
+@gpu
+@pytest.mark.parametrize("dims", ["small", "kernels"])
+def test_cuda_bad_expert_id_in_forward_and_backward(dims):
+    """A bad id, int32 or an int64 past int32 (which a copy into int32 would wrap onto a valid
+    expert), leaves its route out of the forward and of the backward: both run (no row read or
+    written out of bounds: the CUDA context serves on), mok.check_errors raises the ValueError
+    naming the first bad route, and a good call after gives a fresh call's bits and gradients."""
+    inp, _, cfg, (T, _, _, E, _) = _gpu_layer_call(dims, seed=6)
+    x = inp.x_TH.detach().clone().requires_grad_()
+
+    def forward_backward(top: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x.grad = None
+        y = mok.moe(x, top, inp.router_weights_TK, inp.routed, config=cfg, max_tokens=T)
+        y.backward(inp.dy_TH.to(y.dtype))
+        assert x.grad is not None
+        return y.detach(), x.grad
+
+    good = forward_backward(inp.top_experts_TK.long())
+    mok.check_errors()
+    bad = inp.top_experts_TK.long().clone()
+    bad[7, 1], bad[9, 0], bad[20, 1] = 2**32 + 1, -(2**40), E
+    with pytest.raises(ValueError, match=r"expert id 2147483647 \(or an int64 id beyond int32\) at position \[7, 1\]"):
+        forward_backward(bad)
+        mok.check_errors()
+    again = forward_backward(inp.top_experts_TK.long())
+    mok.check_errors()
+    assert torch.equal(again[0], good[0]) and torch.equal(again[1], good[1])
 
 
 @gpu

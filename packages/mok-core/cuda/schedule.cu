@@ -204,6 +204,7 @@ __global__ void __launch_bounds__(1024) schedule_table_kernel(TableParams p) {
       const std::int32_t id = p.src.id(s, i);
       check_expert_id(p, s, i, id);
       const int e = local_expert(id, p.rank, El);
+      if (e == El) p.src.no_row(i);
       to_me += e < El;
       return e;
     });
@@ -313,7 +314,9 @@ struct TableSort {
   __device__ int count_key(int s, std::int64_t i) const {
     const std::int32_t id = p.src.id(s, i);
     check_expert_id(p, s, i, id);
-    return local_expert(id, p.rank, p.num_local_experts);
+    const int e = local_expert(id, p.rank, p.num_local_experts);
+    if (e == p.num_local_experts) p.src.no_row(i);
+    return e;
   }
   __device__ int weight(int count) const { return static_cast<int>(align_up(count, p.alignment)); }
   __device__ void emit(int s, std::int64_t i, int row) const {

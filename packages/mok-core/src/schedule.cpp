@@ -210,6 +210,8 @@ void build_table_cpu(const TableArgs& a) {
       if (e < El) {
         ++next[e];
         ++mine;
+      } else {
+        src.no_row(i);
       }
     }
     recv[s] = mine;

@@ -69,6 +69,13 @@ struct RouteSource {
   MOK_HD std::int64_t tokens(int s) const {
     return local ? local_tokens : *reinterpret_cast<const std::int64_t*>(tokens_ptrs[s]);
   }
+  // At one rank a route no segment lists (its id is no expert's) gets row -1 in the route rows,
+  // so that every route's row is defined (each route's row is written once: -1 here in the
+  // counting pass, the others where they are placed). Across ranks such a route's row is left as
+  // it was: no rank's table lists it.
+  MOK_HD void no_row(std::int64_t i) const {
+    if (local && local_route_row != nullptr) local_route_row[i] = -1;
+  }
   // Rank s's array of route rows, or null (not written).
   MOK_HD std::int32_t* route_rows(int s) const {
     if (local) return local_route_row;

@@ -58,10 +58,10 @@ struct PullRows {
   std::int64_t dst_stride;
 
   MOK_HD unsigned char* dst_row(std::int64_t i) const { return dst + i * dst_stride; }
-  // nullptr for a padding row.
+  // nullptr for a padding row, or a route without a row (-1: a route no table lists).
   MOK_HD const unsigned char* src_row(std::int64_t i) const {
     const std::int32_t s = row_src_rank[i];
-    if (s < 0) return nullptr;
+    if (s < 0 || row_route[i] < 0) return nullptr;
     return rank_base(src_ptrs, s) +
            static_cast<std::int64_t>(row_route[i]) / route_divisor * src_stride;
   }
@@ -90,10 +90,11 @@ struct PushRows {
   MOK_HD const unsigned char* src_row(std::int64_t i) const {
     return src + i / src_divisor * src_stride;
   }
-  // nullptr for a padding row (and, with dst_local, for a row of another rank).
+  // nullptr for a padding row or one without a destination row (a route no table lists: row -1),
+  // and, with dst_local, for a row of another rank.
   MOK_HD unsigned char* dst_row(std::int64_t i) const {
     const std::int32_t s = row_src_rank[i];
-    if (s < 0 || (dst_local != nullptr && s != 0)) return nullptr;
+    if (s < 0 || row_route[i] < 0 || (dst_local != nullptr && s != 0)) return nullptr;
     unsigned char* base = dst_local != nullptr ? dst_local : rank_base(dst_ptrs, s);
     return base + static_cast<std::int64_t>(row_route[i]) * dst_stride;
   }

@@ -1287,7 +1287,9 @@ class NativeBackend:
         if table_dx is not None and table_dw is not None:
             route_row = sched.route_row_TK.reshape(-1)
             dx = self._combine(tr, dxs, table_dx, None, T, K, H, row_index=route_row)
-            d_router = table_dw.index_select(0, route_row).view(T, K).to(router_weights_TK.dtype)
+            # (A route no segment lists, its id no expert's, has row -1: it reads row 0, as the
+            # call's results are not to be used: the next call raises the bad id.)
+            d_router = table_dw.index_select(0, route_row.clamp(min=0)).view(T, K).to(router_weights_TK.dtype)
             self._after_call(tr)
             return Grads(dx, d_router, final, d_shared)
         tr.barrier(6)  # every push has landed (or every output row is there to pull)
