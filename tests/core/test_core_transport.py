@@ -310,6 +310,36 @@ def test_push_rejects_a_bad_src_divisor(valid_move):
         core.push_rows(**push, src_divisor=0)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_route_without_a_row_moves_nothing(device):
+    """A route whose row is -1 (at one rank the table gives a bad id's route no row) is skipped by
+    a push and reads as a padding row in a pull: no byte before or past the buffers is touched."""
+    if device == "cuda":
+        require_cuda()
+    rows, row_bytes = 4, 16
+    src = torch.arange(rows * row_bytes, dtype=torch.int32).to(torch.uint8).to(device)
+    guard = torch.full((3 * rows * row_bytes,), SENTINEL, dtype=torch.uint8, device=device)
+    dst = guard[rows * row_bytes : 2 * rows * row_bytes]  # the rows before and after it: guards
+    rank = torch.zeros(rows, dtype=torch.int32, device=device)
+    route_row = torch.tensor([2, -1, 0, -1], dtype=torch.int32, device=device)
+    core.push_rows(device, src.data_ptr(), 0, rank.data_ptr(), route_row.data_ptr(), rows, row_bytes, row_bytes,
+                   row_bytes, 2, stream_of(device), 1, dst_local=dst.data_ptr())  # fmt: skip
+    synchronize(device)
+    want = torch.full((rows, row_bytes), SENTINEL, dtype=torch.uint8)
+    want[2], want[0] = src.cpu().view(rows, row_bytes)[0], src.cpu().view(rows, row_bytes)[2]
+    assert torch.equal(dst.cpu().view(rows, row_bytes), want)
+    outside = torch.cat([guard[: rows * row_bytes], guard[2 * rows * row_bytes :]])
+    assert bool((outside == SENTINEL).all()), "no byte before or past dst"
+    pulled = torch.full((rows * row_bytes,), SENTINEL, dtype=torch.uint8, device=device)
+    srcs = pointer_array([dst], device)
+    core.pull_rows(device, pulled.data_ptr(), srcs.data_ptr(), rank.data_ptr(), route_row.data_ptr(), rows, 1,
+                   row_bytes, row_bytes, row_bytes, 2, stream_of(device))  # fmt: skip
+    synchronize(device)
+    got = pulled.cpu().view(rows, row_bytes)
+    assert torch.equal(got[0], want[2]) and torch.equal(got[2], want[0])
+    assert not bool(got[1].any()) and not bool(got[3].any()), "a route without a row reads zeros"
+
+
 def test_cpu_more_workers_than_rows():
     check_pull("cpu", Move(16, 16, 16), K, num_workers=64)
     check_push("cpu", Move(16, 16, 16), num_workers=64)

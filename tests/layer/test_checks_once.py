@@ -110,3 +110,16 @@ def test_backward_after_a_good_call_still_rejects():
     ws.state["broken"] = "a wait that timed out (a test)"
     with pytest.raises(RuntimeError, match="unusable"):
         mok.backward(cfg, ws, sched, ctx, inp.dy_TH, *args)
+
+
+def test_int64_routes_past_int32_stay_bad_ids():
+    """The native backend's int32 routes (the transport's field across ranks, the schedule's
+    top_experts): an int64 id past int32 reads as the nearest int32, an id of no expert, never one
+    wrapped onto a valid expert (2^32 + 1 would wrap to 1)."""
+    from mok_torch.backends.native import _int32_routes
+
+    top = torch.tensor([[0, 2**32 + 1], [-(2**40), 3]], dtype=torch.int64)
+    assert _int32_routes(top).tolist() == [[0, 2**31 - 1], [-(2**31), 3]]
+    assert _int32_routes(top).dtype == torch.int32
+    same = torch.tensor([[1, 2]], dtype=torch.int32)
+    assert _int32_routes(same) is same

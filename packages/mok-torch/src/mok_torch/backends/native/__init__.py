@@ -294,6 +294,15 @@ def _row_experts(sched: Schedule, rows: int) -> torch.Tensor:
     return torch.where(sched.row_src_rank_C[:rows] >= 0, experts, -1).to(torch.int64)
 
 
+def _int32_routes(top_experts_TK: torch.Tensor) -> torch.Tensor:
+    """The routes as int32, contiguous, an int64 id past int32 read as the nearest int32 (an id of
+    no expert, as the one-rank table reads it: mok-core's RouteSource), never wrapped onto a
+    valid one."""
+    if top_experts_TK.dtype == torch.int64:
+        top_experts_TK = top_experts_TK.clamp(-(2**31), 2**31 - 1)
+    return top_experts_TK.to(torch.int32).contiguous()
+
+
 def _bf16_rows(t_TH: torch.Tensor) -> torch.Tensor:
     """Token rows as the row movers read them: bf16, each row contiguous (what a copy into the
     transport's x_src / dy_src makes of them)."""
@@ -709,7 +718,7 @@ class NativeBackend:
         R, El, C = ws.world_size, ws.num_local_experts, ws.capacity
         local = R == 1  # nothing to share: no copy of the routes into the transport, no barrier
         if not local:
-            tr.view["routes"][:T].copy_(top_experts_TK)  # int32 in the field, whatever the ids' dtype
+            tr.view["routes"][:T].copy_(_int32_routes(top_experts_TK))  # int32 in the field
             tr.view["tokens"].fill_(T)
             tr.barrier(1)
         # int32 words: recv and tokens (int64 [R] each, first: 8-byte offsets), row_src, row_route,
@@ -752,7 +761,7 @@ class NativeBackend:
     def _source_side(self, ws: Workspace, tr: Transport, top_experts_TK: torch.Tensor, table: _Table) -> Schedule:
         """Issue the rest of the schedule after `table`: this rank's own routes (the send side,
         each route's rank and row), and the barrier after which the routes may be rewritten."""
-        top = top_experts_TK.to(torch.int32).contiguous()
+        top = _int32_routes(top_experts_TK)
         T, K = top.shape
         R, El = ws.world_size, ws.num_local_experts
         send_order = torch.empty(T * K, dtype=torch.int64, device=ws.device)
@@ -766,6 +775,8 @@ class NativeBackend:
         if route_row is None:  # the transport's field, which the next schedule rewrites
             route_row = tr.view["route_row"][: T * K].clone()
         route_rank = torch.div(top.reshape(-1), El, rounding_mode="floor").to(torch.int32)
+        if R > 1:  # a bad id's route goes to no rank (its row is no table's: the moves skip it)
+            route_rank = torch.where((top.reshape(-1) >= 0) & (route_rank < R), route_rank, -1)
         return Schedule(
             workspace=ws,
             backend=self.name,
