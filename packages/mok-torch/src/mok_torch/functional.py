@@ -8,7 +8,7 @@ backend `config.backend` resolves to. `mok_torch.moe` wraps them in autograd.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -225,10 +225,10 @@ def _checked_forward_call(
     whose `signature` (validation.call_signature of its routes, x, router weights, routed and shared
     weights, or None) passed on `ws` with this config before skips the metadata checks, which would
     pass again; the workspace's usability and ids read on the host are checked on every call."""
-    calls = ws.state.get("checked forward calls")
-    found = None if calls is None else calls.get(cfg, signature)
+    calls = _checked_calls(ws, "forward")
+    found = calls.get(cfg, signature)
     if found is not None:
-        backend, host_ids = found  # type: ignore[misc]
+        backend, host_ids = cast(tuple[Any, bool], found)
         agreement.check_usable(ws)
         te = top_experts.contiguous()
         if host_ids:
@@ -236,10 +236,16 @@ def _checked_forward_call(
         return te, backend
     te, backend = _checked_routes(ws, cfg, top_experts)
     _agree_weights(ws, cfg, _check_layer_args(ws, te.shape[0], x, router_weights, routed, shared, cfg.precision))
-    if calls is None:
-        calls = ws.state["checked forward calls"] = CheckedCalls()
     calls.add(cfg, signature, (backend, _ids_read_on_host(te, backend)))
     return te, backend
+
+
+def _checked_calls(ws: Workspace, direction: str) -> CheckedCalls:
+    """The calls of one direction ("forward", "backward") that passed their checks on `ws`."""
+    calls = ws.state.get(f"checked {direction} calls")
+    if calls is None:
+        calls = ws.state[f"checked {direction} calls"] = CheckedCalls()
+    return calls  # type: ignore[no-any-return]
 
 
 def schedule_and_forward(
@@ -345,15 +351,14 @@ def backward(
     sched = _check_schedule(sched, ws)
     # Metadata checks once per signature, as in schedule_and_forward (T is the schedule's).
     signature = call_signature(x, router_weights, routed, shared, dy)
-    calls = ws.state.get("checked backward calls")
-    if calls is None or calls.get(cfg, None if signature is None else (signature, sched.num_tokens)) is None:
+    key = None if signature is None else (signature, sched.num_tokens)
+    calls = _checked_calls(ws, "backward")
+    if calls.get(cfg, key) is None:
         _agree_weights(
             ws, cfg, _check_layer_args(ws, sched.num_tokens, x, router_weights, routed, shared, cfg.precision)
         )
         check_tensor("dy", dy, dtypes=BF16, shape=[("T", sched.num_tokens), ("H", ws.hidden_size)], device=ws.device)
-        if calls is None:
-            calls = ws.state["checked backward calls"] = CheckedCalls()
-        calls.add(cfg, None if signature is None else (signature, sched.num_tokens), True)
+        calls.add(cfg, key, True)
     else:
         agreement.check_usable(ws)
     if not isinstance(ctx, ForwardContext):

@@ -406,10 +406,10 @@ def bad_expert_error(error: list[int], ws: Workspace) -> ValueError:
     low &= 0xFFFFFFFF
     value = low - (1 << 32) if low & 0x80000000 else low  # the word's low half, as int32
     whose = f" of rank {source}" if ws.world_size > 1 else ""
-    if value in (2**31 - 1, -(2**31)):  # where an int64 id past int32 is read (schedule.h, RouteSource)
-        value = f"{value} (or an int64 id beyond int32)"  # type: ignore[assignment]
+    # (where an int64 id past int32 is read: schedule.h, RouteSource)
+    shown = f"{value} (or an int64 id beyond int32)" if value in (2**31 - 1, -(2**31)) else str(value)
     return ValueError(
-        f"top_experts{whose} holds expert id {value} at position [{t}, {k}], outside [0, {ws.num_experts}) "
+        f"top_experts{whose} holds expert id {shown} at position [{t}, {k}], outside [0, {ws.num_experts}) "
         f"(E = {ws.num_experts}); found on the GPU by the schedule kernel, which left the route out of "
         "that call (its result is not to be used; mok.check_errors() right after a call raises this at once)"
     )
