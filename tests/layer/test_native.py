@@ -3,9 +3,11 @@ in a CUDA graph, and a rank that never arrives raises instead of hanging."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
-from helpers import CONTRACT_KEYS, assert_bitwise, config, run_functional
+from helpers import CONTRACT_KEYS, assert_bitwise, assert_fused_forward_is_the_two_calls, config, run_functional
 from multiproc import run_ranks
 
 import mok_torch as mok
@@ -564,6 +566,56 @@ def test_cuda_graph_capture_two_gpus_gpu_gemms_push_pull():
 @two_gpus
 def test_cuda_route_rows_match_the_reference():
     assert all(run_ranks(2, "test_native.route_rows_scenario", "cuda", device="cuda"))
+
+
+def _send_side_order(monkeypatch) -> list[str]:
+    """Record, in order, the routed forward's issue and the schedule's send side's issue."""
+    from mok_torch.backends.native import NativeBackend
+
+    order: list[str] = []
+    for name in ("_routed_forward", "_issue_source_side"):
+        real = getattr(NativeBackend, name)
+
+        def wrap(self, *a, _real=real, _name=name, **k):
+            order.append(_name)
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(NativeBackend, name, wrap)
+    return order
+
+
+@pytest.mark.parametrize("kw", CONFIGS)
+@pytest.mark.parametrize("routes", [torch.int64, torch.int32])
+def test_cpu_send_side_issued_after_the_experts(kw, routes, monkeypatch):
+    """mok.moe's eager call at one rank: where nothing before the experts reads the schedule's send
+    side (a pull dispatch) it is issued after them, else (a push dispatch) before; either way the
+    schedule, y, context and gradients are those of build_schedule then forward."""
+    inp = make_inputs(30, 32, 48, 8, 3, 8, "skewed", seed=6)
+    inp = dataclasses.replace(inp, top_experts_TK=inp.top_experts_TK.to(routes))
+    order = _send_side_order(monkeypatch)
+    assert_fused_forward_is_the_two_calls(inp, config(backend="cpu", **kw), device="cpu")
+    # build_schedule, then forward (its routed forward), then schedule_and_forward
+    fused = order[2:4]
+    later = kw.get("dispatch", "pull") == "pull"
+    assert fused == (["_routed_forward", "_issue_source_side"] if later else ["_issue_source_side", "_routed_forward"])
+
+
+@gpu
+@pytest.mark.parametrize("combine", ["push", "pull"])
+@pytest.mark.parametrize("routes", [torch.int64, torch.int32])
+def test_cuda_chain_issues_the_send_side_after_the_gemms(combine, routes, monkeypatch):
+    """At one rank on the chain of GPU kernels (token rows scattered into the table, which reads
+    no route ranks) the send side is issued after the GEMMs: the same schedule and bits as
+    build_schedule then forward, bad ids included (their routes skipped, the next call raises)."""
+    T, H, I, E, K = 45, 128, 64, 8, 3
+    if not native.gpu_forward_kernels(config(backend="cuda"), torch.device("cuda"), H, I, 1):
+        pytest.skip("mok-bf16's grouped forward needs an sm_90 GPU and a CUDA build of mok-bf16")
+    inp = make_inputs(T, H, I, E, K, 16, "skewed", seed=10)
+    inp = dataclasses.replace(inp, top_experts_TK=inp.top_experts_TK.to(routes))
+    order = _send_side_order(monkeypatch)
+    cfg = config(backend="cuda", expert_alignment=64, megakernel=False, combine=combine)
+    assert_fused_forward_is_the_two_calls(inp, cfg, device="cuda")
+    assert order[2:4] == ["_routed_forward", "_issue_source_side"], order
 
 
 def test_cpu_backend_without_expert_kernels_is_bitwise_the_reference(monkeypatch):

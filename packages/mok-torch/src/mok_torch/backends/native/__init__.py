@@ -69,7 +69,7 @@ from ...spec.ring import Block, RingPlan, plan_ring, replays_in_backward
 from ...structs import ForwardContext, Grads, Schedule
 from ...workspace import Workspace
 from . import megakernel
-from .grouped import GroupedBackward, GroupedForward, grouped_backward, grouped_forward
+from .grouped import GroupedBackward, GroupedForward, grouped_backward, grouped_forward, launch_forward
 from .mxfp8_grouped import (
     MxGroupedForward,
     hq_row_bytes,
@@ -294,12 +294,14 @@ def _row_experts(sched: Schedule, rows: int) -> torch.Tensor:
     return torch.where(sched.row_src_rank_C[:rows] >= 0, experts, -1).to(torch.int64)
 
 
-def _int32_routes(top_experts_TK: torch.Tensor) -> torch.Tensor:
-    """The routes as int32, contiguous, an int64 id past int32 read as the nearest int32 (an id of
-    no expert, as the one-rank table reads it: mok-core's RouteSource), never wrapped onto a
-    valid one."""
+def _int32_routes(top_experts_TK: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The routes as int32, contiguous (into `out` if given), an int64 id past int32 read as the
+    nearest int32 (an id of no expert, as the one-rank table reads it: mok-core's RouteSource),
+    never wrapped onto a valid one."""
     if top_experts_TK.dtype == torch.int64:
         top_experts_TK = top_experts_TK.clamp(-(2**31), 2**31 - 1)
+    if out is not None:
+        return out.copy_(top_experts_TK)
     return top_experts_TK.to(torch.int32).contiguous()
 
 
@@ -661,20 +663,31 @@ class NativeBackend:
         self, cfg: MoKConfig, ws: Workspace, top_experts_TK: torch.Tensor, x_TH: torch.Tensor,
         router_weights_TK: torch.Tensor, routed: Weights3, shared: Weights3 | None,
     ) -> tuple[Schedule, torch.Tensor, ForwardContext]:  # fmt: skip
-        """build_schedule then forward, the same bits: on the megakernel's path the megakernel is
-        issued as soon as the table is, before the schedule's source side (which it does not
-        read), so that the device starts it that much earlier in a call from an idle GPU."""
+        """build_schedule then forward, the same bits, with the schedule's source side (the send
+        side: _source_side) issued after the experts' kernels where nothing before them reads it:
+        on the megakernel's path (issued right after the table), and at one rank on the chain when
+        its token rows are scattered or pulled (after the GEMMs). The device then starts the
+        experts that much earlier in a call from an idle GPU."""
         with _on(ws):
             path = expert_path(cfg, ws, routed[2].shape[2])
-            if path.forward != "megakernel":
-                sched = self._build_schedule(ws, cfg, top_experts_TK)
-                return (sched, *self._forward(cfg, ws, sched, x_TH, router_weights_TK, routed, shared))
             tr = self._transport(ws, cfg)
-            _log_path(cfg, ws, path, "forward")
-            table = self._table(ws, tr, top_experts_TK, one_buffer=True)
-            out = self._megakernel_launch(cfg, ws, tr, table.row_route, table.offsets, x_TH, routed)
-            sched = self._source_side(ws, tr, top_experts_TK, table.tensors())
-            return (sched, *self._megakernel_rest(cfg, ws, sched, tr, x_TH, router_weights_TK, shared, out))
+            if path.forward == "megakernel":
+                _log_path(cfg, ws, path, "forward")
+                table = self._table(ws, tr, top_experts_TK, one_buffer=True)
+                out = self._megakernel_launch(cfg, ws, tr, table.row_route, table.offsets, x_TH, routed)
+                sched = self._source_side(ws, tr, top_experts_TK, table.tensors())
+                return (sched, *self._megakernel_rest(cfg, ws, sched, tr, x_TH, router_weights_TK, shared, out))
+            later = ws.world_size == 1 and (
+                cfg.dispatch == "pull" or scatters_token_rows(cfg, ws, routed[2].shape[2], path)
+            )  # fmt: skip
+            table_tensors = self._table(ws, tr, top_experts_TK, one_buffer=True).tensors()
+            sched = self._source_side(ws, tr, top_experts_TK, table_tensors, issue=not later)
+            source_side = None
+            if later:
+                source_side = functools.partial(self._issue_source_side, ws, tr, top_experts_TK, sched,
+                                                copy_route_row=False)  # fmt: skip
+            y, ctx = self._forward_on(cfg, ws, tr, path, sched, x_TH, router_weights_TK, routed, shared, source_side)
+            return sched, y, ctx
 
     def recompute_forward_context(self, cfg: MoKConfig, ws: Workspace, *args: Any) -> ForwardContext:
         with _on(ws):
@@ -758,26 +771,22 @@ class NativeBackend:
         )  # fmt: skip
         return _IssuedTable(addr[3], addr[4], tensors)
 
-    def _source_side(self, ws: Workspace, tr: Transport, top_experts_TK: torch.Tensor, table: _Table) -> Schedule:
-        """Issue the rest of the schedule after `table`: this rank's own routes (the send side,
-        each route's rank and row), and the barrier after which the routes may be rewritten."""
-        top = _int32_routes(top_experts_TK)
-        T, K = top.shape
-        R, El = ws.world_size, ws.num_local_experts
-        send_order = torch.empty(T * K, dtype=torch.int64, device=ws.device)
-        send_counts = torch.empty(R, dtype=torch.int64, device=ws.device)
-        tr.core.build_send_side(
-            tr.dev, top.data_ptr(), T, K, El, R, send_order.data_ptr(), send_counts.data_ptr(), tr._stream(),
-            scratch=self._schedule_scratch(ws),
-        )  # fmt: skip
-        tr.barrier(2)  # every rank has read every rank's routes (they may be rewritten); rows landed
+    def _source_side(
+        self, ws: Workspace, tr: Transport, top_experts_TK: torch.Tensor, table: _Table, *, issue: bool = True
+    ) -> Schedule:
+        """The Schedule of `table` and of this rank's own routes (the send side: the order and
+        counts they go to the ranks in, each route's rank and row), issued now, or with
+        issue=False by _issue_source_side later (its tensors are made here: a reader further on
+        the stream finds them filled)."""
+        T, K = top_experts_TK.shape
+        R, dev = ws.world_size, ws.device
+        top = top_experts_TK
+        if top.dtype != torch.int32 or not top.is_contiguous():  # an int32 copy (_issue_source_side)
+            top = torch.empty(T, K, dtype=torch.int32, device=dev)
         route_row = table.route_row
-        if route_row is None:  # the transport's field, which the next schedule rewrites
-            route_row = tr.view["route_row"][: T * K].clone()
-        route_rank = torch.div(top.reshape(-1), El, rounding_mode="floor").to(torch.int32)
-        if R > 1:  # a bad id's route goes to no rank (its row is no table's: the moves skip it)
-            route_rank = torch.where((top.reshape(-1) >= 0) & (route_rank < R), route_rank, -1)
-        return Schedule(
+        if route_row is None:  # a copy of the transport's field, which the next schedule rewrites
+            route_row = torch.empty(T * K, dtype=torch.int32, device=dev)
+        sched = Schedule(
             workspace=ws,
             backend=self.name,
             top_experts_TK=top,
@@ -787,11 +796,36 @@ class NativeBackend:
             expert_offsets_El1=table.offsets,
             expert_counts_El=table.counts,
             recv_counts_R=table.recv,
-            send_order_TK=send_order,
-            send_counts_R=send_counts,
-            route_rank_TK=route_rank,
+            send_order_TK=torch.empty(T * K, dtype=torch.int64, device=dev),
+            send_counts_R=torch.empty(R, dtype=torch.int64, device=dev),
+            route_rank_TK=torch.empty(T * K, dtype=torch.int32, device=dev),
             route_row_TK=route_row,
         )
+        if issue:
+            self._issue_source_side(ws, tr, top_experts_TK, sched, copy_route_row=table.route_row is None)
+        return sched
+
+    def _issue_source_side(
+        self, ws: Workspace, tr: Transport, top_experts_TK: torch.Tensor, sched: Schedule, *, copy_route_row: bool
+    ) -> None:
+        """Fill the send side of `sched` (_source_side), then the barrier after which every rank's
+        routes may be rewritten."""
+        top = sched.top_experts_TK
+        if top is not top_experts_TK:
+            _int32_routes(top_experts_TK, out=top)
+        T, K = top.shape
+        R, El = ws.world_size, ws.num_local_experts
+        tr.core.build_send_side(
+            tr.dev, top.data_ptr(), T, K, El, R, sched.send_order_TK.data_ptr(), sched.send_counts_R.data_ptr(),
+            tr._stream(), scratch=self._schedule_scratch(ws),
+        )  # fmt: skip
+        tr.barrier(2)  # every rank has read every rank's routes (they may be rewritten); rows landed
+        if copy_route_row:
+            sched.route_row_TK.copy_(tr.view["route_row"][: T * K])
+        flat, route_rank = top.view(-1), sched.route_rank_TK
+        torch.div(flat, El, rounding_mode="floor", out=route_rank)
+        if R > 1:  # a bad id's route goes to no rank (its row is no table's: the moves skip it)
+            route_rank.masked_fill_((flat < 0) | (route_rank >= R), -1)
 
     # ------------------------------------------------------------------ forward
 
@@ -883,8 +917,7 @@ class NativeBackend:
                 # what the fused kernels will give to communication while they compute).
                 nw = self._movers(cfg, ws)
                 if tokens is not None:  # one rank, one macrobatch: x's rows into the table at once
-                    routes = (sched.route_rank_TK, sched.route_row_TK)
-                    xs = tr.scatter_local(tokens, ring_x[:n], routes, sched.row_src_rank_C, K, nw)
+                    xs = tr.scatter_local(tokens, ring_x[:n], sched.route_row_TK, sched.row_src_rank_C, K, nw)
                 elif cfg.dispatch == "push" and lo > 0:  # not kept: the GEMMs read the pushed rows
                     xs = self._received(cfg, tr, "x_recv", lo, hi)
                 else:
@@ -893,9 +926,10 @@ class NativeBackend:
                 h = None if ring_h is None else ring_h[:n]
                 seg = (segments - lo).clamp_(0, n)
                 wd = kernel_weights[2] if outputs else None
-                grouped_forward(xs, seg, kernel_weights[0], kernel_weights[1], wd, cfg.swiglu_limit,
-                                out=GroupedForward(ring_a[:n], ring_b[:n], h, y_rows), with_h=outputs,
-                                zero_outside=True)  # fmt: skip
+                # The backend made every tensor to shape: the launch without grouped_forward's checks.
+                launch_forward(xs, seg, kernel_weights[0], kernel_weights[1], wd,
+                               GroupedForward(ring_a[:n], ring_b[:n], h, y_rows), limit=cfg.swiglu_limit,
+                               with_h=outputs, zero_outside=True)  # fmt: skip
                 if direct:
                     table_y = y_rows
                 elif y_rows is not None:
@@ -969,8 +1003,18 @@ class NativeBackend:
         routed: Weights3, shared: Weights3 | None,
     ) -> tuple[torch.Tensor, ForwardContext]:  # fmt: skip
         tr = self._transport(ws, cfg)
-        T, K, H = sched.num_tokens, sched.topk, ws.hidden_size
         path = expert_path(cfg, ws, routed[2].shape[2])
+        return self._forward_on(cfg, ws, tr, path, sched, x_TH, router_weights_TK, routed, shared)
+
+    def _forward_on(
+        self, cfg: MoKConfig, ws: Workspace, tr: Transport, path: ExpertPath, sched: Schedule, x_TH: torch.Tensor,
+        router_weights_TK: torch.Tensor, routed: Weights3, shared: Weights3 | None,
+        source_side: Callable[[], None] | None = None,
+    ) -> tuple[torch.Tensor, ForwardContext]:  # fmt: skip
+        """The forward of a call on `tr` along `path`. `source_side`: the issue of the schedule's
+        send side, made right after the routed experts' kernels (schedule_and_forward: only where
+        nothing before them reads it)."""
+        T, K, H = sched.num_tokens, sched.topk, ws.hidden_size
         _log_path(cfg, ws, path, "forward")
         if path.forward == "megakernel":
             return self._megakernel_forward(cfg, ws, sched, tr, x_TH, router_weights_TK, routed, shared)
@@ -978,6 +1022,8 @@ class NativeBackend:
         self._send_inputs(cfg, ws, tr, sched, x=x_TH if tokens is None else None)
         tr.barrier(3)
         ring_x, ring_a, ring_b, table_y = self._routed_forward(cfg, ws, sched, tr, routed, outputs=True, tokens=tokens)
+        if source_side is not None:
+            source_side()
         ys, shared_a, shared_b = self._shared_forward(cfg, x_TH, shared, outputs=True)
         w = router_weights_TK.float().reshape(-1).contiguous()
         if table_y is not None:  # one rank: each route's row read where the GEMM left it
@@ -1209,8 +1255,7 @@ class NativeBackend:
                 if gather_dy:  # written by the g GEMM: its gathered rows in table order
                     dys = torch.empty(n, H, dtype=BF16, device=dev)
                 elif scatter_dy:
-                    routes = (sched.route_rank_TK, sched.route_row_TK)
-                    dys = tr.scatter_local(_bf16_rows(dy_TH), self._pulled_rows(cfg, n, H, dev), routes,
+                    dys = tr.scatter_local(_bf16_rows(dy_TH), self._pulled_rows(cfg, n, H, dev), sched.route_row_TK,
                                            sched.row_src_rank_C, K, nw)  # fmt: skip
                 elif pushed:
                     dys = self._received(cfg, tr, "dy_recv", lo, hi)

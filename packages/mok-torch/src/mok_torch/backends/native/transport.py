@@ -145,6 +145,9 @@ class Transport:
         # barrier's tag carries it beside the stage, so ranks out of step are found at the next
         # barrier (the barrier in mok-core/include/mok/core/transport.h).
         self.calls = 0
+        # At one rank, every route's rank (0) for scatter_local: made here, not inside a capture.
+        one = ws.world_size == 1
+        self.rank_zero = torch.zeros(ws.max_tokens * ws.topk, dtype=torch.int32, device=self.device) if one else None
 
     def _add_segment(self, fields: dict[str, Field], nbytes: int) -> None:
         """Allocate one segment of `fields` on every rank (collective): typed views, pointer arrays."""
@@ -357,16 +360,19 @@ class Transport:
         )  # fmt: skip
 
     def scatter_local(
-        self, src_TH: torch.Tensor, dst: torch.Tensor, routes: tuple[torch.Tensor, torch.Tensor],
-        row_src_rank: torch.Tensor, topk: int, num_workers: int,
+        self, src_TH: torch.Tensor, dst: torch.Tensor, route_row: torch.Tensor, row_src_rank: torch.Tensor,
+        topk: int, num_workers: int,
     ) -> torch.Tensor:  # fmt: skip
-        """One rank: table rows `dst` [n, H] <- each route's token row of src_TH (route t * K + k,
-        of rank routes[0] = 0, to table row routes[1]), padding rows (row_src_rank < 0) zeroed:
-        what a pull of the token rows into table order gives, with each token row read once for
-        its K routes (a pull reads it once per route, from HBM at the large shapes: a token's
-        routes lie in K experts' segments, far apart in the table). Every route's row must lie in
-        dst's rows."""
-        self.push(src_TH, dst, routes, num_workers, src_divisor=topk)
+        """One rank: table rows `dst` [n, H] <- each route's token row of src_TH (route t * K + k
+        to table row route_row[t * K + k]; a route of row -1, which no segment lists, skipped),
+        padding rows (row_src_rank < 0) zeroed: what a pull of the token rows into table order
+        gives, with each token row read once for its K routes (a pull reads it once per route,
+        from HBM at the large shapes: a token's routes lie in K experts' segments, far apart in
+        the table). Every route's row must lie in dst's rows. It reads no route ranks (at one
+        rank every route's is 0): the schedule's send side may still be on its way."""
+        assert self.rank_zero is not None, "scatter_local is a one-rank move"
+        ranks = self.rank_zero[: route_row.shape[0]]
+        self.push(src_TH, dst, (ranks, route_row), num_workers, src_divisor=topk)
         self.zero_padding(dst, row_src_rank[: dst.shape[0]], num_workers)
         return dst
 
