@@ -569,11 +569,11 @@ def test_cuda_route_rows_match_the_reference():
 
 
 def _send_side_order(monkeypatch) -> list[str]:
-    """Record, in order, the routed forward's issue and the schedule's send side's issue."""
+    """Record, in order, the scatter of x, the routed forward and the schedule's send side's issue."""
     from mok_torch.backends.native import NativeBackend
 
     order: list[str] = []
-    for name in ("_routed_forward", "_issue_source_side"):
+    for name in ("_scatter_x", "_routed_forward", "_issue_source_side"):
         real = getattr(NativeBackend, name)
 
         def wrap(self, *a, _real=real, _name=name, **k):
@@ -604,8 +604,8 @@ def test_cpu_send_side_issued_after_the_experts(kw, routes, monkeypatch):
 @pytest.mark.parametrize("combine", ["push", "pull"])
 @pytest.mark.parametrize("routes", [torch.int64, torch.int32])
 def test_cuda_chain_issues_the_send_side_after_the_gemms(combine, routes, monkeypatch):
-    """At one rank on the chain of GPU kernels (token rows scattered into the table, which reads
-    no route ranks) the send side is issued after the GEMMs: the same schedule and bits as
+    """At one rank on the chain of GPU kernels the token rows are scattered into the table right
+    after it (the scatter reads no route ranks) and the send side is issued after the GEMMs: the same schedule and bits as
     build_schedule then forward, bad ids included (their routes skipped, the next call raises)."""
     T, H, I, E, K = 45, 128, 64, 8, 3
     if not native.gpu_forward_kernels(config(backend="cuda"), torch.device("cuda"), H, I, 1):
@@ -615,7 +615,8 @@ def test_cuda_chain_issues_the_send_side_after_the_gemms(combine, routes, monkey
     order = _send_side_order(monkeypatch)
     cfg = config(backend="cuda", expert_alignment=64, megakernel=False, combine=combine)
     assert_fused_forward_is_the_two_calls(inp, cfg, device="cuda")
-    assert order[2:4] == ["_routed_forward", "_issue_source_side"], order
+    # build_schedule's send side; forward's scatter and experts; then schedule_and_forward's
+    assert order[3:6] == ["_scatter_x", "_routed_forward", "_issue_source_side"], order
 
 
 def test_cpu_backend_without_expert_kernels_is_bitwise_the_reference(monkeypatch):

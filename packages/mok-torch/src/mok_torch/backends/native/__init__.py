@@ -680,13 +680,18 @@ class NativeBackend:
             later = ws.world_size == 1 and (
                 cfg.dispatch == "pull" or scatters_token_rows(cfg, ws, routed[2].shape[2], path)
             )  # fmt: skip
-            table_tensors = self._table(ws, tr, top_experts_TK, one_buffer=True).tensors()
-            sched = self._source_side(ws, tr, top_experts_TK, table_tensors, issue=not later)
+            arrays = self._table(ws, tr, top_experts_TK, one_buffer=True).tensors()
+            scattered = None
+            if later and scatters_token_rows(cfg, ws, routed[2].shape[2], path):  # right after the table
+                assert arrays.route_row is not None  # one rank: the table's own
+                scattered = self._scatter_x(cfg, ws, tr, arrays.route_row, arrays.row_src, x_TH)
+            sched = self._source_side(ws, tr, top_experts_TK, arrays, issue=not later)
             source_side = None
             if later:
                 source_side = functools.partial(self._issue_source_side, ws, tr, top_experts_TK, sched,
                                                 copy_route_row=False)  # fmt: skip
-            y, ctx = self._forward_on(cfg, ws, tr, path, sched, x_TH, router_weights_TK, routed, shared, source_side)
+            y, ctx = self._forward_on(cfg, ws, tr, path, sched, x_TH, router_weights_TK, routed, shared, source_side,
+                                      scattered)  # fmt: skip
             return sched, y, ctx
 
     def recompute_forward_context(self, cfg: MoKConfig, ws: Workspace, *args: Any) -> ForwardContext:
@@ -852,14 +857,14 @@ class NativeBackend:
 
     def _routed_forward(
         self, cfg: MoKConfig, ws: Workspace, sched: Schedule, tr: Transport, routed: Weights3, *, outputs: bool,
-        tokens: torch.Tensor | None = None,
+        scattered: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
         """The routed experts over the ring: (x rows, a, b, y rows in table order or None). The
         output rows go toward their routes (_give), except at one rank with a push combine and one
         macrobatch on the GPU kernels, where the table-ordered y rows are returned for the combine
         to read through each route's row (nothing moves: what the megakernel's forward and the
-        backward's direct path do). `tokens`: x itself, scattered into the table here
-        (scatters_token_rows; _send_inputs then sent no x)."""
+        backward's direct path do). `scattered`: x's rows already in table order, the ring's x rows
+        (_scatter_x: scatters_token_rows; _send_inputs then sent no x)."""
         H, K, inner = ws.hidden_size, ws.topk, routed[2].shape[2]
         plan = self._rows_plan(cfg, ws, sched, inner)
         rows, offsets = plan.num_rows, plan.offsets
@@ -879,7 +884,7 @@ class NativeBackend:
             weights = expert_weights(cfg, routed)
         ring_rows = plan.ring_rows
         dev = ws.device
-        ring_x = self._pulled_rows(cfg, ring_rows, H, dev)
+        ring_x = self._pulled_rows(cfg, ring_rows, H, dev) if scattered is None else scattered
         if fp8_cores:  # 16-byte aligned rows for the copy engine; the context keeps H + H/32 bytes
             ring_x = torch.zeros(ring_rows, _mx_row_bytes(H), dtype=torch.uint8, device=dev)
         # The BF16 GPU kernels zero the rows outside the segments themselves (zero_outside): no fill.
@@ -916,8 +921,8 @@ class NativeBackend:
                 # The copies run alone between the GEMMs: every SM moves rows (fwd_num_comm_sms is
                 # what the fused kernels will give to communication while they compute).
                 nw = self._movers(cfg, ws)
-                if tokens is not None:  # one rank, one macrobatch: x's rows into the table at once
-                    xs = tr.scatter_local(tokens, ring_x[:n], sched.route_row_TK, sched.row_src_rank_C, K, nw)
+                if scattered is not None:  # one rank, one macrobatch: x's rows are in the table
+                    xs = ring_x[:n]
                 elif cfg.dispatch == "push" and lo > 0:  # not kept: the GEMMs read the pushed rows
                     xs = self._received(cfg, tr, "x_recv", lo, hi)
                 else:
@@ -955,6 +960,16 @@ class NativeBackend:
         if fp8_cores:
             ring_x = ring_x[:, : H + H // 32]
         return ring_x, ring_a, ring_b, table_y
+
+    def _scatter_x(
+        self, cfg: MoKConfig, ws: Workspace, tr: Transport, route_row: torch.Tensor, row_src_rank: torch.Tensor,
+        x_TH: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """x's rows in table order at one rank, in one macrobatch (scatters_token_rows): the ring's
+        x rows [C, H], each token row read once for its K routes. It reads only the table (each
+        route's row, each row's source), so it may be issued before the schedule's send side."""
+        rows = self._pulled_rows(cfg, ws.capacity, ws.hidden_size, ws.device)
+        return tr.scatter_local(_bf16_rows(x_TH), rows, route_row, row_src_rank, ws.topk, self._movers(cfg, ws))
 
     def _y_rows(self, cfg: MoKConfig, tr: Transport, lo: int, hi: int, H: int, dev: torch.device) -> torch.Tensor:
         """Where the GPU kernels write table rows [lo, hi)'s outputs: a pull combine's send rows,
@@ -1009,19 +1024,21 @@ class NativeBackend:
     def _forward_on(
         self, cfg: MoKConfig, ws: Workspace, tr: Transport, path: ExpertPath, sched: Schedule, x_TH: torch.Tensor,
         router_weights_TK: torch.Tensor, routed: Weights3, shared: Weights3 | None,
-        source_side: Callable[[], None] | None = None,
+        source_side: Callable[[], None] | None = None, scattered: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, ForwardContext]:  # fmt: skip
         """The forward of a call on `tr` along `path`. `source_side`: the issue of the schedule's
         send side, made right after the routed experts' kernels (schedule_and_forward: only where
-        nothing before them reads it)."""
+        nothing before them reads it). `scattered`: _scatter_x's rows, if issued already."""
         T, K, H = sched.num_tokens, sched.topk, ws.hidden_size
         _log_path(cfg, ws, path, "forward")
         if path.forward == "megakernel":
             return self._megakernel_forward(cfg, ws, sched, tr, x_TH, router_weights_TK, routed, shared)
-        tokens = _bf16_rows(x_TH) if scatters_token_rows(cfg, ws, routed[2].shape[2], path) else None
-        self._send_inputs(cfg, ws, tr, sched, x=x_TH if tokens is None else None)
+        if scattered is None and scatters_token_rows(cfg, ws, routed[2].shape[2], path):
+            scattered = self._scatter_x(cfg, ws, tr, sched.route_row_TK, sched.row_src_rank_C, x_TH)
+        self._send_inputs(cfg, ws, tr, sched, x=x_TH if scattered is None else None)
         tr.barrier(3)
-        ring_x, ring_a, ring_b, table_y = self._routed_forward(cfg, ws, sched, tr, routed, outputs=True, tokens=tokens)
+        ring_x, ring_a, ring_b, table_y = self._routed_forward(cfg, ws, sched, tr, routed, outputs=True,
+                                                               scattered=scattered)  # fmt: skip
         if source_side is not None:
             source_side()
         ys, shared_a, shared_b = self._shared_forward(cfg, x_TH, shared, outputs=True)
@@ -1081,10 +1098,12 @@ class NativeBackend:
         shared: Weights3 | None,
     ) -> ForwardContext:
         tr = self._transport(ws, cfg)
-        tokens = _bf16_rows(x_TH) if scatters_token_rows(cfg, ws, routed[2].shape[2]) else None
-        self._send_inputs(cfg, ws, tr, sched, x=x_TH if tokens is None else None)
+        scattered = None
+        if scatters_token_rows(cfg, ws, routed[2].shape[2]):
+            scattered = self._scatter_x(cfg, ws, tr, sched.route_row_TK, sched.row_src_rank_C, x_TH)
+        self._send_inputs(cfg, ws, tr, sched, x=x_TH if scattered is None else None)
         tr.barrier(7)
-        ring_x, ring_a, ring_b, _ = self._routed_forward(cfg, ws, sched, tr, routed, outputs=False, tokens=tokens)
+        ring_x, ring_a, ring_b, _ = self._routed_forward(cfg, ws, sched, tr, routed, outputs=False, scattered=scattered)
         _, shared_a, shared_b = self._shared_forward(cfg, x_TH, shared, outputs=False)
         tr.barrier(8)  # every rank has pulled: x_src may be rewritten
         self._after_call(tr)
