@@ -605,8 +605,8 @@ def test_cpu_send_side_issued_after_the_experts(kw, routes, monkeypatch):
 @pytest.mark.parametrize("routes", [torch.int64, torch.int32])
 def test_cuda_chain_issues_the_send_side_after_the_gemms(combine, routes, monkeypatch):
     """At one rank on the chain of GPU kernels the token rows are scattered into the table right
-    after it (the scatter reads no route ranks) and the send side is issued after the GEMMs: the same schedule and bits as
-    build_schedule then forward, bad ids included (their routes skipped, the next call raises)."""
+    after it (the scatter reads no route ranks) and the send side is issued after the GEMMs: the
+    same schedule and bits as build_schedule then forward."""
     T, H, I, E, K = 45, 128, 64, 8, 3
     if not native.gpu_forward_kernels(config(backend="cuda"), torch.device("cuda"), H, I, 1):
         pytest.skip("mok-bf16's grouped forward needs an sm_90 GPU and a CUDA build of mok-bf16")
