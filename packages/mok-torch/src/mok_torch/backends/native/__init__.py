@@ -677,19 +677,17 @@ class NativeBackend:
                 out = self._megakernel_launch(cfg, ws, tr, table.row_route, table.offsets, x_TH, routed)
                 sched = self._source_side(ws, tr, top_experts_TK, table.tensors())
                 return (sched, *self._megakernel_rest(cfg, ws, sched, tr, x_TH, router_weights_TK, shared, out))
-            later = ws.world_size == 1 and (
-                cfg.dispatch == "pull" or scatters_token_rows(cfg, ws, routed[2].shape[2], path)
-            )  # fmt: skip
+            scatter = scatters_token_rows(cfg, ws, routed[2].shape[2], path)  # only at one rank
+            later = scatter or (ws.world_size == 1 and cfg.dispatch == "pull")
             arrays = self._table(ws, tr, top_experts_TK, one_buffer=True).tensors()
             scattered = None
-            if later and scatters_token_rows(cfg, ws, routed[2].shape[2], path):  # right after the table
+            if scatter:  # right after the table
                 assert arrays.route_row is not None  # one rank: the table's own
                 scattered = self._scatter_x(cfg, ws, tr, arrays.route_row, arrays.row_src, x_TH)
             sched = self._source_side(ws, tr, top_experts_TK, arrays, issue=not later)
             source_side = None
             if later:
-                source_side = functools.partial(self._issue_source_side, ws, tr, top_experts_TK, sched,
-                                                copy_route_row=False)  # fmt: skip
+                source_side = functools.partial(self._issue_source_side, ws, tr, top_experts_TK, sched)
             y, ctx = self._forward_on(cfg, ws, tr, path, sched, x_TH, router_weights_TK, routed, shared, source_side,
                                       scattered)  # fmt: skip
             return sched, y, ctx
@@ -807,12 +805,10 @@ class NativeBackend:
             route_row_TK=route_row,
         )
         if issue:
-            self._issue_source_side(ws, tr, top_experts_TK, sched, copy_route_row=table.route_row is None)
+            self._issue_source_side(ws, tr, top_experts_TK, sched)
         return sched
 
-    def _issue_source_side(
-        self, ws: Workspace, tr: Transport, top_experts_TK: torch.Tensor, sched: Schedule, *, copy_route_row: bool
-    ) -> None:
+    def _issue_source_side(self, ws: Workspace, tr: Transport, top_experts_TK: torch.Tensor, sched: Schedule) -> None:
         """Fill the send side of `sched` (_source_side), then the barrier after which every rank's
         routes may be rewritten."""
         top = sched.top_experts_TK
@@ -825,7 +821,7 @@ class NativeBackend:
             tr._stream(), scratch=self._schedule_scratch(ws),
         )  # fmt: skip
         tr.barrier(2)  # every rank has read every rank's routes (they may be rewritten); rows landed
-        if copy_route_row:
+        if R > 1:  # the route rows are the transport's field (at one rank the table's own array)
             sched.route_row_TK.copy_(tr.view["route_row"][: T * K])
         flat, route_rank = top.view(-1), sched.route_rank_TK
         torch.div(flat, El, rounding_mode="floor", out=route_rank)
