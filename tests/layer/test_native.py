@@ -568,12 +568,13 @@ def test_cuda_route_rows_match_the_reference():
     assert all(run_ranks(2, "test_native.route_rows_scenario", "cuda", device="cuda"))
 
 
-def _send_side_order(monkeypatch) -> list[str]:
-    """Record, in order, the scatter of x, the routed forward and the schedule's send side's issue."""
+def _send_side_order(monkeypatch, experts: str) -> list[str]:
+    """Record, in order, the entries of the routed experts (`experts`: the method that runs them),
+    the Schedule's making (_source_side) and its send side's issue."""
     from mok_torch.backends.native import NativeBackend
 
     order: list[str] = []
-    for name in ("_scatter_x", "_routed_forward", "_issue_source_side"):
+    for name in (experts, "_source_side", "_issue_source_side"):
         real = getattr(NativeBackend, name)
 
         def wrap(self, *a, _real=real, _name=name, **k):
@@ -592,31 +593,36 @@ def test_cpu_send_side_issued_after_the_experts(kw, routes, monkeypatch):
     schedule, y, context and gradients are those of build_schedule then forward."""
     inp = make_inputs(30, 32, 48, 8, 3, 8, "skewed", seed=6)
     inp = dataclasses.replace(inp, top_experts_TK=inp.top_experts_TK.to(routes))
-    order = _send_side_order(monkeypatch)
+    order = _send_side_order(monkeypatch, "_routed_forward")
     assert_fused_forward_is_the_two_calls(inp, config(backend="cpu", **kw), device="cpu")
     # build_schedule, then forward (its routed forward), then schedule_and_forward
-    fused = order[2:4]
+    assert order[:3] == ["_source_side", "_issue_source_side", "_routed_forward"], order
     later = kw.get("dispatch", "pull") == "pull"
-    assert fused == (["_routed_forward", "_issue_source_side"] if later else ["_issue_source_side", "_routed_forward"])
+    assert order[3:] == ["_source_side"] + (
+        ["_routed_forward", "_issue_source_side"] if later else ["_issue_source_side", "_routed_forward"]
+    ), order
 
 
 @gpu
 @pytest.mark.parametrize("combine", ["push", "pull"])
 @pytest.mark.parametrize("routes", [torch.int64, torch.int32])
 def test_cuda_chain_issues_the_send_side_after_the_gemms(combine, routes, monkeypatch):
-    """At one rank on the chain of GPU kernels the token rows are scattered into the table right
-    after it (the scatter reads no route ranks) and the send side is issued after the GEMMs: the
-    same schedule and bits as build_schedule then forward."""
+    """At one rank on the chain of GPU kernels the token rows are scattered into the table and the
+    GEMMs issued right after it (the scatter reads no route ranks); with a push combine the
+    Schedule's tensors are made after them too; the send side is issued after the GEMMs: the same
+    schedule and bits as build_schedule then forward."""
     T, H, I, E, K = 45, 128, 64, 8, 3
     if not native.gpu_forward_kernels(config(backend="cuda"), torch.device("cuda"), H, I, 1):
         pytest.skip("mok-bf16's grouped forward needs an sm_90 GPU and a CUDA build of mok-bf16")
     inp = make_inputs(T, H, I, E, K, 16, "skewed", seed=10)
     inp = dataclasses.replace(inp, top_experts_TK=inp.top_experts_TK.to(routes))
-    order = _send_side_order(monkeypatch)
+    order = _send_side_order(monkeypatch, "_scattered_experts")
     cfg = config(backend="cuda", expert_alignment=64, megakernel=False, combine=combine)
     assert_fused_forward_is_the_two_calls(inp, cfg, device="cuda")
-    # build_schedule's send side; forward's scatter and experts; then schedule_and_forward's
-    assert order[3:6] == ["_scatter_x", "_routed_forward", "_issue_source_side"], order
+    # build_schedule's Schedule and send side; forward's experts; then schedule_and_forward's
+    assert order[:3] == ["_source_side", "_issue_source_side", "_scattered_experts"], order
+    fused = ["_scattered_experts", "_source_side"] if combine == "push" else ["_source_side", "_scattered_experts"]
+    assert order[3:] == fused + ["_issue_source_side"], order
 
 
 def test_cpu_backend_without_expert_kernels_is_bitwise_the_reference(monkeypatch):

@@ -308,6 +308,8 @@ def _int32_routes(top_experts_TK: torch.Tensor, out: torch.Tensor | None = None)
 def _bf16_rows(t_TH: torch.Tensor) -> torch.Tensor:
     """Token rows as the row movers read them: bf16, each row contiguous (what a copy into the
     transport's x_src / dy_src makes of them)."""
+    if t_TH.dtype == BF16 and t_TH.is_contiguous():  # the usual case, without two dispatcher calls
+        return t_TH
     return t_TH.to(BF16).contiguous()
 
 
@@ -400,12 +402,14 @@ class _Table(NamedTuple):
 
 
 class _IssuedTable(NamedTuple):
-    """A table whose launch is issued: the addresses of the two arrays the experts' kernels read,
-    and its tensors from `tensors()` (views of one buffer are made only then: after the launches
-    that need just the addresses)."""
+    """A table whose launch is issued: what the experts' launches read (the addresses of three
+    arrays, the offsets as a tensor), and its tensors from `tensors()` (views of one buffer are
+    made only then: after the launches that need just these)."""
 
-    row_route: int
-    offsets: int
+    row_route: int  # row_route_C's address
+    row_src: int  # row_src_rank_C's
+    route_row: int  # at one rank the route rows' (route_row_TK), else 0
+    offsets: torch.Tensor  # expert_offsets_El1
     tensors: Callable[[], _Table]
 
 
@@ -663,33 +667,35 @@ class NativeBackend:
         self, cfg: MoKConfig, ws: Workspace, top_experts_TK: torch.Tensor, x_TH: torch.Tensor,
         router_weights_TK: torch.Tensor, routed: Weights3, shared: Weights3 | None,
     ) -> tuple[Schedule, torch.Tensor, ForwardContext]:  # fmt: skip
-        """build_schedule then forward, the same bits, with the schedule's source side (the send
-        side: _source_side) issued after the experts' kernels where nothing before them reads it:
-        on the megakernel's path (issued right after the table), and at one rank on the chain when
-        its token rows are scattered or pulled (after the GEMMs). The device then starts the
+        """build_schedule then forward, the same bits, with the routed experts issued as soon as
+        the schedule's table is: right after it, and the Schedule's tensors and send side
+        (_source_side) after them, on the megakernel's path and at one rank on the chain when its
+        token rows are scattered and the combine is a push (_scattered_experts); at one rank with
+        a pull dispatch otherwise, the send side after the GEMMs. The device then starts the
         experts that much earlier in a call from an idle GPU."""
         with _on(ws):
             path = expert_path(cfg, ws, routed[2].shape[2])
             tr = self._transport(ws, cfg)
-            if path.forward == "megakernel":
+            scatter = scatters_token_rows(cfg, ws, routed[2].shape[2], path)  # only at one rank
+            if path.forward == "megakernel" or (scatter and cfg.combine == "push"):
                 _log_path(cfg, ws, path, "forward")
                 table = self._table(ws, tr, top_experts_TK, one_buffer=True)
-                out = self._megakernel_launch(cfg, ws, tr, table.row_route, table.offsets, x_TH, routed)
+                y_rows = None  # the megakernel's: each route's row in the transport's rows, route order
+                if path.forward == "megakernel":
+                    out = self._megakernel_launch(cfg, ws, tr, table.row_route, table.offsets.data_ptr(), x_TH, routed)
+                else:  # the GEMMs': in table order
+                    y_rows = torch.empty(ws.capacity, ws.hidden_size, dtype=BF16, device=ws.device)
+                    out = self._scattered_experts(cfg, ws, tr, table.route_row, table.row_src, table.offsets, x_TH,
+                                                  routed, y_rows)  # fmt: skip
                 sched = self._source_side(ws, tr, top_experts_TK, table.tensors())
-                return (sched, *self._megakernel_rest(cfg, ws, sched, tr, x_TH, router_weights_TK, shared, out))
-            scatter = scatters_token_rows(cfg, ws, routed[2].shape[2], path)  # only at one rank
+                return (sched, *self._forward_rest(cfg, ws, sched, tr, x_TH, router_weights_TK, shared, out, y_rows))
             later = scatter or (ws.world_size == 1 and cfg.dispatch == "pull")
             arrays = self._table(ws, tr, top_experts_TK, one_buffer=True).tensors()
-            scattered = None
-            if scatter:  # right after the table
-                assert arrays.route_row is not None  # one rank: the table's own
-                scattered = self._scatter_x(cfg, ws, tr, arrays.route_row, arrays.row_src, x_TH)
             sched = self._source_side(ws, tr, top_experts_TK, arrays, issue=not later)
             source_side = None
             if later:
                 source_side = functools.partial(self._issue_source_side, ws, tr, top_experts_TK, sched)
-            y, ctx = self._forward_on(cfg, ws, tr, path, sched, x_TH, router_weights_TK, routed, shared, source_side,
-                                      scattered)  # fmt: skip
+            y, ctx = self._forward_on(cfg, ws, tr, path, sched, x_TH, router_weights_TK, routed, shared, source_side)
             return sched, y, ctx
 
     def recompute_forward_context(self, cfg: MoKConfig, ws: Workspace, *args: Any) -> ForwardContext:
@@ -746,6 +752,7 @@ class NativeBackend:
             for n in sizes:
                 addr.append(at)
                 at += 4 * n
+            offsets = buf[sum(sizes[:4]) : sum(sizes[:5])]  # the experts' launch reads it first
 
             def tensors() -> _Table:
                 parts = buf.split(sizes)
@@ -760,6 +767,7 @@ class NativeBackend:
             parts = [table.recv, table.tokens, *table[:4]] + ([] if table.route_row is None else [table.route_row])
             addr = [t.data_ptr() for t in parts]
             tensors = lambda: table  # noqa: E731
+            offsets = table.offsets
         if local:
             int64 = top_experts_TK.dtype == torch.int64
             routes = dict(local_routes=True, routes=top_experts_TK.data_ptr(), routes_int64=int64, num_tokens=T,
@@ -772,7 +780,7 @@ class NativeBackend:
             ws.max_tokens, K, ws.rank, El, ws.expert_alignment, C, addr[2], addr[3], addr[4], addr[5], addr[0],
             addr[1], stream, scratch=self._schedule_scratch(ws), error=tr.error.data_ptr(), **routes,
         )  # fmt: skip
-        return _IssuedTable(addr[3], addr[4], tensors)
+        return _IssuedTable(addr[3], addr[2], addr[6] if local else 0, offsets, tensors)
 
     def _source_side(
         self, ws: Workspace, tr: Transport, top_experts_TK: torch.Tensor, table: _Table, *, issue: bool = True
@@ -852,15 +860,14 @@ class NativeBackend:
         return out
 
     def _routed_forward(
-        self, cfg: MoKConfig, ws: Workspace, sched: Schedule, tr: Transport, routed: Weights3, *, outputs: bool,
-        scattered: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
-        """The routed experts over the ring: (x rows, a, b, y rows in table order or None). The
+        self, cfg: MoKConfig, ws: Workspace, sched: Schedule, tr: Transport, routed: Weights3, *, outputs: bool
+    ) -> tuple[megakernel.Outputs, torch.Tensor | None]:
+        """The routed experts over the ring: ((a, b, x rows), y rows in table order or None). The
         output rows go toward their routes (_give), except at one rank with a push combine and one
         macrobatch on the GPU kernels, where the table-ordered y rows are returned for the combine
         to read through each route's row (nothing moves: what the megakernel's forward and the
-        backward's direct path do). `scattered`: x's rows already in table order, the ring's x rows
-        (_scatter_x: scatters_token_rows; _send_inputs then sent no x)."""
+        backward's direct path do). (Where the token rows are scattered, _scattered_experts runs
+        the experts instead.)"""
         H, K, inner = ws.hidden_size, ws.topk, routed[2].shape[2]
         plan = self._rows_plan(cfg, ws, sched, inner)
         rows, offsets = plan.num_rows, plan.offsets
@@ -880,7 +887,7 @@ class NativeBackend:
             weights = expert_weights(cfg, routed)
         ring_rows = plan.ring_rows
         dev = ws.device
-        ring_x = self._pulled_rows(cfg, ring_rows, H, dev) if scattered is None else scattered
+        ring_x = self._pulled_rows(cfg, ring_rows, H, dev)
         if fp8_cores:  # 16-byte aligned rows for the copy engine; the context keeps H + H/32 bytes
             ring_x = torch.zeros(ring_rows, _mx_row_bytes(H), dtype=torch.uint8, device=dev)
         # The BF16 GPU kernels zero the rows outside the segments themselves (zero_outside): no fill.
@@ -917,9 +924,7 @@ class NativeBackend:
                 # The copies run alone between the GEMMs: every SM moves rows (fwd_num_comm_sms is
                 # what the fused kernels will give to communication while they compute).
                 nw = self._movers(cfg, ws)
-                if scattered is not None:  # one rank, one macrobatch: x's rows are in the table
-                    xs = ring_x[:n]
-                elif cfg.dispatch == "push" and lo > 0:  # not kept: the GEMMs read the pushed rows
+                if cfg.dispatch == "push" and lo > 0:  # not kept: the GEMMs read the pushed rows
                     xs = self._received(cfg, tr, "x_recv", lo, hi)
                 else:
                     xs = self._receive(cfg, tr, sched, "x", ring_x[:n], lo, K, nw)
@@ -955,17 +960,31 @@ class NativeBackend:
                     self._give(cfg, tr, sched, y, "rows", "y_send", mlo, cfg.fwd_num_comm_sms)
         if fp8_cores:
             ring_x = ring_x[:, : H + H // 32]
-        return ring_x, ring_a, ring_b, table_y
+        return megakernel.Outputs(ring_a, ring_b, ring_x), table_y
 
-    def _scatter_x(
-        self, cfg: MoKConfig, ws: Workspace, tr: Transport, route_row: torch.Tensor, row_src_rank: torch.Tensor,
-        x_TH: torch.Tensor,
-    ) -> torch.Tensor:  # fmt: skip
-        """x's rows in table order at one rank, in one macrobatch (scatters_token_rows): the ring's
-        x rows [C, H], each token row read once for its K routes. It reads only the table (each
-        route's row, each row's source), so it may be issued before the schedule's send side."""
-        rows = self._pulled_rows(cfg, ws.capacity, ws.hidden_size, ws.device)
-        return tr.scatter_local(_bf16_rows(x_TH), rows, route_row, row_src_rank, ws.topk, self._movers(cfg, ws))
+    def _scattered_experts(
+        self, cfg: MoKConfig, ws: Workspace, tr: Transport, route_row: int, row_src: int, offsets_El1: torch.Tensor,
+        x_TH: torch.Tensor, routed: Weights3, y_rows: torch.Tensor | None,
+    ) -> megakernel.Outputs:  # fmt: skip
+        """The routed experts where the token rows are scattered (scatters_token_rows: one rank,
+        one macrobatch, the BF16 tensor cores), with the least host work between the table and
+        the GEMMs' launch: x's rows put into table order (Transport.scatter_local, by the
+        addresses of the schedule's route_row_TK and row_src_rank_C: it reads nothing else, so
+        it may run before the schedule's send side), then the grouped GEMMs over the capacity's
+        rows, y into `y_rows` [C, H] (None: a and b only, a recompute). Returns the context the
+        backward reads (a, b and the x rows, as the megakernel's)."""
+        C, H, inner, dev = ws.capacity, ws.hidden_size, routed[2].shape[2], ws.device
+        x_rows = self._pulled_rows(cfg, C, H, dev)
+        tr.scatter_local(_bf16_rows(x_TH), x_rows, route_row, row_src, ws.topk, self._movers(cfg, ws))
+        outputs = y_rows is not None
+        a = torch.empty(C, inner, dtype=BF16, device=dev)
+        b = torch.empty(C, inner, dtype=BF16, device=dev)
+        h = torch.empty(C, inner, dtype=BF16, device=dev) if outputs else None
+        # (the functional API hands the backend bf16 weights, contiguous; its call made the device current)
+        launch_forward(x_rows, offsets_El1.to(torch.int64), routed[0], routed[1], routed[2] if outputs else None,
+                       GroupedForward(a, b, h, y_rows), limit=cfg.swiglu_limit, with_h=outputs,
+                       zero_outside=True)  # fmt: skip
+        return megakernel.Outputs(a, b, x_rows)
 
     def _y_rows(self, cfg: MoKConfig, tr: Transport, lo: int, hi: int, H: int, dev: torch.device) -> torch.Tensor:
         """Where the GPU kernels write table rows [lo, hi)'s outputs: a pull combine's send rows,
@@ -1020,67 +1039,64 @@ class NativeBackend:
     def _forward_on(
         self, cfg: MoKConfig, ws: Workspace, tr: Transport, path: ExpertPath, sched: Schedule, x_TH: torch.Tensor,
         router_weights_TK: torch.Tensor, routed: Weights3, shared: Weights3 | None,
-        source_side: Callable[[], None] | None = None, scattered: torch.Tensor | None = None,
+        source_side: Callable[[], None] | None = None,
     ) -> tuple[torch.Tensor, ForwardContext]:  # fmt: skip
         """The forward of a call on `tr` along `path`. `source_side`: the issue of the schedule's
         send side, made right after the routed experts' kernels (schedule_and_forward: only where
-        nothing before them reads it). `scattered`: _scatter_x's rows, if issued already."""
-        T, K, H = sched.num_tokens, sched.topk, ws.hidden_size
+        nothing before them reads it)."""
         _log_path(cfg, ws, path, "forward")
+        rest = functools.partial(self._forward_rest, cfg, ws, sched, tr, x_TH, router_weights_TK, shared)
         if path.forward == "megakernel":
-            return self._megakernel_forward(cfg, ws, sched, tr, x_TH, router_weights_TK, routed, shared)
-        if scattered is None and scatters_token_rows(cfg, ws, routed[2].shape[2], path):
-            scattered = self._scatter_x(cfg, ws, tr, sched.route_row_TK, sched.row_src_rank_C, x_TH)
-        self._send_inputs(cfg, ws, tr, sched, x=x_TH if scattered is None else None)
-        tr.barrier(3)
-        ring_x, ring_a, ring_b, table_y = self._routed_forward(cfg, ws, sched, tr, routed, outputs=True,
-                                                               scattered=scattered)  # fmt: skip
-        if source_side is not None:
-            source_side()
-        ys, shared_a, shared_b = self._shared_forward(cfg, x_TH, shared, outputs=True)
-        w = router_weights_TK.float().reshape(-1).contiguous()
-        if table_y is not None:  # one rank: each route's row read where the GEMM left it
-            y = self._combine(tr, ys, table_y, w, T, K, H, row_index=sched.route_row_TK.reshape(-1))
-            self._after_call(tr)
-            return y, ForwardContext(sched, self.name, ring_x, ring_a, ring_b, shared_a, shared_b)
-        tr.barrier(4)  # every push has landed (or every output row is there to pull)
-        self._collect(cfg, ws, tr, sched, d_w=False)
-        y = self._combine(tr, ys, tr.view["rows"][: T * K], w, T, K, H)
-        self._after_call(tr)
-        return y, ForwardContext(sched, self.name, ring_x, ring_a, ring_b, shared_a, shared_b)
-
-    def _megakernel_forward(
-        self, cfg: MoKConfig, ws: Workspace, sched: Schedule, tr: Transport, x_TH: torch.Tensor,
-        router_weights_TK: torch.Tensor, routed: Weights3, shared: Weights3 | None,
-    ) -> tuple[torch.Tensor, ForwardContext]:  # fmt: skip
-        """One rank: the routed experts in one launch (each route's row into `rows`, and the x rows
-        it gathered in table order: the context's routed x, as the chain's), the shared expert, the
-        combine. No barrier (there is no peer). The megakernel is issued first: the device starts
-        it while the host issues the rest."""
-        table = (sched.row_route_C.data_ptr(), sched.expert_offsets_El1.data_ptr())
-        out = self._megakernel_launch(cfg, ws, tr, *table, x_TH, routed)
-        return self._megakernel_rest(cfg, ws, sched, tr, x_TH, router_weights_TK, shared, out)
+            table = (sched.row_route_C.data_ptr(), sched.expert_offsets_El1.data_ptr())
+            return rest(self._megakernel_launch(cfg, ws, tr, *table, x_TH, routed), None)
+        if scatters_token_rows(cfg, ws, routed[2].shape[2], path):  # one rank: nothing to send first
+            y_rows = self._y_rows(cfg, tr, 0, ws.capacity, ws.hidden_size, ws.device)  # a pull combine's y_send
+            out = self._scattered_experts(cfg, ws, tr, sched.route_row_TK.data_ptr(), sched.row_src_rank_C.data_ptr(),
+                                          sched.expert_offsets_El1, x_TH, routed, y_rows)  # fmt: skip
+            table_y = y_rows if cfg.combine == "push" else None
+        else:
+            self._send_inputs(cfg, ws, tr, sched, x=x_TH)
+            tr.barrier(3)
+            out, table_y = self._routed_forward(cfg, ws, sched, tr, routed, outputs=True)
+        return rest(out, table_y, source_side=source_side, moved=table_y is None)
 
     @staticmethod
     def _megakernel_launch(
         cfg: MoKConfig, ws: Workspace, tr: Transport, row_route: int, offsets: int, x_TH: torch.Tensor,
         routed: Weights3,
     ) -> megakernel.Outputs:  # fmt: skip
-        """The megakernel on the table at those addresses (row_route_C's, expert_offsets_El1's)."""
+        """The megakernel on the table at those addresses (row_route_C's, expert_offsets_El1's): at
+        one rank the routed experts in one launch, each route's row into the transport's `rows`
+        (route order), and the x rows it gathered in table order (the context's routed x, as the
+        chain's). No barrier (there is no peer)."""
         return megakernel.moe_forward(
             ws, row_route, offsets, x_TH, routed, tr.view["rows"], tr.error, limit=cfg.swiglu_limit,
             timeout_ns=tr.timeout_ns,
         )  # fmt: skip
 
-    def _megakernel_rest(
+    def _forward_rest(
         self, cfg: MoKConfig, ws: Workspace, sched: Schedule, tr: Transport, x_TH: torch.Tensor,
-        router_weights_TK: torch.Tensor, shared: Weights3 | None, out: megakernel.Outputs,
+        router_weights_TK: torch.Tensor, shared: Weights3 | None, out: megakernel.Outputs, y_rows: torch.Tensor | None,
+        *, source_side: Callable[[], None] | None = None, moved: bool = False,
     ) -> tuple[torch.Tensor, ForwardContext]:  # fmt: skip
-        """What follows the megakernel's launch: the shared expert, the combine, the error snapshot."""
+        """What follows the routed experts' launch (`out`: the context's rows): the schedule's send
+        side where it is still owed (`source_side`), the shared expert, the combine, the error
+        snapshot. The combine reads each route's output row from the table-ordered `y_rows`
+        through the route's row (one rank: where the GEMMs left them), else from the transport's
+        `rows` in route order: where the megakernel wrote them, or with `moved` where they land
+        once every rank is past the barrier after the outputs (and a pull combine collected them)."""
         T, K, H = sched.num_tokens, sched.topk, ws.hidden_size
+        if source_side is not None:
+            source_side()
         ys, shared_a, shared_b = self._shared_forward(cfg, x_TH, shared, outputs=True)
         w = router_weights_TK.float().reshape(-1).contiguous()
-        y = self._combine(tr, ys, tr.view["rows"][: T * K], w, T, K, H)
+        if y_rows is not None:
+            y = self._combine(tr, ys, y_rows, w, T, K, H, row_index=sched.route_row_TK.reshape(-1))
+        else:
+            if moved:
+                tr.barrier(4)  # every push has landed (or every output row is there to pull)
+                self._collect(cfg, ws, tr, sched, d_w=False)
+            y = self._combine(tr, ys, tr.view["rows"][: T * K], w, T, K, H)
         self._after_call(tr)
         return y, ForwardContext(sched, self.name, out.x, out.a, out.b, shared_a, shared_b)
 
@@ -1094,16 +1110,17 @@ class NativeBackend:
         shared: Weights3 | None,
     ) -> ForwardContext:
         tr = self._transport(ws, cfg)
-        scattered = None
-        if scatters_token_rows(cfg, ws, routed[2].shape[2]):
-            scattered = self._scatter_x(cfg, ws, tr, sched.route_row_TK, sched.row_src_rank_C, x_TH)
-        self._send_inputs(cfg, ws, tr, sched, x=x_TH if scattered is None else None)
-        tr.barrier(7)
-        ring_x, ring_a, ring_b, _ = self._routed_forward(cfg, ws, sched, tr, routed, outputs=False, scattered=scattered)
+        if scatters_token_rows(cfg, ws, routed[2].shape[2]):  # one rank: nothing to send, no peer to meet
+            out = self._scattered_experts(cfg, ws, tr, sched.route_row_TK.data_ptr(), sched.row_src_rank_C.data_ptr(),
+                                          sched.expert_offsets_El1, x_TH, routed, None)  # fmt: skip
+        else:
+            self._send_inputs(cfg, ws, tr, sched, x=x_TH)
+            tr.barrier(7)
+            out = self._routed_forward(cfg, ws, sched, tr, routed, outputs=False)[0]
         _, shared_a, shared_b = self._shared_forward(cfg, x_TH, shared, outputs=False)
         tr.barrier(8)  # every rank has pulled: x_src may be rewritten
         self._after_call(tr)
-        return ForwardContext(sched, self.name, ring_x, ring_a, ring_b, shared_a, shared_b)
+        return ForwardContext(sched, self.name, out.x, out.a, out.b, shared_a, shared_b)
 
     # ------------------------------------------------------------------ backward
 
@@ -1270,8 +1287,8 @@ class NativeBackend:
                 if gather_dy:  # written by the g GEMM: its gathered rows in table order
                     dys = torch.empty(n, H, dtype=BF16, device=dev)
                 elif scatter_dy:
-                    dys = tr.scatter_local(_bf16_rows(dy_TH), self._pulled_rows(cfg, n, H, dev), sched.route_row_TK,
-                                           sched.row_src_rank_C, K, nw)  # fmt: skip
+                    table = (sched.route_row_TK.data_ptr(), sched.row_src_rank_C.data_ptr())
+                    dys = tr.scatter_local(_bf16_rows(dy_TH), self._pulled_rows(cfg, n, H, dev), *table, K, nw)
                 elif pushed:
                     dys = self._received(cfg, tr, "dy_recv", lo, hi)
                 else:

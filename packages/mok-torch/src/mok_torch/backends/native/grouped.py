@@ -101,8 +101,10 @@ def grouped_forward(
             if out.y is None:
                 raise ValueError("out.y must be a tensor when w_down is given")
             check_tensor("out.y", out.y, dtypes=(BF16,), shape=[("M", M), ("H", H)], device=dev)
-    launch_forward(x_MH, offsets_El1, w_gate_EIH, w_up_EIH, w_down_EHI, out, limit=limit, num_sms=num_sms,
-                   with_h=with_h, zero_outside=zero)  # fmt: skip
+    on_device = torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
+    with on_device:
+        launch_forward(x_MH, offsets_El1, w_gate_EIH, w_up_EIH, w_down_EHI, out, limit=limit, num_sms=num_sms,
+                       with_h=with_h, zero_outside=zero)  # fmt: skip
     return out
 
 
@@ -119,37 +121,36 @@ def launch_forward(
     with_h: bool = True,
     zero_outside: bool,
 ) -> None:
-    """mok_bf16.grouped_forward into `out`, without grouped_forward's checks: for tensors made to
-    shape by their caller (the native backend's own: the GEMMs' Python checks cost ~0.1 ms of host
-    time before the launch in a cold call). mok_bf16 still checks the addresses and sizes."""
+    """mok_bf16.grouped_forward into `out` on the current device, without grouped_forward's checks
+    or device guard: for tensors made to shape by their caller on the device it made current (the
+    native backend's own: the GEMMs' Python checks cost ~0.1 ms of host time before the launch in a
+    cold call). mok_bf16 still checks the addresses and sizes."""
     import mok_bf16
 
     M, H = x_MH.shape
     El, I = w_gate_EIH.shape[:2]
     dev = x_MH.device
-    on_device = torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
-    with on_device:
-        mok_bf16.grouped_forward(
-            dev.type,
-            x_MH.data_ptr(),
-            offsets_El1.data_ptr(),
-            w_gate_EIH.data_ptr(),
-            w_up_EIH.data_ptr(),
-            0 if w_down_EHI is None else w_down_EHI.data_ptr(),
-            out.a.data_ptr(),
-            out.b.data_ptr(),
-            out.h.data_ptr() if with_h and out.h is not None else 0,
-            0 if out.y is None or w_down_EHI is None else out.y.data_ptr(),
-            M,
-            H,
-            I,
-            El,
-            limit=limit,
-            num_sms=num_sms,
-            num_threads=torch.get_num_threads() if dev.type == "cpu" else 1,
-            stream=current_stream_handle(dev) if dev.type == "cuda" else 0,
-            zero_outside=zero_outside,
-        )
+    mok_bf16.grouped_forward(
+        dev.type,
+        x_MH.data_ptr(),
+        offsets_El1.data_ptr(),
+        w_gate_EIH.data_ptr(),
+        w_up_EIH.data_ptr(),
+        0 if w_down_EHI is None else w_down_EHI.data_ptr(),
+        out.a.data_ptr(),
+        out.b.data_ptr(),
+        out.h.data_ptr() if with_h and out.h is not None else 0,
+        0 if out.y is None or w_down_EHI is None else out.y.data_ptr(),
+        M,
+        H,
+        I,
+        El,
+        limit=limit,
+        num_sms=num_sms,
+        num_threads=torch.get_num_threads() if dev.type == "cpu" else 1,
+        stream=current_stream_handle(dev) if dev.type == "cuda" else 0,
+        zero_outside=zero_outside,
+    )
 
 
 class GroupedBackward(NamedTuple):

@@ -313,7 +313,7 @@ class Transport:
     def push(
         self,
         src: torch.Tensor,
-        field: str | torch.Tensor,
+        field: str,
         sched_rows: tuple[torch.Tensor, torch.Tensor],
         num_workers: int,
         src_divisor: int = 1,
@@ -321,38 +321,19 @@ class Transport:
         """Row i // src_divisor of src to rank sched_rows[0][i]'s `field`, at row sched_rows[1][i]
         (i with rank -1 skipped): table rows back to their routes (src_divisor 1), or token rows
         to their routes' table rows (src_divisor K, the push dispatch). src's rows may be
-        narrower than the field's (MXFP8 rows in bf16-sized slots). `field` may instead be a
-        tensor of this process's own (the rows of rank 0 go there, others are skipped): at one
-        rank, token rows scattered straight into a table-ordered buffer (scatter_local)."""
+        narrower than the field's (MXFP8 rows in bf16-sized slots)."""
         dst_rank, dst_row = sched_rows
         row_bytes = src.shape[1] * src.element_size() if src.dim() > 1 else src.element_size()
-        src_stride = _row_stride(src)
-        if isinstance(field, torch.Tensor):
-            dst_ptrs, dst_local, dst_stride = 0, field.data_ptr(), _row_stride(field)
-        else:
-            f = self.field_of[field]
-            dst_ptrs, dst_local = self.ptrs[field].data_ptr(), 0
-            dst_stride = _field_stride(f)
         self.core.push_rows(
-            self.dev,
-            src.data_ptr(),
-            dst_ptrs,
-            dst_rank.data_ptr(),
-            dst_row.data_ptr(),
-            dst_rank.shape[0],
-            row_bytes,
-            src_stride,
-            dst_stride,
-            num_workers,
-            self._stream(),
-            src_divisor,
-            dst_local=dst_local,
-        )
+            self.dev, src.data_ptr(), self.ptrs[field].data_ptr(), dst_rank.data_ptr(), dst_row.data_ptr(),
+            dst_rank.shape[0], row_bytes, _row_stride(src), _field_stride(self.field_of[field]), num_workers,
+            self._stream(), src_divisor,
+        )  # fmt: skip
 
-    def zero_padding(self, field: str | torch.Tensor, row_src_rank: torch.Tensor, num_workers: int) -> None:
-        """Zero the padding rows of this rank's table-ordered `field` (or of a tensor of table
-        rows), rows the sources pushed leave them as they were."""
-        t = self.view[field] if isinstance(field, str) else field
+    def zero_padding(self, field: str, row_src_rank: torch.Tensor, num_workers: int) -> None:
+        """Zero the padding rows of this rank's table-ordered `field`, rows the sources pushed leave
+        them as they were."""
+        t = self.view[field]
         row_bytes = _row_stride(t)
         self.core.zero_rows(
             self.dev, t.data_ptr(), row_src_rank.data_ptr(), row_src_rank.shape[0], row_bytes, row_bytes,
@@ -360,20 +341,27 @@ class Transport:
         )  # fmt: skip
 
     def scatter_local(
-        self, src_TH: torch.Tensor, dst: torch.Tensor, route_row: torch.Tensor, row_src_rank: torch.Tensor,
-        topk: int, num_workers: int,
-    ) -> torch.Tensor:  # fmt: skip
+        self, src_TH: torch.Tensor, dst: torch.Tensor, route_row: int, row_src_rank: int, topk: int, num_workers: int
+    ) -> torch.Tensor:
         """One rank: table rows `dst` [n, H] <- each route's token row of src_TH (route t * K + k
         to table row route_row[t * K + k]; a route of row -1, which no segment lists, skipped),
         padding rows (row_src_rank < 0) zeroed: what a pull of the token rows into table order
         gives, with each token row read once for its K routes (a pull reads it once per route,
         from HBM at the large shapes: a token's routes lie in K experts' segments, far apart in
-        the table). Every route's row must lie in dst's rows. It reads no route ranks (at one
-        rank every route's is 0): the schedule's send side may still be on its way."""
+        the table). route_row and row_src_rank: the addresses of the schedule's int32 arrays of
+        those names (route_row_TK, its first T * K read; row_src_rank_C, its first n), so that the
+        experts may be issued before the table's tensors are made. Every route's row must lie in
+        dst's rows. It reads no route ranks (at one rank every route's is 0): the schedule's send
+        side may still be on its way."""
         assert self.rank_zero is not None, "scatter_local is a one-rank move"
-        ranks = self.rank_zero[: route_row.shape[0]]
-        self.push(src_TH, dst, (ranks, route_row), num_workers, src_divisor=topk)
-        self.zero_padding(dst, row_src_rank[: dst.shape[0]], num_workers)
+        stream, dst_stride = self._stream(), _row_stride(dst)
+        self.core.push_rows(
+            self.dev, src_TH.data_ptr(), 0, self.rank_zero.data_ptr(), route_row, src_TH.shape[0] * topk,
+            src_TH.shape[1] * src_TH.element_size(), _row_stride(src_TH), dst_stride, num_workers, stream, topk,
+            dst_local=dst.data_ptr(),
+        )  # fmt: skip
+        self.core.zero_rows(self.dev, dst.data_ptr(), row_src_rank, dst.shape[0], dst_stride, dst_stride, num_workers,
+                            stream)  # fmt: skip
         return dst
 
 
