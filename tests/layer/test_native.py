@@ -534,6 +534,41 @@ def test_cuda_one_rank_scatters_token_rows(combine, monkeypatch):
     assert_bitwise(pulled, got, CONTRACT_KEYS, what=f"scattered vs pulled rows ({combine} combine): ")
 
 
+@gpu
+@pytest.mark.parametrize("combine", ["push", "pull"])
+def test_cuda_one_rank_recompute_scatters_token_rows(combine, monkeypatch):
+    """The recompute of a forward's context at one rank on the chain in one macrobatch runs the
+    experts as the forward does (_scattered_experts: x scattered by the table's addresses, then the
+    GEMMs without outputs) and gives the forward's context bitwise, and the same gradients."""
+    T, H, I, E, K = 45, 128, 64, 8, 3
+    if not native.gpu_forward_kernels(config(backend="cuda"), torch.device("cuda"), H, I, 1):
+        pytest.skip("mok-bf16's grouped forward needs an sm_90 GPU and a CUDA build of mok-bf16")
+    calls: list[bool] = []
+    real = native.NativeBackend._scattered_experts
+
+    def scattered_experts(self, *a, **k):
+        calls.append(a[-1] is not None)  # whether y rows were asked for (the forward) or not (a recompute)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(native.NativeBackend, "_scattered_experts", scattered_experts)
+    inp = make_inputs(T, H, I, E, K, 16, "skewed", seed=12).to("cuda")
+    cfg = config(backend="cuda", expert_alignment=64, megakernel=False, combine=combine)
+    ws = mok.get_workspace(cfg, None, device="cuda", max_tokens=T, hidden_size=H, topk=K, num_experts=E)
+    sched = mok.build_schedule(ws, cfg, inp.top_experts_TK)
+    _, ctx = mok.forward(cfg, ws, sched, inp.x_TH, inp.router_weights_TK, inp.routed, inp.shared)
+    again = mok.recompute_forward_context(cfg, ws, sched, inp.x_TH, inp.routed, inp.shared)
+    assert calls == [True, False], calls
+    for name in ("x_routed_MH", "a_MI", "b_MI", "shared_a_TIs", "shared_b_TIs"):
+        assert torch.equal(getattr(ctx, name), getattr(again, name)), name
+    args = (inp.dy_TH, inp.x_TH, inp.router_weights_TK, inp.routed, inp.shared)
+    g1 = mok.backward(cfg, ws, sched, ctx, *args)
+    g2 = mok.backward(cfg, ws, sched, again, *args)
+    for a, b in zip(
+        torch.utils._pytree.tree_leaves(tuple(g1)), torch.utils._pytree.tree_leaves(tuple(g2)), strict=True
+    ):
+        assert torch.equal(a, b)
+
+
 @two_gpus
 def test_cuda_backend_with_gpu_gemms_across_gpus():
     """EP 2 on two GPUs gives EP 1's bits with the tensor-core GEMMs (every contract key), with
