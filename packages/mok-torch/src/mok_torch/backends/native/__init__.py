@@ -305,6 +305,12 @@ def _int32_routes(top_experts_TK: torch.Tensor, out: torch.Tensor | None = None)
     return top_experts_TK.to(torch.int32).contiguous()
 
 
+def _scatter_table(sched: Schedule) -> tuple[int, int, torch.Tensor]:
+    """What _scattered_experts reads of a schedule: route_row_TK's and row_src_rank_C's addresses
+    and the offsets (schedule_and_forward hands it the table's before the Schedule exists)."""
+    return sched.route_row_TK.data_ptr(), sched.row_src_rank_C.data_ptr(), sched.expert_offsets_El1
+
+
 def _bf16_rows(t_TH: torch.Tensor) -> torch.Tensor:
     """Token rows as the row movers read them: bf16, each row contiguous (what a copy into the
     transport's x_src / dy_src makes of them)."""
@@ -864,10 +870,10 @@ class NativeBackend:
     ) -> tuple[megakernel.Outputs, torch.Tensor | None]:
         """The routed experts over the ring: ((a, b, x rows), y rows in table order or None). The
         output rows go toward their routes (_give), except at one rank with a push combine and one
-        macrobatch on the GPU kernels, where the table-ordered y rows are returned for the combine
+        macrobatch on the FP8 kernels, where the table-ordered y rows are returned for the combine
         to read through each route's row (nothing moves: what the megakernel's forward and the
-        backward's direct path do). (Where the token rows are scattered, _scattered_experts runs
-        the experts instead.)"""
+        backward's direct path do). The BF16 kernels' case is _scattered_experts', which runs the
+        experts wherever the token rows are scattered (scatters_token_rows: the same condition)."""
         H, K, inner = ws.hidden_size, ws.topk, routed[2].shape[2]
         plan = self._rows_plan(cfg, ws, sched, inner)
         rows, offsets = plan.num_rows, plan.offsets
@@ -897,7 +903,7 @@ class NativeBackend:
         ring_h = torch.empty(ring_rows, inner, dtype=BF16, device=dev) if tensor_cores and outputs else None
         macrobatches = plan.macrobatches()
         direct = (
-            outputs and (tensor_cores or fp8_cores) and ws.world_size == 1 and cfg.combine == "push"
+            outputs and fp8_cores and ws.world_size == 1 and cfg.combine == "push"
             and len(macrobatches) == 1
         )  # fmt: skip
         table_y: torch.Tensor | None = None
@@ -936,9 +942,7 @@ class NativeBackend:
                 launch_forward(xs, seg, kernel_weights[0], kernel_weights[1], wd,
                                GroupedForward(ring_a[:n], ring_b[:n], h, y_rows), limit=cfg.swiglu_limit,
                                with_h=outputs, zero_outside=True)  # fmt: skip
-                if direct:
-                    table_y = y_rows
-                elif y_rows is not None:
+                if y_rows is not None:
                     self._give(cfg, tr, sched, y_rows, "rows", "y_send", lo, nw)
                 continue
             for mlo, mhi in plan.minibatches(lo, hi):
@@ -1051,8 +1055,7 @@ class NativeBackend:
             return rest(self._megakernel_launch(cfg, ws, tr, *table, x_TH, routed), None)
         if scatters_token_rows(cfg, ws, routed[2].shape[2], path):  # one rank: nothing to send first
             y_rows = self._y_rows(cfg, tr, 0, ws.capacity, ws.hidden_size, ws.device)  # a pull combine's y_send
-            out = self._scattered_experts(cfg, ws, tr, sched.route_row_TK.data_ptr(), sched.row_src_rank_C.data_ptr(),
-                                          sched.expert_offsets_El1, x_TH, routed, y_rows)  # fmt: skip
+            out = self._scattered_experts(cfg, ws, tr, *_scatter_table(sched), x_TH, routed, y_rows)
             table_y = y_rows if cfg.combine == "push" else None
         else:
             self._send_inputs(cfg, ws, tr, sched, x=x_TH)
@@ -1111,8 +1114,7 @@ class NativeBackend:
     ) -> ForwardContext:
         tr = self._transport(ws, cfg)
         if scatters_token_rows(cfg, ws, routed[2].shape[2]):  # one rank: nothing to send, no peer to meet
-            out = self._scattered_experts(cfg, ws, tr, sched.route_row_TK.data_ptr(), sched.row_src_rank_C.data_ptr(),
-                                          sched.expert_offsets_El1, x_TH, routed, None)  # fmt: skip
+            out = self._scattered_experts(cfg, ws, tr, *_scatter_table(sched), x_TH, routed, None)
         else:
             self._send_inputs(cfg, ws, tr, sched, x=x_TH)
             tr.barrier(7)
