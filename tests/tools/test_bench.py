@@ -548,8 +548,9 @@ def test_mok_forward_on_the_gpu_gemms_is_timed_at_real_shapes(monkeypatch):
 
 
 def test_providers_are_timed_in_turns():
-    """time_in_turns: every call warmed up first, then iteration i of each before i + 1 of any;
-    a call that raises is reported with its exception and the others go on."""
+    """time_in_turns: every call warmed up first, then iteration i of each before i + 1 of any, in
+    balanced_turns' orders (a b c, then a c b); a call that raises is reported with its exception
+    and the others go on; preceded_by names the call that ran before each timed one."""
     from mok_torch.bench.timing import Ranks, time_in_turns
 
     calls: list[str] = []
@@ -563,12 +564,33 @@ def test_providers_are_timed_in_turns():
         return fn
 
     ranks = Ranks(torch.device("cpu"), None, 0, 1)
-    got = time_in_turns(ranks, {"a": call("a"), "b": call("b", fail_on=3), "c": call("c")}, iters=3, warmup=1)
-    assert calls == ["a", "b", "c", "a", "b", "c", "a", "b", "c", "a", "c"]
+    before: dict[str, list[str | None]] = {}
+    got = time_in_turns(
+        ranks, {"a": call("a"), "b": call("b", fail_on=3), "c": call("c")}, iters=3, warmup=1, preceded_by=before
+    )
+    assert calls == ["a", "b", "c", "a", "b", "c", "a", "c", "b", "a", "c"]
     assert isinstance(got["b"], RuntimeError) and "b broke" in str(got["b"])
     for name in ("a", "c"):
         times = got[name]
         assert isinstance(times, list) and len(times) == 3 and all(t >= 0 for t in times)
+    assert before == {"a": ["c", "c", "b"], "b": ["a"], "c": ["b", "a", "a"]}
+
+
+@pytest.mark.parametrize("n", range(1, 8))
+def test_balanced_turns_put_every_call_after_every_other_equally_often(n):
+    """balanced_turns(n): permutations of range(n) whose cyclic concatenation has every ordered
+    pair of two different calls once and no call after itself (n >= 2)."""
+    from collections import Counter
+
+    from mok_torch.bench.timing import balanced_turns
+
+    orders = balanced_turns(n)
+    assert all(sorted(o) == list(range(n)) for o in orders)
+    seq = [c for o in orders for c in o]
+    pairs = Counter((seq[i], seq[(i + 1) % len(seq)]) for i in range(len(seq)))
+    if n >= 2:
+        assert pairs == Counter({(a, b): 1 for a in range(n) for b in range(n) if a != b})
+    assert balanced_turns(n) == orders  # the same orders every run
 
 
 def test_back_to_back_times_a_call_among_calls_issued_together():

@@ -82,6 +82,7 @@ def _empty_row(shape: Shape, routing: str, provider: Provider, ranks: Ranks) -> 
         "reason": None,
         "ms": {},
         "times_ms": {},
+        "preceded_by": {},
         "tflops": {},
         "floor": {},
         "floor_fraction": {},
@@ -172,9 +173,11 @@ def measure_case(
         live = {i: passes[p] for i, (_, passes) in runs.items() if rows[i]["status"] == "ok"}
         if progress is not None:
             progress.set_postfix_str(f"{call.shape.name} {call.routing} {p}")
+        preceded_by: dict[str, list[str | None]] = {}
         timed = time_in_turns(
-            ranks, {str(i): fn for i, fn in live.items()}, iters=opts.iters, warmup=opts.warmup, before=call.drop_grads
-        )
+            ranks, {str(i): fn for i, fn in live.items()}, iters=opts.iters, warmup=opts.warmup, before=call.drop_grads,
+            preceded_by=preceded_by,
+        )  # fmt: skip
         for key, times in timed.items():
             row = rows[int(key)]
             if isinstance(times, Exception):
@@ -182,6 +185,7 @@ def measure_case(
                 continue
             ms = median(times)
             row["times_ms"][p] = times
+            row["preceded_by"][p] = [None if k is None else providers[int(k)].name for k in preceded_by.get(key, [])]
             row["ms"][p] = ms
             row["tflops"][p] = floors.pass_flops(call.shape, p) / (ms * 1e-3) / 1e12
             floor = layer_floors[providers[int(key)].precision][p]

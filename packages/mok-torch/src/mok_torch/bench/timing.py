@@ -164,6 +164,45 @@ def back_to_back_ms(
     return median(reduce_max(ranks, per_call))
 
 
+def balanced_turns(n: int) -> list[list[int]]:
+    """Orders of n calls for consecutive iterations of time_in_turns, used cyclically: each order
+    a permutation of range(n), and in the orders' cyclic concatenation every call follows every
+    other call equally often and never itself. So no call always runs right after the same one
+    (a long, hot call ahead leaves the device's power budget lower for the next: session 28's
+    reading of the H200). n <= 2: one order ([0, 1] alternates already); n >= 3: n - 1 orders, each
+    ordered pair of two calls once, found by a search (depth-first, deterministic), or rotations
+    of range(n) where the search gives up (n > 7)."""
+    if n <= 2:
+        return [list(range(n))]
+    seq: list[int] = [0]
+    used: set[tuple[int, int]] = set()
+    length = n * (n - 1)
+    budget = [200_000]
+
+    def extend() -> bool:
+        if len(seq) == length:
+            return (seq[-1], seq[0]) not in used and seq[-1] != seq[0]
+        budget[0] -= 1
+        if budget[0] < 0:
+            return False
+        block = seq[len(seq) - len(seq) % n :]
+        for c in range(n):
+            pair = (seq[-1], c)
+            if c in block or c == seq[-1] or pair in used:
+                continue
+            seq.append(c)
+            used.add(pair)
+            if extend():
+                return True
+            used.discard(pair)
+            seq.pop()
+        return False
+
+    if n <= 7 and extend():
+        return [seq[i : i + n] for i in range(0, length, n)]
+    return [[(i + j) % n for j in range(n)] for i in range(n)]
+
+
 def time_in_turns(
     ranks: Ranks,
     fns: dict[str, Callable[[], Any]],
@@ -171,37 +210,53 @@ def time_in_turns(
     iters: int,
     warmup: int,
     before: Callable[[], None] | None = None,
+    preceded_by: dict[str, list[str | None]] | None = None,
 ) -> dict[str, list[float] | Exception]:
     """Per-iteration times in ms of several calls taken in turns: after each call's `warmup`
     untimed runs, iteration i of every call is timed before iteration i + 1 of any (each as
     time_ms times one iteration). The device's clock and power state drift over a run (the
     H200's power cap engages after seconds of load): in turns, the drift falls on every call
-    alike instead of on whichever ran last. `before()` runs ahead of every call, untimed. A call
+    alike instead of on whichever ran last. The order within an iteration changes from one
+    iteration to the next (balanced_turns), so that each call follows each other one equally
+    often: what a call leaves behind (the device's heat, its power budget) falls on every call
+    alike too. `preceded_by`, when given, gets for each call the name of the call that ran just
+    before each of its timed iterations (None: none did). `before()` runs ahead of every call, untimed. A call
     that raises gets its exception instead of times; the others go on.
     """
     results: dict[str, list[float] | Exception] = {}
     live: dict[str, Callable[[], Any]] = {}
+    last: str | None = None
     for name, fn in fns.items():
         try:
             for _ in range(warmup):
                 if before is not None:
                     before()
                 fn()
+                last = name
             synchronize(ranks)
         except Exception as exc:  # reported by the caller, not dropped (its frames let go)
             results[name] = exc.with_traceback(None)
             continue
         live[name] = fn
         results[name] = []
-    for _ in range(iters):
-        for name, fn in list(live.items()):
+    names = list(fns)
+    orders = balanced_turns(len(names))
+    for it in range(iters):
+        for name in [names[j] for j in orders[it % len(orders)]]:
+            fn = live.get(name)
+            if fn is None:
+                continue
             try:
                 times = time_ms(ranks, fn, iters=1, warmup=0, before=before)
             except Exception as exc:
                 results[name] = exc.with_traceback(None)
                 del live[name]
+                last = name
                 continue
             kept = results[name]
             assert isinstance(kept, list)
             kept.extend(times)
+            if preceded_by is not None:
+                preceded_by.setdefault(name, []).append(last)
+            last = name
     return results
