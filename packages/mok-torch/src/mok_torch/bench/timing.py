@@ -243,11 +243,10 @@ def time_in_turns(
     orders = balanced_turns(len(names))
     for it in range(iters):
         for name in [names[j] for j in orders[it % len(orders)]]:
-            fn = live.get(name)
-            if fn is None:
+            if name not in live:
                 continue
             try:
-                times = time_ms(ranks, fn, iters=1, warmup=0, before=before)
+                times = time_ms(ranks, live[name], iters=1, warmup=0, before=before)
             except Exception as exc:
                 results[name] = exc.with_traceback(None)
                 del live[name]
