@@ -626,3 +626,13 @@ def test_untrustworthy_times_are_flagged():
     noisy = timing_warnings([row(1.0, 3.0, [1.0, 228.0])])
     assert len(noisy) == 1 and "spread 1-228 ms (228.0x)" in noisy[0]
     assert timing_warnings([{"status": "skipped"}]) == []
+    # times that depend on the call before (medians 1.0 after a, 1.1 after b: 10 % apart)
+    after = dict(row(1.0, 3.0, [1.0, 1.1, 1.0, 1.1]), preceded_by={"forward": ["a", "b", "a", "b"]})
+    moved = timing_warnings([after])
+    assert moved == [
+        "quick balanced mok forward: its time depends on the call before it (after a 1 ms, after b 1.1 ms)"
+    ]
+    after["preceded_by"]["forward"] = ["a", "b", None, "a"]  # 1.0, 1.05 after a: within 3 %; None left out
+    assert timing_warnings([dict(after, times_ms={"forward": [1.0, 1.02, 1.5, 1.05]})]) == []
+    after["preceded_by"]["forward"] = ["a"]  # a record of another length: nothing to group
+    assert timing_warnings([after]) == []

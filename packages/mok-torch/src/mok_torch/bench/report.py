@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from .timing import median
+
 COLUMNS = (
     "shape",
     "routing",
@@ -210,12 +212,28 @@ def write_component(doc: dict[str, Any], out: str | Path, what: str) -> Path:
 
 # A row whose timed iterations spread more than this (slowest / fastest) is flagged.
 NOISY_SPREAD = 1.5
+# A provider whose medians after two different predecessors differ by more than this fraction
+# is flagged: the call before it left the device in a state that moves its time.
+PREDECESSOR_EFFECT = 0.03
+
+
+def predecessor_medians(times: Sequence[float], preceded_by: Sequence[str | None]) -> dict[str, float]:
+    """The median of a provider's iterations grouped by the call that ran before each (`preceded_by`
+    of the same length; iterations after no call, or without a record, left out), by name."""
+    groups: dict[str, list[float]] = {}
+    if len(preceded_by) == len(times):
+        for t, name in zip(times, preceded_by, strict=True):
+            if name is not None:
+                groups.setdefault(name, []).append(t)
+    return {name: median(ts) for name, ts in sorted(groups.items())}
 
 
 def timing_warnings(rows: Sequence[dict[str, Any]]) -> list[str]:
     """What makes a row's times untrustworthy, one line each: a forward slower than its forward +
     backward, or iterations that spread more than NOISY_SPREAD (a busy machine, too few
-    iterations). The ratios of such rows mean nothing."""
+    iterations): the ratios of such rows mean nothing. And a provider whose times depend on the
+    call that ran before it (medians by predecessor, `preceded_by`, more than PREDECESSOR_EFFECT
+    apart): its median, over every predecessor alike, holds; one order would not have."""
     out = []
     for r in rows:
         if r.get("status") != "ok":
@@ -233,6 +251,10 @@ def timing_warnings(rows: Sequence[dict[str, Any]]) -> list[str]:
                     f"{what} {p}: iterations spread {min(times):.3g}-{max(times):.3g} ms "
                     f"({max(times) / min(times):.1f}x): noisy, more --iters or a quieter machine"
                 )
+            by = predecessor_medians(times, r.get("preceded_by", {}).get(p, []))
+            if len(by) > 1 and max(by.values()) > (1 + PREDECESSOR_EFFECT) * min(by.values()):
+                after = ", ".join(f"after {name} {ms:.3g} ms" for name, ms in by.items())
+                out.append(f"{what} {p}: its time depends on the call before it ({after})")
     return out
 
 
