@@ -87,7 +87,78 @@ def test_megakernel_is_the_default_path_at_one_rank():
     assert path(macrobatch_size=128) == ("tensor-cores", "tensor-cores")  # a replay keeps the chain
 
 
+def test_megakernel_takes_a_and_b_together():
+    """out_a and out_b are both given (the context) or both 0 (a forward no backward follows)."""
+    mok_bf16 = pytest.importorskip("mok_bf16", reason="mok-bf16 is not installed")
+    args = dict(x=16, row_route=16, offsets=16, w_gate=16, w_up=16, w_down=16, out_a=16, out_b=0, scratch_h=16,
+                out_rows=16, task_state=16, error=16, capacity=128, num_tokens=64, hidden=128, inner=64,
+                num_experts=4, topk=2)  # fmt: skip
+    for a, b in ((16, 0), (0, 16)):
+        with pytest.raises(ValueError, match="out_a and out_b must both be given or both be 0"):
+            mok_bf16.moe_forward("cpu", **{**args, "out_a": a, "out_b": b})
+
+
 # ------------------------------------------------------------------ GPU
+
+
+@needs_gpu
+@pytest.mark.parametrize("T,H,I,E,K,Is,routing,limit", CASES)
+def test_megakernel_without_autograd_keeps_no_context(T, H, I, E, K, Is, routing, limit):
+    """mok.moe under torch.no_grad on the megakernel's path launches it without a context (no a, b or
+    x rows stored: megakernel.moe_forward returns None) and gives the autograd call's y bit for bit."""
+    inp = make_inputs(T, H, I, E, K, Is, routing, seed=T + 4).to("cuda")
+    cfg = cuda_config(swiglu_limit=limit)
+    args = (inp.x_TH, inp.top_experts_TK, inp.router_weights_TK, inp.routed, inp.shared)
+    x = inp.x_TH.clone().requires_grad_()
+    want = mok.moe(x, *args[1:], config=cfg)
+    launches = []
+    real = megakernel.moe_forward
+
+    def spy(*a, **kw):
+        out = real(*a, **kw)
+        launches.append((kw.get("context", True), out))
+        return out
+
+    megakernel.moe_forward = spy
+    try:
+        with torch.no_grad():
+            got = mok.moe(*args, config=cfg)
+    finally:
+        megakernel.moe_forward = real
+    assert [(c, o) for c, o in launches] == [(False, None)]
+    assert torch.equal(got, want.detach())
+
+
+@needs_gpu
+@pytest.mark.parametrize(
+    "T,H,I,E,K,routing",
+    [(300, 256, 192, 8, 4, "skewed"), (1, 128, 64, 4, 1, "worst"), (150, 128, 256, 16, 2, "sparse")],
+)
+def test_megakernel_launch_without_context_writes_the_same_rows(T, H, I, E, K, routing):
+    """megakernel.moe_forward(context=False): no a, b or x rows (null pointers: a store through one
+    would fault), every route's output row the full launch's, bit for bit; the state left zero."""
+    inp = make_inputs(T, H, I, E, K, 0, routing, seed=5).to("cuda")
+    cfg = cuda_config()
+    ws = mok.create_workspace(cfg, None, device="cuda", max_tokens=T, hidden_size=H, topk=K, num_experts=E)
+    sched = mok.build_schedule(ws, cfg, inp.top_experts_TK)
+
+    def launch(context):
+        rows = torch.full((T * K, H), float("nan"), dtype=torch.bfloat16, device="cuda")
+        error = torch.zeros(4, dtype=torch.int32, device="cuda")
+        out = megakernel.moe_forward(
+            ws, sched.row_route_C.data_ptr(), sched.expert_offsets_El1.data_ptr(), inp.x_TH, inp.routed, rows, error,
+            limit=None, timeout_ns=int(30e9), context=context,
+        )  # fmt: skip
+        torch.cuda.synchronize()
+        return out, rows, error
+
+    full, rows, error = launch(True)
+    none, rows_alone, error_alone = launch(False)
+    assert full is not None and none is None
+    assert int(error[0]) == 0 and int(error_alone[0]) == 0
+    assert not bool(megakernel.task_state(ws).any())
+    assert not bool(rows_alone.isnan().any()), "every route's row is written"
+    assert torch.equal(rows, rows_alone)
 
 
 @needs_gpu

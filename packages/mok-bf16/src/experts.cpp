@@ -340,6 +340,11 @@ void moe_forward(std::string_view device, const MoeForwardArgs& a, std::uintptr_
   if (a.num_tokens > std::numeric_limits<std::int32_t>::max() / a.topk) {
     invalid(fn, "num_tokens * topk must fit int32 (the table's routes)");
   }
+  if ((a.out_a == 0) != (a.out_b == 0)) {
+    invalid(fn,
+            "out_a and out_b must both be given or both be 0 (no context: a forward that no "
+            "backward follows)");
+  }
   if (kind != Device::kCuda) {
     throw std::runtime_error(
         "moe_forward: the megakernel runs on CUDA only (device=\"cuda\"); on the CPU the native "
@@ -353,8 +358,8 @@ void moe_forward(std::string_view device, const MoeForwardArgs& a, std::uintptr_
   check_pointer(fn, "w_gate", a.w_gate, 16, true);
   check_pointer(fn, "w_up", a.w_up, 16, true);
   check_pointer(fn, "w_down", a.w_down, 16, true);
-  check_pointer(fn, "out_a", a.out_a, 16, rows);
-  check_pointer(fn, "out_b", a.out_b, 16, rows);
+  check_pointer(fn, "out_a", a.out_a, 16, false);
+  check_pointer(fn, "out_b", a.out_b, 16, false);
   check_pointer(fn, "scratch_h", a.scratch_h, 16, rows);
   check_pointer(fn, "out_rows", a.out_rows, 16, a.num_tokens > 0);
   check_pointer(fn, "out_x", a.out_x, 16, false);

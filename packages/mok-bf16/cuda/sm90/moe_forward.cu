@@ -250,6 +250,7 @@ __device__ inline void store_piece(const Params& p, const Pending& pend, int con
   if (task.kind == kGateUp) {
     constexpr int kUpBlocks = kGateUpN / 8;
     std::uint16_t* const to = kChunk < kDrainChunks / 2 ? p.a : p.b;
+    if (to == nullptr) return;  // no context kept (a forward that no backward follows)
     gemm::for_each_vector_in_chunk<kChunk>(pend.words, [&](int, int r, int j, const uint4& v) {
       const int row = task.row0 + 64 * consumer + r;
       const int col = task.col0 + 8 * (j % kUpBlocks);
@@ -560,18 +561,20 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // The pre-activations and x rows past the last segment (the capacity's tail) are zeroed, so
-  // every byte of a, b and x_out is written by the launch.
+  // every byte of a, b and x_out is written by the launch (where they are asked for).
   {
     const int end = p.offsets[p.num_experts];
     const int from = end < 0 ? 0 : (end > p.capacity ? p.capacity : end);
     const std::int64_t vectors = static_cast<std::int64_t>(p.capacity - from) * p.inner / 8;
     const std::int64_t step = static_cast<std::int64_t>(gridDim.x) * 256;
     const std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * 256 + (threadIdx.x - 128);
-    uint4* a = reinterpret_cast<uint4*>(p.a + static_cast<std::int64_t>(from) * p.inner);
-    uint4* b = reinterpret_cast<uint4*>(p.b + static_cast<std::int64_t>(from) * p.inner);
-    for (std::int64_t v = first; v < vectors; v += step) {
-      a[v] = make_uint4(0, 0, 0, 0);
-      b[v] = make_uint4(0, 0, 0, 0);
+    if (p.a != nullptr) {
+      uint4* a = reinterpret_cast<uint4*>(p.a + static_cast<std::int64_t>(from) * p.inner);
+      uint4* b = reinterpret_cast<uint4*>(p.b + static_cast<std::int64_t>(from) * p.inner);
+      for (std::int64_t v = first; v < vectors; v += step) {
+        a[v] = make_uint4(0, 0, 0, 0);
+        b[v] = make_uint4(0, 0, 0, 0);
+      }
     }
     if (p.x_rows.copy_to != nullptr) {
       const std::int64_t x_vectors = static_cast<std::int64_t>(p.capacity - from) * p.hidden / 8;

@@ -78,7 +78,7 @@ def moe(
         if known is not None:
             ws, generation = cast(tuple[Workspace, int], known)
             if generation == cache_generation() and ws.group is group:
-                return Layer.apply(cfg, ws, signature, top_experts, x, router_weights, *routed, *s)
+                return _eager(cfg, ws, signature, top_experts, x, router_weights, routed, s)
     if not isinstance(cfg, MoKConfig):
         raise TypeError(f"config must be a MoKConfig, got {type(cfg).__name__}")
     check_tensor("x", x, dtypes=FLOAT_DTYPES, shape=[("T", None), ("H", None)], contiguous=False)
@@ -127,7 +127,7 @@ def moe(
             cfg, group, device=x.device, max_tokens=max_tokens, hidden_size=H, topk=top_experts.shape[1],
             num_experts=num_experts,
         )  # fmt: skip
-        y = Layer.apply(cfg, ws, signature, top_experts, x, router_weights, *routed, *s)
+        y = _eager(cfg, ws, signature, top_experts, x, router_weights, routed, s)
         if given_max_tokens is not None or group is None:  # (else an all-reduce agrees on it each call)
             _CALLS.add(cfg, (signature, id(group), given_max_tokens), (ws, cache_generation()))
         return y
@@ -135,6 +135,20 @@ def moe(
     schedule = torch.ops.mok.build_schedule(top_experts.contiguous(), name, max_tokens, H, num_experts, cfg.key)
     outputs = torch.ops.mok.forward(x, router_weights, *routed, *s, schedule, top_experts, name, max_tokens, cfg.key)
     return outputs[0]
+
+
+def _eager(
+    cfg: MoKConfig, ws: Workspace, signature: tuple | None, top_experts: torch.Tensor, x: torch.Tensor,
+    router_weights: torch.Tensor, routed: Weights3, shared: tuple[torch.Tensor | None, ...],
+) -> torch.Tensor:  # fmt: skip
+    """An eager call: through autograd (Layer) where a gradient may be asked for, else the forward
+    alone with no context kept (autograd off, as under torch.no_grad or inference_mode, or no
+    input that requires a gradient): the same y, without the stores only a backward reads."""
+    if torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, router_weights, *routed, *shared)
+    ):
+        return Layer.apply(cfg, ws, signature, top_experts, x, router_weights, *routed, *shared)
+    return ops.run_forward_only(cfg, ws, top_experts, x, router_weights, routed, shared, signature)
 
 
 class Layer(torch.autograd.Function):

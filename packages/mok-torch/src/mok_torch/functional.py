@@ -8,7 +8,7 @@ backend `config.backend` resolves to. `mok_torch.moe` wraps them in autograd.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any, Literal, cast, overload
 
 import torch
 
@@ -270,19 +270,36 @@ def schedule_and_forward(
     return _schedule_and_forward(cfg, ws, top_experts, x, router_weights, routed, shared, signature)
 
 
+@overload
 def _schedule_and_forward(
     cfg: MoKConfig, ws: Workspace, top_experts: torch.Tensor, x: torch.Tensor, router_weights: torch.Tensor,
-    routed: Weights3, shared: Weights3 | None, signature: tuple | None,
-) -> tuple[Schedule, torch.Tensor, ForwardContext]:  # fmt: skip
+    routed: Weights3, shared: Weights3 | None, signature: tuple | None, *, context: Literal[True] = True,
+) -> tuple[Schedule, torch.Tensor, ForwardContext]: ...  # fmt: skip
+
+
+@overload
+def _schedule_and_forward(
+    cfg: MoKConfig, ws: Workspace, top_experts: torch.Tensor, x: torch.Tensor, router_weights: torch.Tensor,
+    routed: Weights3, shared: Weights3 | None, signature: tuple | None, *, context: bool,
+) -> tuple[Schedule, torch.Tensor, ForwardContext | None]: ...  # fmt: skip
+
+
+def _schedule_and_forward(
+    cfg: MoKConfig, ws: Workspace, top_experts: torch.Tensor, x: torch.Tensor, router_weights: torch.Tensor,
+    routed: Weights3, shared: Weights3 | None, signature: tuple | None, *, context: bool = True,
+) -> tuple[Schedule, torch.Tensor, ForwardContext | None]:  # fmt: skip
     """schedule_and_forward with the caller's signature: of these arguments, or of those they were
-    made from without a change of any signature's outcome (mok.moe's, before x becomes bf16)."""
+    made from without a change of any signature's outcome (mok.moe's, before x becomes bf16).
+    Without `context` (a forward that no backward follows: mok.moe without autograd) the context
+    is None, and a backend that can skips storing what only the backward reads."""
     te, backend = _checked_forward_call(cfg, ws, top_experts, x, router_weights, routed, shared, signature)
     routed_t, shared_t = tuple(routed), None if shared is None else tuple(shared)
     fused = getattr(backend, "schedule_and_forward", None)
     if fused is not None:
-        return fused(cfg, ws, te, x, router_weights, routed_t, shared_t)  # type: ignore[no-any-return]
+        return fused(cfg, ws, te, x, router_weights, routed_t, shared_t, context=context)  # type: ignore[no-any-return]
     sched = backend.build_schedule(ws, cfg, te)
-    return (sched, *backend.forward(cfg, ws, sched, x, router_weights, routed_t, shared_t))
+    y, ctx = backend.forward(cfg, ws, sched, x, router_weights, routed_t, shared_t)
+    return sched, y, ctx if context else None
 
 
 def forward(

@@ -109,7 +109,7 @@ def run_forward(
     mok.moe runs outside torch.compile (autograd.Layer, through run_schedule_forward), so both
     give the same bits."""
     y, ctx = functional.forward(cfg, ws, sched, *_forward_args(x, router_weights, routed, shared))
-    return (y if y.dtype == x.dtype else y.to(x.dtype)), ctx
+    return _like(y, x), ctx
 
 
 def run_schedule_forward(
@@ -121,7 +121,23 @@ def run_schedule_forward(
     router_weights, routed, shared) as given here (the conversions below change no check's outcome)."""
     xb, w, routed_b, shared_b = _forward_args(x, router_weights, routed, shared)
     sched, y, ctx = functional._schedule_and_forward(cfg, ws, top_experts, xb, w, routed_b, shared_b, signature)
-    return sched, (y if y.dtype == x.dtype else y.to(x.dtype)), ctx
+    return sched, _like(y, x), ctx
+
+
+def run_forward_only(
+    cfg: MoKConfig, ws: Workspace, top_experts: torch.Tensor, x: torch.Tensor, router_weights: torch.Tensor,
+    routed: tuple[torch.Tensor, ...], shared: tuple[torch.Tensor | None, ...], signature: tuple | None,
+) -> torch.Tensor:  # fmt: skip
+    """run_schedule_forward for a forward that no backward follows: y in x's dtype, no context
+    kept (the megakernel then stores neither the routed x nor the pre-activations)."""
+    xb, w, routed_b, shared_b = _forward_args(x, router_weights, routed, shared)
+    y = functional._schedule_and_forward(cfg, ws, top_experts, xb, w, routed_b, shared_b, signature, context=False)[1]
+    return _like(y, x)
+
+
+def _like(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """y in x's dtype (the kernels' y is bf16)."""
+    return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 def _forward_args(

@@ -44,7 +44,7 @@ import functools
 import importlib
 import logging
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, overload
 
 import torch
 
@@ -81,6 +81,7 @@ from .mxfp8_grouped import (
 from .transport import Transport
 
 Weights3 = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+SharedContext = tuple[torch.Tensor | None, torch.Tensor | None]  # the shared expert's a, b (None: none)
 log = logging.getLogger("mok")
 
 
@@ -671,14 +672,15 @@ class NativeBackend:
 
     def schedule_and_forward(
         self, cfg: MoKConfig, ws: Workspace, top_experts_TK: torch.Tensor, x_TH: torch.Tensor,
-        router_weights_TK: torch.Tensor, routed: Weights3, shared: Weights3 | None,
-    ) -> tuple[Schedule, torch.Tensor, ForwardContext]:  # fmt: skip
+        router_weights_TK: torch.Tensor, routed: Weights3, shared: Weights3 | None, *, context: bool = True,
+    ) -> tuple[Schedule, torch.Tensor, ForwardContext | None]:  # fmt: skip
         """build_schedule then forward, the same bits, with the routed experts issued as soon as
         the schedule's table is: right after it, and the Schedule's tensors and send side
         (_source_side) after them, on the megakernel's path and at one rank on the chain when its
         token rows are scattered and the combine is a push (_scattered_experts); at one rank with
         a pull dispatch otherwise, the send side after the GEMMs. The device then starts the
-        experts that much earlier in a call from an idle GPU."""
+        experts that much earlier in a call from an idle GPU. Without `context` (a forward that no
+        backward follows) the context is None, and the megakernel stores no x rows, a or b."""
         with _on(ws):
             path = expert_path(cfg, ws, routed[2].shape[2])
             tr = self._transport(ws, cfg)
@@ -687,14 +689,17 @@ class NativeBackend:
                 _log_path(cfg, ws, path, "forward")
                 table = self._table(ws, tr, top_experts_TK, one_buffer=True)
                 y_rows = None  # the megakernel's: each route's row in the transport's rows, route order
+                out: megakernel.Outputs | None
                 if path.forward == "megakernel":
-                    out = self._megakernel_launch(cfg, ws, tr, table.row_route, table.offsets.data_ptr(), x_TH, routed)
+                    out = self._megakernel_launch(cfg, ws, tr, table.row_route, table.offsets.data_ptr(), x_TH, routed,
+                                                  context=context)  # fmt: skip
                 else:  # the GEMMs': in table order
                     y_rows = torch.empty(ws.capacity, ws.hidden_size, dtype=BF16, device=ws.device)
                     out = self._scattered_experts(cfg, ws, tr, table.route_row, table.row_src, table.offsets, x_TH,
                                                   routed, y_rows)  # fmt: skip
                 sched = self._source_side(ws, tr, top_experts_TK, table.tensors())
-                return (sched, *self._forward_rest(cfg, ws, sched, tr, x_TH, router_weights_TK, shared, out, y_rows))
+                y, shared_ab = self._forward_rest(cfg, ws, sched, tr, x_TH, router_weights_TK, shared, y_rows)
+                return sched, y, self._context(sched, out, shared_ab) if out is not None and context else None
             later = scatter or (ws.world_size == 1 and cfg.dispatch == "pull")
             arrays = self._table(ws, tr, top_experts_TK, one_buffer=True).tensors()
             sched = self._source_side(ws, tr, top_experts_TK, arrays, issue=not later)
@@ -702,7 +707,7 @@ class NativeBackend:
             if later:
                 source_side = functools.partial(self._issue_source_side, ws, tr, top_experts_TK, sched)
             y, ctx = self._forward_on(cfg, ws, tr, path, sched, x_TH, router_weights_TK, routed, shared, source_side)
-            return sched, y, ctx
+            return sched, y, ctx if context else None
 
     def recompute_forward_context(self, cfg: MoKConfig, ws: Workspace, *args: Any) -> ForwardContext:
         with _on(ws):
@@ -1052,7 +1057,9 @@ class NativeBackend:
         rest = functools.partial(self._forward_rest, cfg, ws, sched, tr, x_TH, router_weights_TK, shared)
         if path.forward == "megakernel":
             table = (sched.row_route_C.data_ptr(), sched.expert_offsets_El1.data_ptr())
-            return rest(self._megakernel_launch(cfg, ws, tr, *table, x_TH, routed), None)
+            out = self._megakernel_launch(cfg, ws, tr, *table, x_TH, routed)
+            y, shared_ab = rest(None)
+            return y, self._context(sched, out, shared_ab)
         if scatters_token_rows(cfg, ws, routed[2].shape[2], path):  # one rank: nothing to send first
             y_rows = self._y_rows(cfg, tr, 0, ws.capacity, ws.hidden_size, ws.device)  # a pull combine's y_send
             out = self._scattered_experts(cfg, ws, tr, *_scatter_table(sched), x_TH, routed, y_rows)
@@ -1061,33 +1068,49 @@ class NativeBackend:
             self._send_inputs(cfg, ws, tr, sched, x=x_TH)
             tr.barrier(3)
             out, table_y = self._routed_forward(cfg, ws, sched, tr, routed, outputs=True)
-        return rest(out, table_y, source_side=source_side, moved=table_y is None)
+        y, shared_ab = rest(table_y, source_side=source_side, moved=table_y is None)
+        return y, self._context(sched, out, shared_ab)
+
+    @overload
+    @staticmethod
+    def _megakernel_launch(
+        cfg: MoKConfig, ws: Workspace, tr: Transport, row_route: int, offsets: int, x_TH: torch.Tensor,
+        routed: Weights3, *, context: Literal[True] = True,
+    ) -> megakernel.Outputs: ...  # fmt: skip
+
+    @overload
+    @staticmethod
+    def _megakernel_launch(
+        cfg: MoKConfig, ws: Workspace, tr: Transport, row_route: int, offsets: int, x_TH: torch.Tensor,
+        routed: Weights3, *, context: bool,
+    ) -> megakernel.Outputs | None: ...  # fmt: skip
 
     @staticmethod
     def _megakernel_launch(
         cfg: MoKConfig, ws: Workspace, tr: Transport, row_route: int, offsets: int, x_TH: torch.Tensor,
-        routed: Weights3,
-    ) -> megakernel.Outputs:  # fmt: skip
+        routed: Weights3, *, context: bool = True,
+    ) -> megakernel.Outputs | None:  # fmt: skip
         """The megakernel on the table at those addresses (row_route_C's, expert_offsets_El1's): at
         one rank the routed experts in one launch, each route's row into the transport's `rows`
-        (route order), and the x rows it gathered in table order (the context's routed x, as the
-        chain's). No barrier (there is no peer)."""
+        (route order), and (with `context`) the x rows it gathered in table order (the context's
+        routed x, as the chain's) and the pre-activations. No barrier (there is no peer)."""
         return megakernel.moe_forward(
             ws, row_route, offsets, x_TH, routed, tr.view["rows"], tr.error, limit=cfg.swiglu_limit,
-            timeout_ns=tr.timeout_ns,
+            timeout_ns=tr.timeout_ns, context=context,
         )  # fmt: skip
 
     def _forward_rest(
         self, cfg: MoKConfig, ws: Workspace, sched: Schedule, tr: Transport, x_TH: torch.Tensor,
-        router_weights_TK: torch.Tensor, shared: Weights3 | None, out: megakernel.Outputs, y_rows: torch.Tensor | None,
+        router_weights_TK: torch.Tensor, shared: Weights3 | None, y_rows: torch.Tensor | None,
         *, source_side: Callable[[], None] | None = None, moved: bool = False,
-    ) -> tuple[torch.Tensor, ForwardContext]:  # fmt: skip
-        """What follows the routed experts' launch (`out`: the context's rows): the schedule's send
-        side where it is still owed (`source_side`), the shared expert, the combine, the error
-        snapshot. The combine reads each route's output row from the table-ordered `y_rows`
-        through the route's row (one rank: where the GEMMs left them), else from the transport's
-        `rows` in route order: where the megakernel wrote them, or with `moved` where they land
-        once every rank is past the barrier after the outputs (and a pull combine collected them)."""
+    ) -> tuple[torch.Tensor, SharedContext]:  # fmt: skip
+        """What follows the routed experts' launch: the schedule's send side where it is still owed
+        (`source_side`), the shared expert, the combine, the error snapshot; y and the shared
+        expert's context (a, b: None without one). The combine reads each route's output row from
+        the table-ordered `y_rows` through the route's row (one rank: where the GEMMs left them),
+        else from the transport's `rows` in route order: where the megakernel wrote them, or with
+        `moved` where they land once every rank is past the barrier after the outputs (and a pull
+        combine collected them)."""
         T, K, H = sched.num_tokens, sched.topk, ws.hidden_size
         if source_side is not None:
             source_side()
@@ -1101,7 +1124,11 @@ class NativeBackend:
                 self._collect(cfg, ws, tr, sched, d_w=False)
             y = self._combine(tr, ys, tr.view["rows"][: T * K], w, T, K, H)
         self._after_call(tr)
-        return y, ForwardContext(sched, self.name, out.x, out.a, out.b, shared_a, shared_b)
+        return y, (shared_a, shared_b)
+
+    def _context(self, sched: Schedule, out: megakernel.Outputs, shared_ab: SharedContext) -> ForwardContext:
+        """The context the backward reads: the routed rows' (`out`) and the shared expert's."""
+        return ForwardContext(sched, self.name, out.x, out.a, out.b, *shared_ab)
 
     def _recompute_forward_context(
         self,
@@ -1122,7 +1149,7 @@ class NativeBackend:
         _, shared_a, shared_b = self._shared_forward(cfg, x_TH, shared, outputs=False)
         tr.barrier(8)  # every rank has pulled: x_src may be rewritten
         self._after_call(tr)
-        return ForwardContext(sched, self.name, out.x, out.a, out.b, shared_a, shared_b)
+        return self._context(sched, out, (shared_a, shared_b))
 
     # ------------------------------------------------------------------ backward
 

@@ -70,10 +70,12 @@ def moe_forward(
     num_sms: int = 0,
     inject_missing_dependency: bool = False,
     timers: torch.Tensor | None = None,
-) -> Outputs:
+    context: bool = True,
+) -> Outputs | None:
     """The routed experts of one call: y of every route into rows_out [>= T*K, H] (row t*K + k);
     returned, the pre-activations a, b [C, I] and the x rows [C, H] of every table row (Outputs:
-    the context the backward reads, so that it moves no rows).
+    the context the backward reads, so that it moves no rows). Without `context` (a forward that no
+    backward follows) the launch stores none of them and None is returned: y's bits are the same.
 
     row_route_C and expert_offsets_El1: the addresses of the schedule table's arrays of those names
     (Schedule's fields: the table alone, which the backend issues before the rest of the schedule,
@@ -94,19 +96,24 @@ def moe_forward(
     El, inner = wg.shape[:2]
     C = ws.capacity
     dev = x_TH.device
-    a = torch.empty(C, inner, dtype=BF16, device=dev)
-    b = torch.empty(C, inner, dtype=BF16, device=dev)
-    x_rows = torch.empty(C, H, dtype=BF16, device=dev)
+    out = None
+    if context:
+        out = Outputs(
+            torch.empty(C, inner, dtype=BF16, device=dev),
+            torch.empty(C, inner, dtype=BF16, device=dev),
+            torch.empty(C, H, dtype=BF16, device=dev),
+        )
+    a, b, x_rows = (0, 0, 0) if out is None else (t.data_ptr() for t in out)
     h = _scratch_h(ws, inner)
     mok_bf16.moe_forward(
         "cuda", x_TH.data_ptr(), row_route_C, expert_offsets_El1,
-        wg.data_ptr(), wu.data_ptr(), wd.data_ptr(), a.data_ptr(), b.data_ptr(), h.data_ptr(),
+        wg.data_ptr(), wu.data_ptr(), wd.data_ptr(), a, b, h.data_ptr(),
         rows_out.data_ptr(), task_state(ws).data_ptr(), error.data_ptr(), C, T, H, inner, El, ws.topk,
         limit=limit, num_sms=num_sms, timeout_ns=timeout_ns, stage=STAGE, rank=ws.rank,
         inject_missing_dependency=inject_missing_dependency, stream=current_stream_handle(dev),
-        timers=0 if timers is None else timers.data_ptr(), out_x=x_rows.data_ptr(),
+        timers=0 if timers is None else timers.data_ptr(), out_x=x_rows,
     )  # fmt: skip
-    return Outputs(a, b, x_rows)
+    return out
 
 
 def _check_timers(timers: torch.Tensor, device: torch.device, num_sms: int) -> None:
