@@ -12,8 +12,8 @@ default config, the bench's inputs (x and the weights require gradients):
 
 Each is timed with the bench's helpers: the median of --iters iterations from an idle device, the
 two taken in balanced turns (timing.time_in_turns), the time per call of 10 calls issued back to
-back (the median of 8 rounds, the two in turns, each round's order the last one's reversed), and
-its peak memory above what was allocated before the call. Prints a
+back (the median of 8 rounds, the two's rounds in turns: timing.back_to_back_in_turns), and its
+peak memory above what was allocated before the call. Prints a
 table; --out writes the figures as JSON (schema "mok-probe-forward-only/1").
 """
 
@@ -32,7 +32,7 @@ from mok_torch.bench.inputs import make_call, make_weights
 from mok_torch.bench.report import device_info, git_state, versions
 from mok_torch.bench.runner import peak_mib
 from mok_torch.bench.shapes import resolve_shapes
-from mok_torch.bench.timing import Ranks, back_to_back_ms, median, time_in_turns
+from mok_torch.bench.timing import Ranks, back_to_back_in_turns, median, time_in_turns
 
 DEFAULT_SHAPES = ("sonic-7b", "qwen3-30b-a3b", "deepseek-v3-e32")
 B2B_ROUNDS = 8
@@ -54,22 +54,18 @@ def measure(shape_name: str, ranks: Ranks, iters: int) -> dict[str, Any]:
     runs = {"autograd": autograd, "no_grad": no_grad}
     assert torch.equal(autograd().detach(), no_grad()), "the two give different bits"
     timed = time_in_turns(ranks, runs, iters=iters, warmup=5)
-    # Back to back in rounds of 10 calls, the two in turns and each round's order the other's
-    # reversed, so that neither always runs on the device state the other left.
-    b2b: dict[str, list[float]] = {name: [] for name in runs}
-    for r in range(B2B_ROUNDS):
-        for name in list(runs)[:: 1 if r % 2 == 0 else -1]:
-            b2b[name].append(back_to_back_ms(ranks, runs[name], rounds=1))
+    b2b = back_to_back_in_turns(ranks, runs, rounds=B2B_ROUNDS)
     row: dict[str, Any] = {"shape": shape.describe()}
     for name, fn in runs.items():
-        times = timed[name]
+        times, per_call = timed[name], b2b[name]
         if isinstance(times, Exception):
             raise times
+        if isinstance(per_call, Exception):
+            raise per_call
         row[name] = {
             "ms": median(times),
             "times_ms": times,
-            "back_to_back_ms": median(b2b[name]),
-            "back_to_back_rounds_ms": b2b[name],
+            "back_to_back_ms": per_call,
             "peak_mib": peak_mib(ranks, fn, call),
         }
     return row

@@ -593,6 +593,33 @@ def test_balanced_turns_put_every_call_after_every_other_equally_often(n):
     assert balanced_turns(n) == orders  # the same orders every run
 
 
+def test_back_to_back_rounds_are_taken_in_turns():
+    """back_to_back_in_turns: round r of every call before round r + 1 of any, in balanced_turns'
+    orders; 4 rounds by default for three calls (3 for one); a call that raises is reported with its
+    exception and the others go on."""
+    from mok_torch.bench.timing import Ranks, back_to_back_in_turns
+
+    log: list[str] = []
+
+    def call(name: str, fail_on: int | None = None):
+        def fn() -> None:
+            log.append(name)
+            if fail_on is not None and log.count(name) == fail_on:
+                raise RuntimeError(f"{name} broke")
+
+        return fn
+
+    ranks = Ranks(torch.device("cpu"), None, 0, 1)
+    got = back_to_back_in_turns(ranks, {"a": call("a"), "b": call("b", fail_on=3), "c": call("c")}, calls=2)
+    # rounds of 2 calls: a b c, then a c b (b raises on its third call), then a c, a c
+    assert log == ["a", "a", "b", "b", "c", "c", "a", "a", "c", "c", "b", "a", "a", "c", "c", "a", "a", "c", "c"]
+    assert isinstance(got["b"], RuntimeError) and "b broke" in str(got["b"])
+    assert all(isinstance(got[n], float) and got[n] >= 0 for n in ("a", "c"))
+    log.clear()
+    back_to_back_in_turns(ranks, {"a": call("a")}, calls=1)
+    assert log == ["a", "a", "a"]
+
+
 def test_back_to_back_times_a_call_among_calls_issued_together():
     """back_to_back_ms: `rounds` rounds of `calls` calls, before() ahead of each call, the median
     round's time divided by its calls; bad counts are refused by name."""
@@ -626,13 +653,15 @@ def test_untrustworthy_times_are_flagged():
     noisy = timing_warnings([row(1.0, 3.0, [1.0, 228.0])])
     assert len(noisy) == 1 and "spread 1-228 ms (228.0x)" in noisy[0]
     assert timing_warnings([{"status": "skipped"}]) == []
-    # times that depend on the call before (medians 1.0 after a, 1.1 after b: 10 % apart)
-    after = dict(row(1.0, 3.0, [1.0, 1.1, 1.0, 1.1]), preceded_by={"forward": ["a", "b", "a", "b"]})
+    # times that depend on the call before (medians 1.0 after a, 1.1 after b: 10 % apart), 5 of each
+    after = dict(row(1.0, 3.0, [1.0, 1.1] * 5), preceded_by={"forward": ["a", "b"] * 5})
     moved = timing_warnings([after])
     assert moved == [
         "quick balanced mok forward: its time depends on the call before it (after a 1 ms, after b 1.1 ms)"
     ]
-    after["preceded_by"]["forward"] = ["a", "b", None, "a"]  # 1.0, 1.05 after a: within 3 %; None left out
-    assert timing_warnings([dict(after, times_ms={"forward": [1.0, 1.02, 1.5, 1.05]})]) == []
+    few = dict(after, times_ms={"forward": [1.0, 1.1] * 4}, preceded_by={"forward": ["a", "b"] * 4})
+    assert timing_warnings([few]) == []  # 4 iterations after each: too few to tell
+    after["preceded_by"]["forward"] = ["a", "b"] * 5 + [None]  # None left out; 1.0 and 1.02 within 3 %
+    assert timing_warnings([dict(after, times_ms={"forward": [1.0, 1.02] * 5 + [1.5]})]) == []
     after["preceded_by"]["forward"] = ["a"]  # a record of another length: nothing to group
     assert timing_warnings([after]) == []

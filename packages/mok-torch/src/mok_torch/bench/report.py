@@ -215,25 +215,28 @@ NOISY_SPREAD = 1.5
 # A provider whose medians after two different predecessors differ by more than this fraction
 # is flagged: the call before it left the device in a state that moves its time.
 PREDECESSOR_EFFECT = 0.03
+PREDECESSOR_LEAST = 5  # iterations after a predecessor for its median to count (a --quick run has fewer)
 
 
-def predecessor_medians(times: Sequence[float], preceded_by: Sequence[str | None]) -> dict[str, float]:
+def predecessor_medians(times: Sequence[float], preceded_by: Sequence[str | None], least: int = 1) -> dict[str, float]:
     """The median of a provider's iterations grouped by the call that ran before each (`preceded_by`
-    of the same length; iterations after no call, or without a record, left out), by name."""
+    of the same length; iterations after no call, or without a record, left out), by name; groups
+    of fewer than `least` iterations left out."""
     groups: dict[str, list[float]] = {}
     if len(preceded_by) == len(times):
         for t, name in zip(times, preceded_by, strict=True):
             if name is not None:
                 groups.setdefault(name, []).append(t)
-    return {name: median(ts) for name, ts in sorted(groups.items())}
+    return {name: median(ts) for name, ts in sorted(groups.items()) if len(ts) >= least}
 
 
 def timing_warnings(rows: Sequence[dict[str, Any]]) -> list[str]:
     """What makes a row's times untrustworthy, one line each: a forward slower than its forward +
     backward, or iterations that spread more than NOISY_SPREAD (a busy machine, too few
     iterations): the ratios of such rows mean nothing. And a provider whose times depend on the
-    call that ran before it (medians by predecessor, `preceded_by`, more than PREDECESSOR_EFFECT
-    apart): its median, over every predecessor alike, holds; one order would not have."""
+    call that ran before it (medians by predecessor, `preceded_by`, of PREDECESSOR_LEAST iterations
+    or more each, more than PREDECESSOR_EFFECT apart): its median, over every predecessor alike,
+    holds; one order would not have."""
     out = []
     for r in rows:
         if r.get("status") != "ok":
@@ -251,7 +254,7 @@ def timing_warnings(rows: Sequence[dict[str, Any]]) -> list[str]:
                     f"{what} {p}: iterations spread {min(times):.3g}-{max(times):.3g} ms "
                     f"({max(times) / min(times):.1f}x): noisy, more --iters or a quieter machine"
                 )
-            by = predecessor_medians(times, r.get("preceded_by", {}).get(p, []))
+            by = predecessor_medians(times, r.get("preceded_by", {}).get(p, []), PREDECESSOR_LEAST)
             if len(by) > 1 and max(by.values()) > (1 + PREDECESSOR_EFFECT) * min(by.values()):
                 after = ", ".join(f"after {name} {ms:.3g} ms" for name, ms in by.items())
                 out.append(f"{what} {p}: its time depends on the call before it ({after})")

@@ -33,7 +33,7 @@ from .shapes import Shape
 from .timing import (
     Ranks,
     all_ranks,
-    back_to_back_ms,
+    back_to_back_in_turns,
     gather_floats,
     host_ms,
     median,
@@ -146,10 +146,10 @@ def measure_case(
     progress: Any = None,
 ) -> list[dict[str, Any]]:
     """Every figure of one (shape, routing) case for every provider. The times of a pass are taken
-    in turns (timing.time_in_turns: iteration i of every provider before iteration i + 1 of any),
-    so the device's clock drift falls on all of them alike; then, per provider, the host time to
-    issue a call, the time per call of calls issued back to back (timing.back_to_back_ms), the
-    peak memory, the saved activations and the bitwise repeat."""
+    in turns (timing.time_in_turns: iteration i of every provider before iteration i + 1 of any,
+    so the device's clock drift falls on all of them alike), then the time per call of calls issued
+    back to back, their rounds in turns too (timing.back_to_back_in_turns); then, per provider, the
+    host time to issue a call, the peak memory, the saved activations and the bitwise repeat."""
     rows = [
         skipped_row(call.shape, call.routing, p, ranks, str(r)) if r is not None
         else _empty_row(call.shape, call.routing, p, ranks)
@@ -192,6 +192,14 @@ def measure_case(
             row["floor"][p] = floor.asdict()
             row["floor_fraction"][p] = None if floor.ms is None else floor.ms / ms
         call.drop_grads()
+        live = {i: passes[p] for i, (_, passes) in runs.items() if rows[i]["status"] == "ok"}
+        b2b = back_to_back_in_turns(ranks, {str(i): fn for i, fn in live.items()}, before=call.drop_grads)
+        for key, ms_or_exc in b2b.items():
+            if isinstance(ms_or_exc, Exception):
+                rows[int(key)].update(status="error", reason=describe_error(ms_or_exc))
+            else:
+                rows[int(key)]["back_to_back_ms"][p] = ms_or_exc
+        call.drop_grads()
     for i, (forward, run) in runs.items():
         row, provider = rows[i], providers[i]
         if progress is not None:
@@ -200,7 +208,6 @@ def measure_case(
             if row["status"] == "ok":
                 for p in opts.passes:
                     row["host_ms"][p] = host_ms(ranks, run[p], before=call.drop_grads)
-                    row["back_to_back_ms"][p] = back_to_back_ms(ranks, run[p], before=call.drop_grads)
                     row["peak_mib"][p] = peak_mib(ranks, run[p], call)
                 call.drop_grads()
                 saved, method = provider.saved_bytes(call, forward, ranks)

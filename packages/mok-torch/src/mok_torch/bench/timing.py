@@ -164,6 +164,36 @@ def back_to_back_ms(
     return median(reduce_max(ranks, per_call))
 
 
+def back_to_back_in_turns(
+    ranks: Ranks,
+    fns: dict[str, Callable[[], Any]],
+    *,
+    calls: int = 10,
+    rounds: int | None = None,
+    before: Callable[[], None] | None = None,
+) -> dict[str, float | Exception]:
+    """back_to_back_ms of several calls with their rounds taken in turns: round r of every call
+    before round r + 1 of any, each round's order from balanced_turns, so that every call's rounds
+    follow every other call's equally often (a round starts on the device state the round before
+    it left: measured one call after another, the later ones would always inherit the earlier
+    ones'). The median over `rounds` per call (default: 3, or twice balanced_turns' orders where
+    that is more). A call that raises gets its exception instead; the others go on."""
+    names = list(fns)
+    orders = balanced_turns(len(names))
+    rounds = max(3, 2 * len(orders)) if rounds is None else rounds
+    per_round: dict[str, list[float]] = {name: [] for name in names}
+    failed: dict[str, Exception] = {}
+    for r in range(rounds):
+        for name in [names[j] for j in orders[r % len(orders)]]:
+            if name in failed:
+                continue
+            try:
+                per_round[name].append(back_to_back_ms(ranks, fns[name], calls=calls, rounds=1, before=before))
+            except Exception as exc:  # reported by the caller, not dropped (its frames let go)
+                failed[name] = exc.with_traceback(None)
+    return {name: failed[name] if name in failed else median(per_round[name]) for name in names}
+
+
 def balanced_turns(n: int) -> list[list[int]]:
     """Orders of n calls for consecutive iterations of time_in_turns, used cyclically: each order
     a permutation of range(n), and in the orders' cyclic concatenation every call follows every
