@@ -547,6 +547,20 @@ def test_mok_forward_on_the_gpu_gemms_is_timed_at_real_shapes(monkeypatch):
     assert fwd is not None and "its experts run the reference arithmetic" in fwd
 
 
+def _logged_calls(log: list[str], names: str = "abc", fail: str = "", on: int = 0) -> dict:
+    """A call per name that appends its name to `log`; `fail`'s call raises on its `on`-th run."""
+
+    def call(name: str):
+        def fn() -> None:
+            log.append(name)
+            if name == fail and log.count(name) == on:
+                raise RuntimeError(f"{name} broke")
+
+        return fn
+
+    return {name: call(name) for name in names}
+
+
 def test_providers_are_timed_in_turns():
     """time_in_turns: every call warmed up first, then iteration i of each before i + 1 of any, in
     balanced_turns' orders (a b c, then a c b); a call that raises is reported with its exception
@@ -554,20 +568,9 @@ def test_providers_are_timed_in_turns():
     from mok_torch.bench.timing import Ranks, time_in_turns
 
     calls: list[str] = []
-
-    def call(name: str, fail_on: int | None = None):
-        def fn() -> None:
-            calls.append(name)
-            if fail_on is not None and calls.count(name) == fail_on:
-                raise RuntimeError(f"{name} broke")
-
-        return fn
-
     ranks = Ranks(torch.device("cpu"), None, 0, 1)
     before: dict[str, list[str | None]] = {}
-    got = time_in_turns(
-        ranks, {"a": call("a"), "b": call("b", fail_on=3), "c": call("c")}, iters=3, warmup=1, preceded_by=before
-    )
+    got = time_in_turns(ranks, _logged_calls(calls, fail="b", on=3), iters=3, warmup=1, preceded_by=before)
     assert calls == ["a", "b", "c", "a", "b", "c", "a", "c", "b", "a", "c"]
     assert isinstance(got["b"], RuntimeError) and "b broke" in str(got["b"])
     for name in ("a", "c"):
@@ -600,23 +603,14 @@ def test_back_to_back_rounds_are_taken_in_turns():
     from mok_torch.bench.timing import Ranks, back_to_back_in_turns
 
     log: list[str] = []
-
-    def call(name: str, fail_on: int | None = None):
-        def fn() -> None:
-            log.append(name)
-            if fail_on is not None and log.count(name) == fail_on:
-                raise RuntimeError(f"{name} broke")
-
-        return fn
-
     ranks = Ranks(torch.device("cpu"), None, 0, 1)
-    got = back_to_back_in_turns(ranks, {"a": call("a"), "b": call("b", fail_on=3), "c": call("c")}, calls=2)
+    got = back_to_back_in_turns(ranks, _logged_calls(log, fail="b", on=3), calls=2)
     # rounds of 2 calls: a b c, then a c b (b raises on its third call), then a c, a c
     assert log == ["a", "a", "b", "b", "c", "c", "a", "a", "c", "c", "b", "a", "a", "c", "c", "a", "a", "c", "c"]
     assert isinstance(got["b"], RuntimeError) and "b broke" in str(got["b"])
     assert all(isinstance(got[n], float) and got[n] >= 0 for n in ("a", "c"))
     log.clear()
-    back_to_back_in_turns(ranks, {"a": call("a")}, calls=1)
+    back_to_back_in_turns(ranks, _logged_calls(log, names="a"), calls=1)
     assert log == ["a", "a", "a"]
 
 
