@@ -207,13 +207,14 @@ def balanced_turns(n: int) -> list[list[int]]:
     seq: list[int] = [0]
     used: set[tuple[int, int]] = set()
     length = n * (n - 1)
-    budget = [200_000]
+    budget = 200_000  # steps of the search
 
     def extend() -> bool:
+        nonlocal budget
         if len(seq) == length:
             return (seq[-1], seq[0]) not in used and seq[-1] != seq[0]
-        budget[0] -= 1
-        if budget[0] < 0:
+        budget -= 1
+        if budget < 0:
             return False
         block = seq[len(seq) - len(seq) % n :]
         for c in range(n):
@@ -250,8 +251,8 @@ def time_in_turns(
     iteration to the next (balanced_turns), so that each call follows each other one equally
     often: what a call leaves behind (the device's heat, its power budget) falls on every call
     alike too. `preceded_by`, when given, gets for each call the name of the call that ran just
-    before each of its timed iterations (None: none did). `before()` runs ahead of every call, untimed. A call
-    that raises gets its exception instead of times; the others go on.
+    before each of its timed iterations (None: none did). `before()` runs ahead of every call,
+    untimed. A call that raises gets its exception instead of times; the others go on.
     """
     results: dict[str, list[float] | Exception] = {}
     live: dict[str, Callable[[], Any]] = {}
