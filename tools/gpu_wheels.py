@@ -5,6 +5,7 @@ that a GPU call need not compile them (the build took 61-68 s of a call's device
     python3 tools/gpu_wheels.py build [--python PY]   # here: .whl/mok/*.whl and .whl/mok/SOURCES
     python3 tools/gpu_wheels.py build --base main     # here: main's wheels in .whl/mok-base
     python3 tools/gpu_wheels.py check                 # there: exit 0 if the wheels fit the tree
+    python3 tools/gpu_wheels.py commit                # there: the commit the tree was built at
 
 `build` runs `pip wheel` for mok-core, mok-bf16 and mok-mxfp8 with MOK_CUDA=ON under PY (a
 Python of the GPU machines' version, 3.12, with the build requirements: scikit-build-core,
@@ -17,6 +18,13 @@ wheels count only when every listed file is there with the same bytes and no oth
 exists (build outputs, caches and egg-info are not sources). tools/gpu-check installs them when
 `check` passes and they import, and builds the packages as before otherwise (a binary built on
 one machine's image may not load on another's).
+
+`build` also records in TREE the commit it was run at (and whether tracked files had local
+changes) with the SHA-256 of every tracked file that can change what runs. On a GPU machine the
+copy of the working tree has no such commit of its own (its git metadata is older), so `commit`
+prints "<commit> <dirty 0|1>" when every file TREE lists is there with the same bytes, and
+tools/gpu-check hands it to the benchmarks' result files (MOK_GIT_COMMIT, MOK_GIT_DIRTY:
+bench.report.git_state).
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ PACKAGES = ("packages/mok-core", "packages/mok-bf16", "packages/mok-mxfp8")
 OUT = ROOT / ".whl" / "mok"
 BASE_OUT = ROOT / ".whl" / "mok-base"
 LISTING = OUT / "SOURCES"
+STAMP = OUT / "TREE"
+NOT_RUN = "benchmarks/results/"  # tracked files that change nothing that runs (besides *.md)
 NOT_SOURCES = {"build", "dist", "__pycache__", ".pytest_cache", "_skbuild"}
 
 
@@ -75,7 +85,42 @@ def build(python: str, root: Path | None = None, out: Path | None = None) -> Non
     subprocess.run([*pip, "wheel", "-q", "--no-build-isolation", "--no-deps", "-w", str(out), "packages/mok-torch"],
                    cwd=root, env=env, check=True)  # fmt: skip
     (out / LISTING.name).write_text("".join(f"{digest}  {path}\n" for path, digest in sources(root).items()))
-    print(f"{len(list(out.glob('*.whl')))} wheels and {LISTING.name} in {out}")
+    stamp(root, out / STAMP.name)
+    print(f"{len(list(out.glob('*.whl')))} wheels, {LISTING.name} and {STAMP.name} in {out}")
+
+
+def _git(root: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(root), *args], check=True, capture_output=True, text=True).stdout
+
+
+def stamp(root: Path, path: Path) -> None:
+    """TREE: "commit <hash> <dirty 0|1>", then every tracked file of `root` that can change what runs
+    (not the notes and docs, `*.md`, nor the committed results) with its SHA-256."""
+    head = _git(root, "rev-parse", "HEAD").strip()
+    dirty = 1 if _git(root, "status", "--porcelain", "--untracked-files=no").strip() else 0
+    lines = [f"commit {head} {dirty}\n"]
+    for name in _git(root, "ls-files", "-z").split("\0"):
+        file = root / name
+        if name and not name.endswith(".md") and not name.startswith(NOT_RUN) and file.is_file():
+            lines.append(f"{hashlib.sha256(file.read_bytes()).hexdigest()}  {name}\n")
+    path.write_text("".join(lines))
+
+
+def commit() -> int:
+    """Prints "<commit> <dirty>" when every file TREE lists is in this tree with its bytes."""
+    if not STAMP.is_file():
+        print(f"gpu_wheels: no {STAMP.relative_to(ROOT)}", file=sys.stderr)
+        return 1
+    first, *files = STAMP.read_text().splitlines()
+    for line in files:
+        digest, name = line.split("  ", 1)
+        file = ROOT / name
+        if not file.is_file() or hashlib.sha256(file.read_bytes()).hexdigest() != digest:
+            print(f"gpu_wheels: {name} is not the one of {STAMP.relative_to(ROOT)}'s commit", file=sys.stderr)
+            return 1
+    _, head, dirty = first.split()
+    print(f"{head} {dirty}")
+    return 0
 
 
 def build_base(python: str, rev: str) -> None:
@@ -116,6 +161,7 @@ def main() -> int:
     b.add_argument("--python", default="python3.12", help="a Python of the GPU machines' version (default python3.12)")
     b.add_argument("--base", metavar="REV", help="build commit REV (e.g. main) into .whl/mok-base instead")
     sub.add_parser("check")
+    sub.add_parser("commit")
     ns = p.parse_args()
     if ns.command == "build":
         if ns.base:
@@ -123,7 +169,7 @@ def main() -> int:
         else:
             build(ns.python)
         return 0
-    return check()
+    return commit() if ns.command == "commit" else check()
 
 
 if __name__ == "__main__":

@@ -659,3 +659,17 @@ def test_untrustworthy_times_are_flagged():
     assert timing_warnings([dict(after, times_ms={"forward": [1.0, 1.02] * 5 + [1.5]})]) == []
     after["preceded_by"]["forward"] = ["a"]  # a record of another length: nothing to group
     assert timing_warnings([after]) == []
+
+
+def test_git_state_takes_the_stamped_commit_where_given(monkeypatch):
+    """bench.report.git_state: MOK_GIT_COMMIT / MOK_GIT_DIRTY (tools/gpu-check on a GPU machine,
+    from tools/gpu_wheels.py commit) over the working directory's git metadata."""
+    from mok_torch.bench.report import git_state
+
+    monkeypatch.setenv("MOK_GIT_COMMIT", "0123abc")
+    monkeypatch.setenv("MOK_GIT_DIRTY", "1")
+    assert git_state() == {"commit": "0123abc", "dirty": True}
+    monkeypatch.setenv("MOK_GIT_DIRTY", "0")
+    assert git_state() == {"commit": "0123abc", "dirty": False}
+    monkeypatch.delenv("MOK_GIT_COMMIT")
+    assert git_state()["commit"] != "0123abc"

@@ -90,3 +90,33 @@ def test_base_builds_the_commit_in_a_worktree_removed_after(tool, monkeypatch):
     assert seen["out"] == root / ".whl" / "mok-base"
     assert not seen["tree"].exists()
     assert len(git("worktree", "list").splitlines()) == 1  # only the main one
+
+
+def test_commit_is_the_stamped_one_while_the_tree_is(tool, capsys):
+    """`commit` prints the commit TREE was stamped at (and its dirty flag) while every file it lists
+    that can change what runs has its bytes; notes and results may differ; any other edit: none."""
+    root = tool.ROOT
+    stamp_file = root / ".whl" / "mok" / "TREE"
+    tool.STAMP = stamp_file
+    (root / "NOTES.md").write_text("notes\n")
+    (root / "benchmarks/results").mkdir(parents=True)
+    (root / "benchmarks/results/r.json").write_text("{}\n")
+    subprocess.run(["git", "-C", str(root), "init", "-q"], check=True)
+    subprocess.run(["git", "-C", str(root), "add", "packages", "NOTES.md", "benchmarks"], check=True)
+    subprocess.run(["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c"],
+                   check=True)  # fmt: skip
+    head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert tool.commit() == 1  # no TREE yet
+    stamp_file.parent.mkdir(parents=True)
+    tool.stamp(root, stamp_file)
+    capsys.readouterr()
+    assert tool.commit() == 0 and capsys.readouterr().out == f"{head} 0\n"
+    (root / "NOTES.md").write_text("more notes\n")
+    (root / "benchmarks/results/r.json").write_text('{"new": 1}\n')
+    assert tool.commit() == 0 and capsys.readouterr().out == f"{head} 0\n"
+    (root / "packages/a/src/k.cu").write_text("// edited\n")
+    assert tool.commit() == 1
+    assert "packages/a/src/k.cu" in capsys.readouterr().err
+    tool.stamp(root, stamp_file)  # stamped with the edit: dirty
+    capsys.readouterr()
+    assert tool.commit() == 0 and capsys.readouterr().out == f"{head} 1\n"

@@ -122,7 +122,12 @@ def markdown_table(rows: Sequence[dict[str, Any]], leading: Sequence[tuple[str, 
 
 
 def git_state() -> dict[str, Any]:
-    """The commit of the working directory's repository and whether it has local changes."""
+    """The commit of the working directory's repository and whether it has local changes; or, where
+    MOK_GIT_COMMIT is set (tools/gpu-check on a GPU machine, whose copy of the tree has older git
+    metadata: tools/gpu_wheels.py commit), that commit and MOK_GIT_DIRTY ("1": local changes)."""
+    given = os.environ.get("MOK_GIT_COMMIT")
+    if given:
+        return {"commit": given, "dirty": os.environ.get("MOK_GIT_DIRTY") == "1"}
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
