@@ -13,8 +13,8 @@ default config, the bench's inputs (x and the weights require gradients):
 Each is timed with the bench's helpers: the median of --iters iterations from an idle device, the
 two taken in balanced turns (timing.time_in_turns), the time per call of 10 calls issued back to
 back (the median of 8 rounds, the two's rounds in turns: timing.back_to_back_in_turns), and its
-peak memory above what was allocated before the call. Prints a
-table; --out writes the figures as JSON (schema "mok-probe-forward-only/1").
+peak memory above what was allocated before the call. Prints a table; --out writes the figures as
+JSON (schema "mok-probe-forward-only/1").
 """
 
 from __future__ import annotations

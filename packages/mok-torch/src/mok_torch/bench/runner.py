@@ -170,12 +170,11 @@ def measure_case(
 
         runs[i] = (forward, {"forward": forward, "forward+backward": forward_backward})
     for p in opts.passes:
-        live = {i: passes[p] for i, (_, passes) in runs.items() if rows[i]["status"] == "ok"}
         if progress is not None:
             progress.set_postfix_str(f"{call.shape.name} {call.routing} {p}")
         preceded_by: dict[str, list[str | None]] = {}
         timed = time_in_turns(
-            ranks, {str(i): fn for i, fn in live.items()}, iters=opts.iters, warmup=opts.warmup, before=call.drop_grads,
+            ranks, _live(runs, rows, p), iters=opts.iters, warmup=opts.warmup, before=call.drop_grads,
             preceded_by=preceded_by,
         )  # fmt: skip
         for key, times in timed.items():
@@ -192,8 +191,7 @@ def measure_case(
             row["floor"][p] = floor.asdict()
             row["floor_fraction"][p] = None if floor.ms is None else floor.ms / ms
         call.drop_grads()
-        live = {i: passes[p] for i, (_, passes) in runs.items() if rows[i]["status"] == "ok"}
-        b2b = back_to_back_in_turns(ranks, {str(i): fn for i, fn in live.items()}, before=call.drop_grads)
+        b2b = back_to_back_in_turns(ranks, _live(runs, rows, p), before=call.drop_grads)
         for key, ms_or_exc in b2b.items():
             if isinstance(ms_or_exc, Exception):
                 rows[int(key)].update(status="error", reason=describe_error(ms_or_exc))
@@ -226,6 +224,13 @@ def measure_case(
     if progress is not None:
         progress.update(len(providers))
     return rows
+
+
+def _live(
+    runs: dict[int, tuple[Forward, dict[str, Callable[[], object]]]], rows: list[dict[str, Any]], p: str
+) -> dict[str, Callable[[], object]]:
+    """Pass `p` of every provider still without an error, keyed by its row's index (as a str)."""
+    return {str(i): passes[p] for i, (_, passes) in runs.items() if rows[i]["status"] == "ok"}
 
 
 def _free(ranks: Ranks) -> None:
