@@ -24,6 +24,11 @@ __device__ inline void store_swiglu_h(std::uint16_t* h, int inner, Row first, Ro
                                       const PackedBf16& w, core::SwigluLimit limit,
                                       const core::TableSigmoid& sig) {
   const int t = threadIdx.x % 128;
+  // Every vector's sigmoids first (core::gate_sigmoids8: one round trip to the table for the 64),
+  // then the element math and the stores.
+  core::Sigmoid8 s[kDrainChunks];  // vector 2 k + half
+#pragma unroll
+  for (int v = 0; v < kDrainChunks; ++v) s[v] = core::gate_sigmoids8(w.v[v], limit, sig);
 #pragma unroll
   for (int k = 0; k < kDrainChunks / 2; ++k) {
 #pragma unroll
@@ -32,7 +37,7 @@ __device__ inline void store_swiglu_h(std::uint16_t* h, int inner, Row first, Ro
       const int col = col0 + 8 * (4 * k + t % 4);
       if (row < row_end && col < inner) {
         *reinterpret_cast<uint4*>(h + static_cast<std::int64_t>(row) * inner + col) =
-            core::swiglu_h8(w.v[2 * k + half], w.v[2 * (k + 4) + half], limit, sig);
+            core::swiglu_h8(w.v[2 * k + half], w.v[2 * (k + 4) + half], limit, s[2 * k + half]);
       }
     }
   }

@@ -54,10 +54,35 @@ struct TableSigmoid {
   }
 };
 
-// h = swiglu_h(a, b) of eight elements: bf16 values two to a 32-bit word (the lower half first),
-// 16 bytes of a, of b and of h. The SwiGLU kernels' and the megakernel's vectors.
+// The sigmoids of eight elements' clamped gates (16 bytes of a: bf16 values two to a 32-bit word,
+// the lower half first), looked up: all that swiglu_h8 needs of the table. A caller with several
+// vectors looks up every vector's sigmoids before it computes and stores any (one round trip to the
+// table for all of them): the compiler does not move a vector's lookups above the stores before it,
+// so lookups interleaved with stores wait for the L2 once a vector (NOTES.md, session 29).
+struct Sigmoid8 {
+  float s[8];  // element e: half e % 2 of word e / 2
+};
+
+__device__ inline Sigmoid8 gate_sigmoids8(const uint4& a, SwigluLimit lim,
+                                          const TableSigmoid& sig) {
+  const std::uint32_t aw[4] = {a.x, a.y, a.z, a.w};
+  Sigmoid8 out;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    out.s[2 * i] = sig(clamp_gate(bf16_to_float(static_cast<std::uint16_t>(aw[i] & 0xFFFFu)), lim));
+    out.s[2 * i + 1] = sig(clamp_gate(bf16_to_float(static_cast<std::uint16_t>(aw[i] >> 16)), lim));
+  }
+  return out;
+}
+
+// h = swiglu_h(a, b) of eight elements whose sigmoids were looked up (gate_sigmoids8 of the same
+// a): core::swiglu_h's element math, so the same bits. 16 bytes of a, of b and of h.
 __device__ inline uint4 swiglu_h8(const uint4& a, const uint4& b, SwigluLimit lim,
-                                  const TableSigmoid& sig) {
+                                  const Sigmoid8& sig) {
+  struct Looked {  // swiglu_h's sigmoid of the element's clamped gate: the value looked up
+    float s;
+    __device__ float operator()(float) const { return s; }
+  };
   const std::uint32_t aw[4] = {a.x, a.y, a.z, a.w};
   const std::uint32_t bw[4] = {b.x, b.y, b.z, b.w};
   std::uint32_t hw[4];
@@ -65,10 +90,18 @@ __device__ inline uint4 swiglu_h8(const uint4& a, const uint4& b, SwigluLimit li
   for (int i = 0; i < 4; ++i) {
     const auto lo = [](std::uint32_t w) { return static_cast<std::uint16_t>(w & 0xFFFFu); };
     const auto hi = [](std::uint32_t w) { return static_cast<std::uint16_t>(w >> 16); };
-    hw[i] = static_cast<std::uint32_t>(swiglu_h(lo(aw[i]), lo(bw[i]), lim, sig)) |
-            (static_cast<std::uint32_t>(swiglu_h(hi(aw[i]), hi(bw[i]), lim, sig)) << 16);
+    hw[i] =
+        static_cast<std::uint32_t>(swiglu_h(lo(aw[i]), lo(bw[i]), lim, Looked{sig.s[2 * i]})) |
+        (static_cast<std::uint32_t>(swiglu_h(hi(aw[i]), hi(bw[i]), lim, Looked{sig.s[2 * i + 1]}))
+         << 16);
   }
   return make_uint4(hw[0], hw[1], hw[2], hw[3]);
+}
+
+// h of eight elements, the lookups included: the SwiGLU kernels' and the FP8 GEMMs' vectors.
+__device__ inline uint4 swiglu_h8(const uint4& a, const uint4& b, SwigluLimit lim,
+                                  const TableSigmoid& sig) {
+  return swiglu_h8(a, b, lim, gate_sigmoids8(a, lim, sig));
 }
 
 // Makes this translation unit's table on the current device before `stream`'s next kernel.
