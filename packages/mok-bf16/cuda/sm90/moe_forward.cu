@@ -496,17 +496,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     const Task task = decode(p, row_tiles, t);
     const bool done = task.kind == kNone;
-    // A down task's routes of the thread's two rows (its stores' rows), loaded now so that the
-    // loads land under the task's k-blocks, not after them (NOTES.md, session 29).
-    int route[2] = {-1, -1};
-    if (task.kind == kDown) {
-      const int t128 = threadIdx.x % 128;
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = task.row0 + 64 * consumer + frag_row(t128, 2 * half);
-        if (row < task.row_end) route[half] = __ldg(p.row_route + row);
-      }
-    }
     if (first_task && !done) {  // the first task
       if (consumer == 1) hopper::mbar_wait(&lag, 0);
       first_task = false;
@@ -553,8 +542,16 @@ __global__ void __launch_bounds__(kThreads, 1)
       store_h(p, task, consumer, pend.words, sig);
       if (timer) account<kTimed>(timer_acc, role, kTimeSwiglu, clock() - t2);
     } else {
-      pend.route[0] = route[0];
-      pend.route[1] = route[1];
+      const int t128 = threadIdx.x % 128;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = task.row0 + 64 * consumer + frag_row(t128, 2 * half);
+        const int route = row < task.row_end ? p.row_route[row] : -1;
+        if (half == 0)
+          pend.route[0] = route;
+        else
+          pend.route[1] = route;
+      }
     }
   }
   if (leader) hopper::bulk_wait<0>();  // the copy engine's x stores done before the CTA ends
