@@ -20,7 +20,15 @@ from multiproc import run_ranks
 from mok_torch import MoKConfig, resolve_backend
 from mok_torch.bench import floors, launch
 from mok_torch.bench.inputs import LayerCall, make_call, make_weights
-from mok_torch.bench.providers import MokProvider, Settings, TorchA2AProvider, TorchLoopProvider, make_providers
+from mok_torch.bench.providers import (
+    MokProvider,
+    Settings,
+    TorchA2AProvider,
+    TorchLoopProvider,
+    make_providers,
+    saved_bytes_by_hooks,
+)
+from mok_torch.bench.runner import bitwise_repeatable
 from mok_torch.bench.shapes import Shape, resolve_shapes
 from mok_torch.bench.timing import Ranks
 from mok_torch.cli import main as mok_main
@@ -177,6 +185,31 @@ def test_baselines_match_mok(routing, shared):
         assert set(got) == set(want)
         for key in want:
             assert_close(f"{provider.name} {key}", got[key], want[key])
+
+
+def test_a_providers_own_weights_are_leaves_of_the_call():
+    """A provider that runs on weights of its own (SonicMoE's, in its layout) adds them to the
+    call's leaves: their gradients are dropped with the call's (before every timed call and every
+    peak pass, so a peak counts them as it counts mok's), compared by the bitwise check, and they
+    are inputs, not activations saved for the backward."""
+    shape = Shape("t", "custom", 48, 40, 8, 3, 37, 0, 1)
+    call = make_call(shape, "balanced", make_weights(shape, CPU), CPU)
+    own = call.routed[0].detach().clone().requires_grad_()  # [E, I, H]: the provider's copy
+
+    def forward() -> torch.Tensor:
+        return (call.x_TH @ own[0].T) @ own[0]  # saves x, a view of `own` and the [T, I] product
+
+    product = shape.tokens * shape.inner * call.x_TH.element_size()
+    assert saved_bytes_by_hooks(call, forward) == product + own.nbytes  # not yet a leaf: counted
+    call.extra_leaves.append(own)
+    assert saved_bytes_by_hooks(call, forward) == product
+    forward().backward(call.dy_TH)
+    assert own.grad is not None and any(g is own.grad for g in call.grads())
+    assert bitwise_repeatable(CPU, forward, call)
+    assert own.grad is None  # the check drops the gradients it made
+    forward().backward(call.dy_TH)
+    call.drop_grads()
+    assert own.grad is None and all(g is None for g in call.grads())
 
 
 def bench_rank(rank: int, world: int, group, out: str) -> dict:

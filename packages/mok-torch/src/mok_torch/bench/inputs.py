@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +61,9 @@ class LayerCall:
     """Everything one layer call takes, on this rank's device.
 
     x_TH, router_weights_TK and the weights are leaves: their .grad is what backward gives.
+    A provider that runs on weights of its own (SonicMoE's, in its layout) adds them to
+    `extra_leaves`: inputs like the call's, their gradients dropped, compared and left out of
+    the saved activations with the call's own.
     """
 
     shape: Shape
@@ -71,9 +74,10 @@ class LayerCall:
     routed: Weights3
     shared: Weights3 | None
     dy_TH: torch.Tensor
+    extra_leaves: list[torch.Tensor] = field(default_factory=list)
 
     def leaves(self) -> list[torch.Tensor]:
-        return [self.x_TH, self.router_weights_TK, *self.routed, *(self.shared or ())]
+        return [self.x_TH, self.router_weights_TK, *self.routed, *(self.shared or ()), *self.extra_leaves]
 
     def drop_grads(self) -> None:
         for t in self.leaves():

@@ -452,6 +452,10 @@ class SonicMoEProvider(Provider):
         # c_fc [E, 2I, H]: row 2i is gate row i, row 2i + 1 up row i (its interleaved layout).
         c_fc = torch.stack([wg, wu], dim=2).reshape(E, 2 * I, H).requires_grad_()
         c_proj = wd.clone().requires_grad_()
+        # Its weights are leaves of the call: their gradients are dropped before each timed call
+        # and each peak-memory pass as mok's are (not inside its forward, where freeing them
+        # hid the gradients' size from its peak), and they are inputs, not saved activations.
+        call.extra_leaves += [c_fc, c_proj]
         T, K = call.top_experts_TK.shape
         dev = call.x_TH.device
         # Routes in token order (its token indices must be sorted), as int32.
@@ -459,7 +463,6 @@ class SonicMoEProvider(Provider):
         expert_idx = call.top_experts_TK.reshape(-1).to(torch.int32)
 
         def forward() -> torch.Tensor:
-            c_fc.grad = c_proj.grad = None
             y, _ = moe_general_routing_inputs(
                 call.x_TH, call.router_weights_TK.reshape(-1), token_idx, expert_idx, c_fc.permute(1, 2, 0), None,
                 c_proj.permute(1, 2, 0), None, E, torch.cuda.current_stream(dev).cuda_stream, ActivationType.SWIGLU,
