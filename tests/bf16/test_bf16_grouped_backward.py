@@ -484,18 +484,11 @@ def test_weights_by_route_give_the_bits_of_weights_in_table_order(device, length
                            v.view(torch.int16 if v.dtype == BF16 else torch.int32))  # fmt: skip
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_gpu)])
-@pytest.mark.parametrize("lengths, H, I", GROUPED_CASES)
-@pytest.mark.parametrize("K", [1, 3])
-def test_dy_by_route_gives_the_bits_of_dy_in_table_order(device, lengths, H, I, K):
-    """`dy_tokens` (the cuda backend at one rank below GATHER_DY_MAX_HIDDEN): each row's dy read
-    through its route from the token rows [T, H], gathered by the g GEMM, which stores them in
-    table order into dy_MH for the weight gradient; dx, d_w, the weight gradients and those rows
-    bitwise the call with dy copied into table order (zeros for padding rows and a route past
-    T*K; the routes a permutation, as a schedule table's are)."""
-    d = make(lengths, H, I, seed=15)
-    M = d["x"].shape[0]
-    g = torch.Generator().manual_seed(16)
+def token_routes(M: int, H: int, K: int, seed: int) -> tuple:
+    """A table's routes over M rows (about one in eight a padding row, -1, and one route past
+    T*K; the others a permutation of T*K routes, as a schedule table's are), the token rows
+    dy_T [T, H] they read, the routes' weights and dy in table order (zeros where no route)."""
+    g = torch.Generator().manual_seed(seed)
     padding = torch.rand(M, generator=g) < 0.125
     used = int((~padding).sum())
     T = -(-(used + 2) // K)
@@ -507,6 +500,21 @@ def test_dy_by_route_gives_the_bits_of_dy_in_table_order(device, lengths, H, I, 
     w_TK = torch.rand(T * K, generator=g)
     valid = (route >= 0) & (route < T * K)
     table_dy = torch.where(valid[:, None], dy_T[torch.where(valid, route.long(), 0) // K], torch.zeros((), dtype=BF16))
+    return route, dy_T, w_TK, table_dy
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_gpu)])
+@pytest.mark.parametrize("lengths, H, I", GROUPED_CASES)
+@pytest.mark.parametrize("K", [1, 3])
+def test_dy_by_route_gives_the_bits_of_dy_in_table_order(device, lengths, H, I, K):
+    """`dy_tokens` (the cuda backend at one rank below GATHER_DY_MAX_HIDDEN): each row's dy read
+    through its route from the token rows [T, H], gathered by the g GEMM, which stores them in
+    table order into dy_MH for the weight gradient; dx, d_w, the weight gradients and those rows
+    bitwise the call with dy copied into table order (zeros for padding rows and a route past
+    T*K; the routes a permutation, as a schedule table's are)."""
+    d = make(lengths, H, I, seed=15)
+    M = d["x"].shape[0]
+    route, dy_T, w_TK, table_dy = token_routes(M, H, K, seed=16)
     d = to(d, device)
     results = []
     for dy, tokens in (
@@ -520,6 +528,36 @@ def test_dy_by_route_gives_the_bits_of_dy_in_table_order(device, lengths, H, I, 
             carry_in=False, wgrad_out=out16, weight_route=route.to(device), dy_tokens=tokens,
         )  # fmt: skip
         results.append((got.dx, got.d_w, *out16, dy))
+    for u, v in zip(*results, strict=True):
+        assert torch.equal(u.view(torch.int16 if u.dtype == BF16 else torch.int32),
+                           v.view(torch.int16 if v.dtype == BF16 else torch.int32))  # fmt: skip
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_gpu)])
+@pytest.mark.parametrize("lengths, H, I", GROUPED_CASES)
+@pytest.mark.parametrize("gathered", [False, True], ids=["dy-in-table-order", "dy-by-route"])
+def test_dx_into_dy_gives_the_bits_of_a_dx_of_its_own(device, lengths, H, I, gathered):
+    """out.dx may be dy_MH itself (the cuda backend's backward at one rank hands dy's table-order
+    rows to dx: one [M, H] array less at its peak): dx, d_w and the weight gradients bitwise
+    those of a dx of its own, with dy given in table order and gathered by route (then dx
+    overwrites the g GEMM's stored copy, which the weight gradient dWd reads first)."""
+    d = make(lengths, H, I, seed=17)
+    M = d["x"].shape[0]
+    route, dy_T, w_TK, table_dy = token_routes(M, H, 2, seed=18)
+    d = to(d, device)
+    results = []
+    for shared in (False, True):
+        dy = torch.full((M, H), float("nan"), dtype=BF16, device=device) if gathered else table_dy.to(device)
+        dx = dy if shared else torch.full((M, H), 7.0, dtype=BF16, device=device)
+        out16 = accumulators(d, fill=3.0, dtype=BF16)
+        acc = accumulators(d, fill=0.5)
+        got = grouped_backward(
+            d["x"], d["offsets"], d["a"], d["b"], dy, w_TK.to(device), d["wg"], d["wu"], d["wd"], acc,
+            out=GroupedBackward(dx, torch.full((M,), 7.0, device=device)), wgrad_out=out16,
+            weight_route=route.to(device), dy_tokens=dy_T.to(device) if gathered else None,
+        )  # fmt: skip
+        assert got.dx is dx
+        results.append((got.dx, got.d_w, *out16, *acc))
     for u, v in zip(*results, strict=True):
         assert torch.equal(u.view(torch.int16 if u.dtype == BF16 else torch.int32),
                            v.view(torch.int16 if v.dtype == BF16 else torch.int32))  # fmt: skip

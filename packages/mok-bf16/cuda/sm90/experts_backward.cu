@@ -7,9 +7,10 @@
 //   SwiGLU:  hw = bf16(w h), d_a, d_b, d_w = <g, h> per row (an elementwise kernel: mok-core's
 //            element math, the reference's bit for bit given a, b, g and w; d_w summed in a
 //            fixed order that depends only on I)
+//   dWd:     dWd = C + dy^T bf16(w h)       (wgrad_gemm.cuh: rows as the reduction, fp32 carried
+//            across calls, bf16 out; before dx, so that dx's rows may overwrite dy's)
 //   dx:      dx = [d_a, d_b] @ [Wg_e; Wu_e]  (grouped GEMM over K = 2I, gate part first)
-//   wgrads:  dWg, dWu = C + [d_a, d_b]^T x (one GEMM),  dWd = C + dy^T bf16(w h)
-//            (wgrad_gemm.cuh: rows as the reduction, fp32 carried across calls, bf16 out)
+//   dWg/dWu: dWg, dWu = C + [d_a, d_b]^T x  (one weight-gradient GEMM)
 //
 // The router weight sits on h's side of dWd (the reference's is bf16(w dy)^T h): the SwiGLU
 // kernel writes bf16(w h) where it would write h, so dy is read as it came and no weighted copy
@@ -249,6 +250,18 @@ void grouped_backward_cuda(const GroupedBackwardArgs& args, std::uintptr_t strea
   swiglu_backward_kernel<<<8 * sms, 256, 0, stream>>>(rows);
   check(cudaGetLastError(), "launching the SwiGLU backward kernel");
 
+  // Weight gradients, rows as the reduction: both operands staged MN-major (64-row boxes);
+  // dWd first: it is the last reader of dy, so dx's GEMM may write its rows into dy's array
+  // (GroupedBackwardArgs::out_dx == dy: one [M, H] array less at the backward's peak).
+  const auto f32 = [](std::uintptr_t p) { return reinterpret_cast<float*>(p); };
+  const auto bf16 = [](std::uintptr_t p) { return reinterpret_cast<std::uint16_t*>(p); };
+  // dWd = C + dy^T bf16(w h): the router weight on h's side, so dy is the rows as they came.
+  const CUtensorMap map_dy_rows = hopper::make_tensor_map(ptr(args.dy), M, H, 64);
+  const CUtensorMap map_hw_rows = hopper::make_tensor_map(ptr(args.scratch_hw), M, I, 64);
+  gemm::WgradProblem down{offsets, s.num_rows, Ei, Hi, Ii, Hi, {}};
+  down.part[0] = {f32(args.acc_down), bf16(args.out_down)};
+  launch_wgrad(map_dy_rows, map_hw_rows, down, args.carry_in, sms, stream);
+
   // dx = d_a @ Wg_e + d_b @ Wu_e: one GEMM over K = 2I, Wg then Wu ([El, I, H], N-major).
   const CUtensorMap map_dab =
       hopper::make_tensor_map(ptr(args.scratch_d_ab), M, 2 * I, gemm::kBlockM);
@@ -259,21 +272,12 @@ void grouped_backward_cuda(const GroupedBackwardArgs& args, std::uintptr_t strea
       map_dab, map_wg, map_wu, pdx,
       kernels::StoreBf16{reinterpret_cast<std::uint16_t*>(args.out_dx), Hi}, sms, stream);
 
-  // Weight gradients, rows as the reduction: both operands staged MN-major (64-row boxes).
-  const auto f32 = [](std::uintptr_t p) { return reinterpret_cast<float*>(p); };
-  const auto bf16 = [](std::uintptr_t p) { return reinterpret_cast<std::uint16_t*>(p); };
   const CUtensorMap map_dab_rows = hopper::make_tensor_map(ptr(args.scratch_d_ab), M, 2 * I, 64);
   gemm::WgradProblem gate_up{offsets, s.num_rows, Ei, 2 * Ii, Hi, Ii, {}};
   gate_up.part[0] = {f32(args.acc_gate), bf16(args.out_gate)};
   gate_up.part[1] = {f32(args.acc_up), bf16(args.out_up)};
   const CUtensorMap map_x_rows = hopper::make_tensor_map(ptr(args.x), M, H, 64);
   launch_wgrad(map_dab_rows, map_x_rows, gate_up, args.carry_in, sms, stream);
-  // dWd = C + dy^T bf16(w h): the router weight on h's side, so dy is the rows as they came.
-  const CUtensorMap map_dy_rows = hopper::make_tensor_map(ptr(args.dy), M, H, 64);
-  const CUtensorMap map_hw_rows = hopper::make_tensor_map(ptr(args.scratch_hw), M, I, 64);
-  gemm::WgradProblem down{offsets, s.num_rows, Ei, Hi, Ii, Hi, {}};
-  down.part[0] = {f32(args.acc_down), bf16(args.out_down)};
-  launch_wgrad(map_dy_rows, map_hw_rows, down, args.carry_in, sms, stream);
 }
 
 }  // namespace mok::bf16

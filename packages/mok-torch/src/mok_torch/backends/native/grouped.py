@@ -193,6 +193,8 @@ def grouped_backward(
     """The SwiGLU experts' backward on rows [offsets[e], offsets[e+1]) for each local expert e.
 
     Returns dx and d_w of those rows (other rows as `out` has them: zeros in fresh outputs).
+    `out.dx` may be `dy_MH` itself: each row of dy is read before its dx is written (on CUDA the
+    weight gradient dWd, dy's last reader, runs before dx's GEMM).
     The weight gradients dWg = C + sum d_a^T x, dWu = C + sum d_b^T x and dWd (the CPU: C + sum
     bf16(w dy)^T h, the reference's; CUDA: C + sum dy^T bf16(w h), the weight on h's side, which
     the SwiGLU kernel writes in h's place) start from C = the fp32 accumulators `acc` when carry_in (else
