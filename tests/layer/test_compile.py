@@ -41,6 +41,11 @@ def test_opcheck_forward_with_autograd():
     torch.library.opcheck(torch.ops.mok.forward.default, fwd)
 
 
+def test_opcheck_forward_only():
+    inp, cfg, _, fwd = _op_args(False)
+    torch.library.opcheck(torch.ops.mok.forward_only.default, (*fwd[:8], inp.top_experts_TK, "", 16, cfg.key))
+
+
 def test_opcheck_backward():
     inp, cfg, _, fwd = _op_args(False)
     outs = torch.ops.mok.forward(*fwd)
@@ -84,3 +89,32 @@ def test_compile_fullgraph(backend):
         assert_close("y", y1, y_eager.double())
         for n in g1:
             assert_close(n, g1[n], g_eager[n].double())
+
+
+def test_compile_without_autograd_keeps_no_context(monkeypatch):
+    """Compiled and called under torch.no_grad, each layer runs `mok::forward_only` (the schedule
+    and the forward in one op, no context kept: what mok.moe runs eagerly without autograd), not
+    `mok::forward`; y bitwise the eager call's, with and without autograd."""
+    from mok_torch import ops
+
+    model = TwoLayers()
+    x = torch.randn(3, 5, H, device=DEVICE)
+    y_grad = model(x).detach()
+    with torch.no_grad():
+        y_eager = model(x)
+    calls = {"forward_only": 0, "forward": 0}
+
+    def counted(name, fn):
+        def run(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(ops, "run_forward_only", counted("forward_only", ops.run_forward_only))
+    monkeypatch.setattr(ops, "run_forward", counted("forward", ops.run_forward))
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        y = compiled(x)
+    assert calls == {"forward_only": 2, "forward": 0}
+    assert torch.equal(y, y_eager) and torch.equal(y, y_grad)

@@ -132,6 +132,11 @@ def moe(
             _CALLS.add(cfg, (signature, id(group), given_max_tokens), (ws, cache_generation()))
         return y
     name = ops.group_name(group) if _group_name is None else _group_name
+    if not _wants_grad(x, router_weights, routed, s):  # no context kept, as eagerly (_eager)
+        return cast(
+            torch.Tensor,
+            torch.ops.mok.forward_only(x, router_weights, *routed, *s, top_experts, name, max_tokens, cfg.key),
+        )
     schedule = torch.ops.mok.build_schedule(top_experts.contiguous(), name, max_tokens, H, num_experts, cfg.key)
     outputs = torch.ops.mok.forward(x, router_weights, *routed, *s, schedule, top_experts, name, max_tokens, cfg.key)
     return outputs[0]
@@ -144,11 +149,20 @@ def _eager(
     """An eager call: through autograd (Layer) where a gradient may be asked for, else the forward
     alone with no context kept (autograd off, as under torch.no_grad or inference_mode, or no
     input that requires a gradient): the same y, without the stores only a backward reads."""
-    if torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, router_weights, *routed, *shared)
-    ):
+    if _wants_grad(x, router_weights, routed, shared):
         return Layer.apply(cfg, ws, signature, top_experts, x, router_weights, *routed, *shared)
     return ops.run_forward_only(cfg, ws, top_experts, x, router_weights, routed, shared, signature)
+
+
+def _wants_grad(
+    x: torch.Tensor, router_weights: torch.Tensor, routed: Weights3, shared: tuple[torch.Tensor | None, ...]
+) -> bool:
+    """Whether a gradient may be asked of this call: autograd on and an input that requires one
+    (else the forward keeps no context: under torch.no_grad or inference_mode, or with frozen
+    weights and inputs, as in RL's log-prob passes and evaluation)."""
+    return torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, router_weights, *routed, *shared)
+    )
 
 
 class Layer(torch.autograd.Function):

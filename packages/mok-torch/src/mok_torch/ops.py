@@ -272,6 +272,50 @@ def _(
     ]
 
 
+@torch.library.custom_op("mok::forward_only", mutates_args=())
+def forward_only_op(
+    x: torch.Tensor,
+    router_weights: torch.Tensor,
+    wg: torch.Tensor,
+    wu: torch.Tensor,
+    wd: torch.Tensor,
+    wg_s: torch.Tensor | None,
+    wu_s: torch.Tensor | None,
+    wd_s: torch.Tensor | None,
+    top_experts: torch.Tensor,
+    group: str,
+    max_tokens: int,
+    config: str,
+) -> torch.Tensor:
+    """y (x's dtype) of a forward that no backward follows: the schedule and the forward in one
+    call with no context kept (run_forward_only, what mok.moe runs eagerly without autograd), for
+    mok.moe under torch.compile where no gradient can be asked for. Collective."""
+    cfg = MoKConfig.from_key(config)
+    H = x.shape[1]
+    ws = _workspace(x.device, group, max_tokens, H, top_experts.shape[1], wg.shape[0] * _world(group), cfg)
+    y = run_forward_only(cfg, ws, top_experts.contiguous(), x, router_weights, (wg, wu, wd), (wg_s, wu_s, wd_s), None)
+    inputs = tuple(t for t in (x, router_weights, wg, wu, wd, wg_s, wu_s, wd_s, top_experts) if t is not None)
+    return owned([y], inputs)[0]
+
+
+@forward_only_op.register_fake
+def _(
+    x: torch.Tensor,
+    router_weights: torch.Tensor,
+    wg: torch.Tensor,
+    wu: torch.Tensor,
+    wd: torch.Tensor,
+    wg_s: torch.Tensor | None,
+    wu_s: torch.Tensor | None,
+    wd_s: torch.Tensor | None,
+    top_experts: torch.Tensor,
+    group: str,
+    max_tokens: int,
+    config: str,
+) -> torch.Tensor:
+    return x.new_empty(x.shape)
+
+
 # ---------------------------------------------------------------------------- backward
 
 
