@@ -155,8 +155,8 @@ struct GroupedBackwardArgs {
   std::uintptr_t w_gate = 0;          // bf16 [El, I, H]
   std::uintptr_t w_up = 0;            // bf16 [El, I, H]
   std::uintptr_t w_down = 0;          // bf16 [El, H, I]
-  std::uintptr_t out_dx = 0;          // bf16 [M, H]; on "cuda" it may be dy itself (dy's last
-                                      // reader, dWd, runs before dx's GEMM)
+  std::uintptr_t out_dx = 0;          // bf16 [M, H]; may be dy itself (on "cuda" dWd, dy's
+                                      // last reader, runs before dx's GEMM)
   std::uintptr_t out_d_w = 0;         // fp32 [M]
   std::uintptr_t acc_gate = 0;        // fp32 [El, I, H], or 0 (then out_gate)
   std::uintptr_t acc_up = 0;          // fp32 [El, I, H], or 0 (then out_up)

@@ -63,15 +63,18 @@ struct Sigmoid8 {
   float s[8];  // element e: half e % 2 of word e / 2
 };
 
+// Half `half` of a 32-bit word of two bf16 values (0: the lower, the first element).
+__device__ inline std::uint16_t bf16_half(std::uint32_t w, int half) {
+  return static_cast<std::uint16_t>(half == 0 ? w & 0xFFFFu : w >> 16);
+}
+
 __device__ inline Sigmoid8 gate_sigmoids8(const uint4& a, SwigluLimit lim,
                                           const TableSigmoid& sig) {
   const std::uint32_t aw[4] = {a.x, a.y, a.z, a.w};
   Sigmoid8 out;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    out.s[2 * i] = sig(clamp_gate(bf16_to_float(static_cast<std::uint16_t>(aw[i] & 0xFFFFu)), lim));
-    out.s[2 * i + 1] = sig(clamp_gate(bf16_to_float(static_cast<std::uint16_t>(aw[i] >> 16)), lim));
-  }
+  for (int e = 0; e < 8; ++e)
+    out.s[e] = sig(clamp_gate(bf16_to_float(bf16_half(aw[e / 2], e % 2)), lim));
   return out;
 }
 
@@ -85,15 +88,12 @@ __device__ inline uint4 swiglu_h8(const uint4& a, const uint4& b, SwigluLimit li
   };
   const std::uint32_t aw[4] = {a.x, a.y, a.z, a.w};
   const std::uint32_t bw[4] = {b.x, b.y, b.z, b.w};
-  std::uint32_t hw[4];
+  std::uint32_t hw[4] = {0, 0, 0, 0};
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const auto lo = [](std::uint32_t w) { return static_cast<std::uint16_t>(w & 0xFFFFu); };
-    const auto hi = [](std::uint32_t w) { return static_cast<std::uint16_t>(w >> 16); };
-    hw[i] =
-        static_cast<std::uint32_t>(swiglu_h(lo(aw[i]), lo(bw[i]), lim, Looked{sig.s[2 * i]})) |
-        (static_cast<std::uint32_t>(swiglu_h(hi(aw[i]), hi(bw[i]), lim, Looked{sig.s[2 * i + 1]}))
-         << 16);
+  for (int e = 0; e < 8; ++e) {
+    const std::uint16_t h =
+        swiglu_h(bf16_half(aw[e / 2], e % 2), bf16_half(bw[e / 2], e % 2), lim, Looked{sig.s[e]});
+    hw[e / 2] |= static_cast<std::uint32_t>(h) << (16 * (e % 2));
   }
   return make_uint4(hw[0], hw[1], hw[2], hw[3]);
 }

@@ -1341,8 +1341,9 @@ class NativeBackend:
                     self._output_rows(cfg, tr, "dw_send", lo, hi),
                 )
                 out = None if dx_out is None or dw_out is None else GroupedBackward(dx_out, dw_out)
-                if direct:  # dx's rows into dy's (the call's own buffer; dWd, its last reader, runs
-                    # first): one [n, H] array less, and no zero fill (the combine reads the routes' rows)
+                # Direct: dx's rows go into dy's, the call's own buffer (dWd, dy's last reader, runs
+                # first): one [n, H] array less, and no zero fill (the combine reads the routes' rows).
+                if direct:
                     out = GroupedBackward(dys, torch.empty(n, dtype=torch.float32, device=dev))
                 dx, d_w = grouped_backward(xs, seg, a, b, dys, wr, wg_k, wu_k, wd_k, acc, cfg.swiglu_limit, out=out,
                                            carry_in=m > 0, wgrad_out=final if last and not fp32 else None,
