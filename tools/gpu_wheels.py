@@ -4,6 +4,8 @@ that a GPU call need not compile them (the build took 61-68 s of a call's device
 
     python3 tools/gpu_wheels.py build [--python PY]   # here: .whl/mok/*.whl and .whl/mok/SOURCES
     python3 tools/gpu_wheels.py build --base main     # here: main's wheels in .whl/mok-base
+    python3 tools/gpu_wheels.py build --base main --patch prepared/x.patch --out .whl/mok-x
+                                                      # here: main + a prepared patch, a third build
     python3 tools/gpu_wheels.py check                 # there: exit 0 if the wheels fit the tree
     python3 tools/gpu_wheels.py commit                # there: the commit the tree was built at
 
@@ -13,11 +15,13 @@ pybind11, cmake, ninja, setuptools), and for mok-torch (pure Python: an A/B inst
 Python glue with its kernels), and lists every source file of the three packages with its SHA-256 in
 SOURCES. `build --base REV` builds commit REV's packages the same way (in a temporary git worktree,
 removed after) into .whl/mok-base: the other side of tools/gpu-check's `ab` stage, which installs
-each folder's wheels in turns on one machine. `check` holds the tree against that list: the
-wheels count only when every listed file is there with the same bytes and no other source file
-exists (build outputs, caches and egg-info are not sources). tools/gpu-check installs them when
-`check` passes and they import, and builds the packages as before otherwise (a binary built on
-one machine's image may not load on another's).
+each folder's wheels in turns on one machine; with `--patch FILE` the patch is applied to REV's
+tree first (`git apply`) and `--out DIR` names another folder, so that a prepared experiment is a
+third build of the same `ab` call (MOK_AB=".whl/mok-base .whl/mok .whl/mok-x"). `check` holds
+the tree against that list: the wheels count only when every listed file is there with the same
+bytes and no other source file exists (build outputs, caches and egg-info are not sources).
+tools/gpu-check installs them when `check` passes and they import, and builds the packages as
+before otherwise (a binary built on one machine's image may not load on another's).
 
 `build` also records in TREE the commit it was run at (and whether tracked files had local
 changes) with the SHA-256 of every tracked file that can change what runs. On a GPU machine the
@@ -123,14 +127,16 @@ def commit() -> int:
     return 0
 
 
-def build_base(python: str, rev: str) -> None:
-    """Commit `rev`'s wheels into .whl/mok-base, built in a temporary worktree (removed after,
-    whether the build passes or not)."""
+def build_base(python: str, rev: str, patch: Path | None = None, out: Path | None = None) -> None:
+    """Commit `rev`'s wheels (with `patch` applied, if given) into `out` (default .whl/mok-base),
+    built in a temporary worktree (removed after, whether the build passes or not)."""
     tmp = Path(tempfile.mkdtemp(prefix="mok-base-"))
     tree = tmp / "tree"
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", str(tree), rev], check=True)
     try:
-        build(python, tree, BASE_OUT)
+        if patch is not None:
+            subprocess.run(["git", "-C", str(tree), "apply", str(patch.resolve())], check=True)
+        build(python, tree, BASE_OUT if out is None else out)
     finally:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -160,12 +166,16 @@ def main() -> int:
     b = sub.add_parser("build")
     b.add_argument("--python", default="python3.12", help="a Python of the GPU machines' version (default python3.12)")
     b.add_argument("--base", metavar="REV", help="build commit REV (e.g. main) into .whl/mok-base instead")
+    b.add_argument("--patch", metavar="FILE", type=Path, help="with --base: apply FILE to REV's tree first")
+    b.add_argument("--out", metavar="DIR", type=Path, help="with --base: the folder (default .whl/mok-base)")
     sub.add_parser("check")
     sub.add_parser("commit")
     ns = p.parse_args()
     if ns.command == "build":
+        if (ns.patch or ns.out) and not ns.base:
+            p.error("--patch and --out go with --base (this tree's own build is .whl/mok)")
         if ns.base:
-            build_base(ns.python, ns.base)
+            build_base(ns.python, ns.base, ns.patch, ns.out)
         else:
             build(ns.python)
         return 0

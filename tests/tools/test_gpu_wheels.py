@@ -92,6 +92,34 @@ def test_base_builds_the_commit_in_a_worktree_removed_after(tool, monkeypatch):
     assert len(git("worktree", "list").splitlines()) == 1  # only the main one
 
 
+def test_base_with_a_patch_builds_the_patched_commit_into_its_folder(tool, monkeypatch, tmp_path):
+    """`build --base REV --patch FILE --out DIR`: REV's tree with FILE applied, into DIR (a third
+    build for the `ab` stage), the working tree untouched."""
+    root = tool.ROOT
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", "-C", str(root), *args], check=True, capture_output=True, text=True)
+        return done.stdout
+
+    git("init", "-q")
+    git("add", "packages")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "base")
+    (root / "packages/a/src/k.cu").write_text("// patched\n")
+    patch = tmp_path / "x.patch"
+    patch.write_text(git("diff"))
+    git("checkout", "-q", "--", "packages")
+    seen = {}
+
+    def build(python: str, tree: Path, out: Path) -> None:
+        seen.update(source=(tree / "packages/a/src/k.cu").read_text(), out=out)
+
+    monkeypatch.setattr(tool, "build", build)
+    tool.build_base("python3", "HEAD", patch, root / ".whl" / "mok-x")
+    assert seen == {"source": "// patched\n", "out": root / ".whl" / "mok-x"}
+    assert (root / "packages/a/src/k.cu").read_text() == "// packages/a\n"
+    assert len(git("worktree", "list").splitlines()) == 1
+
+
 def test_commit_is_the_stamped_one_while_the_tree_is(tool, capsys):
     """`commit` prints the commit TREE was stamped at (and its dirty flag) while every file it lists
     that can change what runs has its bytes; notes and results may differ; any other edit: none."""
