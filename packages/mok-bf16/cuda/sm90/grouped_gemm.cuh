@@ -204,26 +204,22 @@ struct ConsumerRing {
   std::uint64_t* lag;
   bool releases;  // the warpgroup's thread that arrives on the barriers
   bool lag_due;   // consumer 0, until it has let consumer 1 start
-  int stage = 0;
-  std::uint32_t phase = 0;
+  hopper::RingPos<kStages> pos;
   int previous = -1;
   int lag_blocks = 0;
 
   // The next k-block's stage, once it is full.
   __device__ int acquire() {
-    hopper::mbar_wait(&full[stage], phase);
-    return stage;
+    pos.wait_full(full);
+    return pos.stage;
   }
   // After the k-block's wgmmas are committed: the group before them done, its stage given back.
   __device__ void release() {
     hopper::wgmma_wait<1>();
     if (previous >= 0 && releases) give_back(previous);
     if (lag_due && ++lag_blocks == kLagBlocks) let_go();
-    previous = stage;
-    if (++stage == kStages) {
-      stage = 0;
-      phase ^= 1;
-    }
+    previous = pos.stage;
+    pos.advance();
   }
   __device__ void begin_tile() { previous = -1; }
   // After a tile's last wgmmas are waited for: the last stage back, and consumer 1 let go if the
@@ -436,6 +432,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     };
+    // The ring position as two counters (not a hopper::RingPos, as every other walk of a ring:
+    // with one nvcc schedules this producer's code differently; not measured on a GPU, NOTES.md
+    // session 29).
     int stage = 0;
     std::uint32_t phase = 0;
     const auto advance = [&] {

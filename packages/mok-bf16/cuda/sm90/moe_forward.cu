@@ -347,14 +347,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       hopper::prefetch_tensor_map(&map_wd);
       hopper::prefetch_tensor_map(&map_x);
     }
-    int stage = 0, slot = 0;
-    std::uint32_t phase = 0, slot_phase = 0;
-    const auto advance = [&] {
-      if (++stage == kStages) {
-        stage = 0;
-        phase ^= 1;
-      }
-    };
+    hopper::RingPos<kStages> pos;  // the ring of stages
+    // The task slots' ring position, as two counters: written as a hopper::RingPos, nvcc
+    // schedules this producer's code differently (not measured on a GPU; NOTES.md, session 29).
+    int slot = 0;
+    std::uint32_t slot_phase = 0;
     const long long start = kTimed ? clock64() : 0;
     const bool timer = kTimed && i == 0;  // the producer's accounts: thread 0's
     const auto clock = [&] { return kTimed ? clock64() : 0; };
@@ -385,7 +382,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int b_row = task.expert * p.inner + task.col0;
         for (int kb = 0; kb < task.k_blocks; ++kb) {
           const long long t0 = clock();
-          hopper::mbar_wait(&empty[stage], phase ^ 1);
+          pos.wait_empty(empty);
+          const int stage = pos.stage;
           if (timer) account<kTimed>(timer_acc, 0, kTimeStageWait, clock() - t0);
           if (i == 0) {
             hopper::mbar_expect_tx_only(&full[stage], R::kBBytes);
@@ -399,7 +397,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           // The stage's arrival of this thread, once its copies have landed (the barrier's
           // completion makes them visible to the consumers' wgmma, as for the copy engine).
           hopper::cp_async_arrive(&full[stage]);
-          advance();
+          pos.advance();
         }
         if (timer) account<kTimed>(timer_acc, 0, kTimeGateUp, clock() - task_start);
       } else {
@@ -414,7 +412,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int b_row = task.expert * p.hidden + task.col0;
         for (int kb = 0; kb < task.k_blocks; ++kb) {
           const long long t0 = clock();
-          hopper::mbar_wait(&empty[stage], phase ^ 1);
+          pos.wait_empty(empty);
+          const int stage = pos.stage;
           if (timer) account<kTimed>(timer_acc, 0, kTimeStageWait, clock() - t0);
           if (i == 0) {
             hopper::mbar_expect_tx_only(&full[stage], R::kStageBytes);
@@ -422,7 +421,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             hopper::tma_load_2d(ring.b(stage), &map_wd, &full[stage], kb * kBlockK, b_row);
           }
           hopper::mbar_arrive(&full[stage]);
-          advance();
+          pos.advance();
         }
         if (timer) account<kTimed>(timer_acc, 0, kTimeDown, clock() - task_start);
       }
@@ -439,8 +438,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int consumer = threadIdx.x / 128 - 1;  // rows [64 c, 64 c + 64) of a tile
   const bool leader = threadIdx.x % 128 == 0;
   const auto sig = core::TableSigmoid::of(p.limit);
-  int slot = 0;
-  std::uint32_t slot_phase = 0;
+  hopper::RingPos<kTaskSlots> slots;  // the ring of task slots
   bool first_task = true;
   // Consumer 0 lets consumer 1 start after kLagBlocks k-blocks.
   gemm::ConsumerRing<kStages> pipe{full, empty, &lag, leader, consumer == 0};
@@ -485,15 +483,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   for (;;) {
     const long long t0 = clock();
-    hopper::mbar_wait(&task_full[slot], slot_phase);
+    slots.wait_full(task_full);
     if (timer) account<kTimed>(timer_acc, role, kTimeTicket, clock() - t0);
-    const unsigned int t = *static_cast<volatile unsigned int*>(&task_id[slot]);
+    const unsigned int t = *static_cast<volatile unsigned int*>(&task_id[slots.stage]);
     hopper::named_barrier(kConsumerBarrier + consumer, 128);  // every thread has read the slot
-    if (leader) hopper::mbar_arrive(&task_empty[slot]);
-    if (++slot == kTaskSlots) {
-      slot = 0;
-      slot_phase ^= 1;
-    }
+    if (leader) hopper::mbar_arrive(&task_empty[slots.stage]);
+    slots.advance();
     const Task task = decode(p, row_tiles, t);
     const bool done = task.kind == kNone;
     if (first_task && !done) {  // the first task

@@ -168,13 +168,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (threadIdx.x != 0) return;
     hopper::prefetch_tensor_map(&map_a);
     hopper::prefetch_tensor_map(&map_b);
-    int stage = 0;
-    std::uint32_t phase = 0;
+    hopper::RingPos<kStages> pos;
     for (int t = first; t < total; t += stride) {
       const WgradTile tile = locate_wgrad<kCluster>(p, t, rank);
       for (int kb = 0; kb < tile.blocks; ++kb) {
         const int row = static_cast<int>(tile.lo) + kb * kBlockK;
-        hopper::mbar_wait(&empty[stage], phase ^ 1);
+        pos.wait_empty(empty);
+        const int stage = pos.stage;
         hopper::mbar_expect_tx(&full[stage], R::kStageBytes);
 #pragma unroll
         for (int i = 0; i < kBlockM / 64; ++i) {
@@ -193,21 +193,15 @@ __global__ void __launch_bounds__(kThreads, 1)
                                 row);
           }
         }
-        if (++stage == kStages) {
-          stage = 0;
-          phase ^= 1;
-        }
+        pos.advance();
       }
     }
     if constexpr (kCluster > 1) {
       // The CTA stays until every stage is given back by the consumers of both CTAs: no arrival
       // from the other CTA is then still on its way to this one's barriers.
       for (int s = 0; s < kStages; ++s) {
-        hopper::mbar_wait(&empty[stage], phase ^ 1);
-        if (++stage == kStages) {
-          stage = 0;
-          phase ^= 1;
-        }
+        pos.wait_empty(empty);
+        pos.advance();
       }
     }
     return;

@@ -233,14 +233,11 @@ __device__ inline void consume_stage(const R& ring, int stage, int slices, int c
 // The stage given back (a lane of each consumer warp, after the warp's lanes have read its
 // scales) and the ring advanced.
 template <int kStagesT>
-__device__ inline void release_stage(std::uint64_t (&empty)[kStagesT], int& stage,
-                                     std::uint32_t& phase, int lane) {
+__device__ inline void release_stage(std::uint64_t (&empty)[kStagesT],
+                                     hopper::RingPos<kStagesT>& pos, int lane) {
   __syncwarp();
-  if (lane == 0) hopper::mbar_arrive(&empty[stage]);
-  if (++stage == kStagesT) {
-    stage = 0;
-    phase ^= 1;
-  }
+  if (lane == 0) hopper::mbar_arrive(&empty[pos.stage]);
+  pos.advance();
 }
 
 // The persistent kernel. map_a: A's E4M3 rows (boxes 128 x 128 bytes); map_b0 / map_b1: the
@@ -285,8 +282,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // each (one warp alone could not keep up: the conversion is a short dependent chain per
     // stage, and a warp converts one stage at a time).
     hopper::regs_dealloc<88>();  // the conversion needs more than a copying warp
-    int stage = 0;
-    std::uint32_t phase = 0;
+    hopper::RingPos<kStagesT> pos;
     int n = 0;  // stages so far
     if (warp == 0 && lane == 0) {
       hopper::prefetch_tensor_map(&map_a);
@@ -297,8 +293,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       const Tile tile = locate(p, list, t, kTileN);
       for (int kb = 0; kb < blocks; ++kb, ++n) {
         const KBlock k = k_block(p, kb);
+        const int stage = pos.stage;
         if (warp == 0) {
-          hopper::mbar_wait(&empty[stage], phase ^ 1);
+          pos.wait_empty(empty);
           if (lane == 0) {
             hopper::mbar_expect_tx(&full[stage], R::kStageBytes);
             hopper::tma_load_2d(ring.a(stage), &map_a, &full[stage], k.k0,
@@ -332,7 +329,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
           hopper::cp_async_arrive(&full[stage]);
         } else if (n % 3 == warp - 1) {
-          hopper::mbar_wait(&full[stage], phase);
+          pos.wait_full(full);
           if constexpr (kProbe != 2 && kProbe != 6) {
             const uint4 ra = reinterpret_cast<const uint4*>(ring.raw_a(stage))[lane];
             const std::uint32_t aw[4] = {ra.x, ra.y, ra.z, ra.w};  // rows 4 lane + r, 4 slices
@@ -349,10 +346,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           __syncwarp();
           if (lane == 0) hopper::mbar_arrive(&ready[stage]);
         }
-        if (++stage == kStagesT) {
-          stage = 0;
-          phase ^= 1;
-        }
+        pos.advance();
       }
     }
     return;
@@ -367,8 +361,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // its last slice is added, by a lane of each consumer warp.
   hopper::regs_alloc<208>();  // 128 x 88 + 256 x 208 = 384 x 168, the launch's registers
   const int consumer = threadIdx.x / 128 - 1;  // 0 or 1: rows [64 c, 64 c + 64) of the tile
-  int stage = 0;
-  std::uint32_t phase = 0;
+  hopper::RingPos<kStagesT> pos;
   Accumulators acc;
   float t[64];
   if constexpr (kProbe == 7 || kProbe == 8) {
@@ -384,8 +377,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int q = 0; q < 64; ++q) acc.d[q] = 0.0f;
     for (int kb = 0; kb < blocks; ++kb) {
       const int slices = k_block(p, kb).slices;
-      hopper::mbar_wait(&full[stage], phase);
-      hopper::mbar_wait(&ready[stage], phase);
+      pos.wait_full(full);
+      pos.wait_full(ready);  // (its fp32 scales: a second barrier of the same phases)
+      const int stage = pos.stage;
       const std::uint32_t a = hopper::smem_addr(ring.a(stage)) + consumer * 64 * 128;
       const std::uint32_t b = hopper::smem_addr(ring.b(stage));
       if constexpr (kProbe == 3 || kProbe == 6) {
@@ -428,7 +422,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         (void)b;
         consume_stage(ring, stage, slices, consumer, acc.d, t);
       }
-      release_stage(empty, stage, phase, lane);
+      release_stage(empty, pos, lane);
     }
     epilogue(tile, consumer, acc);
   }

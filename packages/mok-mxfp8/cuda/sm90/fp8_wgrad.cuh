@@ -107,8 +107,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // lane / 8, 16 rows of A^T and 16 of B^T from 16 (lane % 8) on); warps 1-3 convert them to
     // fp32 in turn, as in the forward kernel.
     hopper::regs_dealloc<88>();
-    int stage = 0;
-    std::uint32_t phase = 0;
+    hopper::RingPos<kStagesT> pos;
     int n = 0;                                       // stages so far
     if (warp == 0 && lane == 0 && p.num_rows > 0) {  // no rows: the maps are not made
       hopper::prefetch_tensor_map(&map_a);
@@ -121,8 +120,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int blocks = wgrad_blocks(rows);
       for (int kb = 0; kb < blocks; ++kb, ++n) {
         const KBlock k = wgrad_block(rows, kb);
+        const int stage = pos.stage;
         if (warp == 0) {
-          hopper::mbar_wait(&empty[stage], phase ^ 1);
+          pos.wait_empty(empty);
           if (lane == 0) {
             hopper::mbar_expect_tx(&full[stage], R::kStageBytes);
             hopper::tma_load_2d(ring.a(stage), &map_a, &full[stage], k.k0, a_row);
@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
           hopper::cp_async_arrive(&full[stage]);
         } else if (n % 3 == warp - 1) {
-          hopper::mbar_wait(&full[stage], phase);
+          pos.wait_full(full);
 #pragma unroll
           for (int s = 0; s < kSlices; ++s) {  // A^T's: [slice][128 rows], rows 4 lane ..
             const std::uint32_t w =
@@ -157,10 +157,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           __syncwarp();
           if (lane == 0) hopper::mbar_arrive(&ready[stage]);
         }
-        if (++stage == kStagesT) {
-          stage = 0;
-          phase ^= 1;
-        }
+        pos.advance();
       }
     }
     return;
@@ -169,8 +166,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // ------------------------------------------------------------------------ consumers
   hopper::regs_alloc<208>();
   const int consumer = threadIdx.x / 128 - 1;  // 0 or 1: rows [64 c, 64 c + 64) of the tile
-  int stage = 0;
-  std::uint32_t phase = 0;
+  hopper::RingPos<kStagesT> pos;
   Accumulators acc;
   float t[64];
   for (int tt = blockIdx.x; tt < total; tt += gridDim.x) {
@@ -188,10 +184,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int blocks = wgrad_blocks(rows);
     for (int kb = 0; kb < blocks; ++kb) {
       const int slices = wgrad_block(rows, kb).slices;
-      hopper::mbar_wait(&full[stage], phase);
-      hopper::mbar_wait(&ready[stage], phase);
-      consume_stage(ring, stage, slices, consumer, acc.d, t);
-      release_stage(empty, stage, phase, lane);
+      pos.wait_full(full);
+      pos.wait_full(ready);  // (its fp32 scales: a second barrier of the same phases)
+      consume_stage(ring, pos.stage, slices, consumer, acc.d, t);
+      release_stage(empty, pos, lane);
     }
     for_each_pair<kBlockN>(tile, consumer, p.c, [&](std::int64_t row, int col, int q) {
       const std::int64_t at = row * p.c + col;
