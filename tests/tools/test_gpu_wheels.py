@@ -63,18 +63,24 @@ def test_any_other_source_means_build(tool, change, capsys):
     assert "packages/b/src/" in capsys.readouterr().out
 
 
-def test_base_builds_the_commit_in_a_worktree_removed_after(tool, monkeypatch):
-    """`build --base REV` builds REV's sources, not the working tree's, into .whl/mok-base, and
-    leaves no worktree behind even when the build fails."""
-    root = tool.ROOT
+def committed(root: Path, *paths: str):
+    """A git repository at `root` with `paths` committed; returns its git (args -> stdout)."""
 
     def git(*args: str) -> str:
         done = subprocess.run(["git", "-C", str(root), *args], check=True, capture_output=True, text=True)
         return done.stdout
 
     git("init", "-q")
-    git("add", "packages")
+    git("add", *paths)
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "base")
+    return git
+
+
+def test_base_builds_the_commit_in_a_worktree_removed_after(tool, monkeypatch):
+    """`build --base REV` builds REV's sources, not the working tree's, into .whl/mok-base, and
+    leaves no worktree behind even when the build fails."""
+    root = tool.ROOT
+    git = committed(root, "packages")
     (root / "packages/a/src/k.cu").write_text("// changed after the commit\n")
     monkeypatch.setattr(tool, "BASE_OUT", root / ".whl" / "mok-base")
     seen = {}
@@ -96,14 +102,7 @@ def test_base_with_a_patch_builds_the_patched_commit_into_its_folder(tool, monke
     """`build --base REV --patch FILE --out DIR`: REV's tree with FILE applied, into DIR (a third
     build for the `ab` stage), the working tree untouched."""
     root = tool.ROOT
-
-    def git(*args: str) -> str:
-        done = subprocess.run(["git", "-C", str(root), *args], check=True, capture_output=True, text=True)
-        return done.stdout
-
-    git("init", "-q")
-    git("add", "packages")
-    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "base")
+    git = committed(root, "packages")
     (root / "packages/a/src/k.cu").write_text("// patched\n")
     patch = tmp_path / "x.patch"
     patch.write_text(git("diff"))
@@ -129,11 +128,7 @@ def test_commit_is_the_stamped_one_while_the_tree_is(tool, capsys):
     (root / "NOTES.md").write_text("notes\n")
     (root / "benchmarks/results").mkdir(parents=True)
     (root / "benchmarks/results/r.json").write_text("{}\n")
-    subprocess.run(["git", "-C", str(root), "init", "-q"], check=True)
-    subprocess.run(["git", "-C", str(root), "add", "packages", "NOTES.md", "benchmarks"], check=True)
-    subprocess.run(["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c"],
-                   check=True)  # fmt: skip
-    head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    head = committed(root, "packages", "NOTES.md", "benchmarks")("rev-parse", "HEAD").strip()
     assert tool.commit() == 1  # no TREE yet
     stamp_file.parent.mkdir(parents=True)
     tool.stamp(root, stamp_file)
