@@ -72,7 +72,7 @@ def build(python: str, root: Path | None = None, out: Path | None = None) -> Non
     """The wheels of the packages under `root` (default: this tree) into `out` (default
     .whl/mok), with the list of the sources they were built from."""
     root = ROOT if root is None else root
-    out = OUT if out is None else out
+    out = (OUT if out is None else out).resolve()  # pip runs in `root`: an absolute path
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     env = dict(os.environ, MOK_CUDA="ON", CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 2))

@@ -143,3 +143,33 @@ def test_commit_is_the_stamped_one_while_the_tree_is(tool, capsys):
     tool.stamp(root, stamp_file)  # stamped with the edit: dirty
     capsys.readouterr()
     assert tool.commit() == 0 and capsys.readouterr().out == f"{head} 1\n"
+
+
+def test_build_into_a_relative_folder_lands_where_the_caller_names_it(tool, monkeypatch, tmp_path):
+    """`--out DIR` relative to the caller's directory: pip runs in the tree it builds (a base's
+    worktree), so the folder must be made absolute first (session 30: the patched build's wheels
+    went into the worktree and were removed with it)."""
+    root = tool.ROOT
+    committed(root, "packages")
+    caller = tmp_path / "caller"
+    caller.mkdir()
+    monkeypatch.chdir(caller)
+
+    def pip(args, cwd=None, env=None, check=False, **kw):  # a wheel named for the package, as pip would
+        if "wheel" in args:
+            folder = Path(args[args.index("-w") + 1])
+            folder = folder if folder.is_absolute() else Path(cwd) / folder
+            (folder / f"{Path(args[-1]).name.replace('-', '_')}-0-py3-none-any.whl").write_text("")
+        return subprocess.CompletedProcess(args, 0)
+
+    monkeypatch.setattr(
+        tool.subprocess, "run", lambda args, **kw: pip(args, **kw) if "pip" in args else _real_run(args, **kw)
+    )
+    tool.build("python3", root, Path(".whl/mok-x"))
+    made = sorted(p.name for p in (caller / ".whl/mok-x").glob("*.whl"))
+    assert made == ["a-0-py3-none-any.whl", "b-0-py3-none-any.whl", "mok_torch-0-py3-none-any.whl"]
+    assert (caller / ".whl/mok-x/TREE").read_text().startswith("commit ")
+    assert not (root / ".whl/mok-x").exists()
+
+
+_real_run = subprocess.run
