@@ -127,6 +127,39 @@ def test_megakernel_without_autograd_keeps_no_context(T, H, I, E, K, Is, routing
 
 
 @needs_gpu
+@pytest.mark.parametrize("T,H,I,E,K,Is,routing,limit", CASES[:3])
+def test_megakernel_call_issues_no_send_side(T, H, I, E, K, Is, routing, limit, monkeypatch):
+    """mok.moe's forward + backward on the megakernel's path at one rank (the direct backward)
+    reads none of the schedule's send side, so none is issued (structs.LazySendSide): no
+    build_send_side, no route ranks; the gradients are those of the call that issues it."""
+    from mok_torch.backends.native import NativeBackend
+
+    inp = make_inputs(T, H, I, E, K, Is, routing, seed=T + 5).to("cuda")
+    cfg = cuda_config(swiglu_limit=limit, combine="push")
+
+    def grads() -> list[torch.Tensor]:
+        x = inp.x_TH.clone().requires_grad_()
+        w = inp.router_weights_TK.clone().requires_grad_()
+        routed = tuple(t.clone().requires_grad_() for t in inp.routed)
+        mok.moe(x, inp.top_experts_TK, w, routed, None, config=cfg).backward(inp.dy_TH)
+        return [t.grad for t in (x, w, *routed)]
+
+    issued: list[int] = []
+    real = NativeBackend._issue_source_side
+    monkeypatch.setattr(NativeBackend, "_issue_source_side", lambda *a: issued.append(1) or real(*a))
+    got = grads()
+    assert issued == []
+    real_defer = NativeBackend._source_side
+    monkeypatch.setattr(  # the send side issued with the table, as build_schedule does
+        NativeBackend, "_source_side", lambda self, *a, defer=False: real_defer(self, *a, defer=False)
+    )
+    want = grads()
+    assert len(issued) == 1
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(a, b), f"gradient {i}"
+
+
+@needs_gpu
 @pytest.mark.parametrize(
     "T,H,I,E,K,routing",
     [(300, 256, 192, 8, 4, "skewed"), (1, 128, 64, 4, 1, "worst"), (150, 128, 256, 16, 2, "sparse")],

@@ -622,20 +622,47 @@ def _send_side_order(monkeypatch, experts: str) -> list[str]:
 
 @pytest.mark.parametrize("kw", CONFIGS)
 @pytest.mark.parametrize("routes", [torch.int64, torch.int32])
-def test_cpu_send_side_issued_after_the_experts(kw, routes, monkeypatch):
-    """mok.moe's eager call at one rank: where nothing before the experts reads the schedule's send
-    side (a pull dispatch) it is issued after them, else (a push dispatch) before; either way the
-    schedule, y, context and gradients are those of build_schedule then forward."""
+def test_cpu_send_side_issued_at_its_first_read(kw, routes, monkeypatch):
+    """mok.moe's eager call at one rank issues the schedule's send side at its first read: a pull
+    dispatch's forward reads none of it (issued by the backward's moves or the test's reads, after
+    the experts), a push dispatch's row moves read it before the experts; either way the schedule,
+    y, context and gradients are those of build_schedule then forward."""
     inp = make_inputs(30, 32, 48, 8, 3, 8, "skewed", seed=6)
     inp = dataclasses.replace(inp, top_experts_TK=inp.top_experts_TK.to(routes))
     order = _send_side_order(monkeypatch, "_routed_forward")
     assert_fused_forward_is_the_two_calls(inp, config(backend="cpu", **kw), device="cpu")
     # build_schedule, then forward (its routed forward), then schedule_and_forward
     assert order[:3] == ["_source_side", "_issue_source_side", "_routed_forward"], order
-    later = kw.get("dispatch", "pull") == "pull"
-    assert order[3:] == ["_source_side"] + (
-        ["_routed_forward", "_issue_source_side"] if later else ["_issue_source_side", "_routed_forward"]
-    ), order
+    push = kw.get("dispatch", "pull") == "push"
+    fused = ["_source_side"] + (["_issue_source_side", "_routed_forward"] if push else ["_routed_forward"])
+    assert order[3 : 3 + len(fused)] == fused, order
+    assert order.count("_issue_source_side") == 2, order  # once a schedule
+
+
+@pytest.mark.parametrize("routes", [torch.int64, torch.int32])
+def test_cpu_deferred_send_side_is_the_routes_at_the_call(routes, monkeypatch):
+    """At one rank schedule_and_forward issues no send side; its first read issues it once, on
+    the routes as they were at the call (the Schedule's own int32 copy), whatever the caller wrote
+    into its routes since: the values build_schedule gives for them."""
+    from mok_torch import functional
+    from mok_torch.backends.native import NativeBackend
+    from mok_torch.structs import PENDING_SEND_SIDE, SEND_SIDE, LazySendSide
+
+    inp = make_inputs(30, 32, 48, 8, 3, 8, "skewed", seed=7)
+    top = inp.top_experts_TK.to(routes)
+    cfg = config(backend="cpu")
+    ws = mok.get_workspace(cfg, None, device="cpu", max_tokens=30, hidden_size=32, topk=3, num_experts=8)
+    want = mok.build_schedule(ws, cfg, top.clone())
+    issued: list[int] = []
+    real = NativeBackend._issue_source_side
+    monkeypatch.setattr(NativeBackend, "_issue_source_side", lambda *a: issued.append(1) or real(*a))
+    sched, _, _ = functional.schedule_and_forward(cfg, ws, top, inp.x_TH, inp.router_weights_TK, inp.routed, inp.shared)
+    assert isinstance(sched, LazySendSide) and PENDING_SEND_SIDE in sched.aux and not issued
+    top.copy_(top.flip(0))  # the caller reuses its routes' storage
+    for name in SEND_SIDE:
+        assert torch.equal(getattr(sched, name), getattr(want, name)), name
+    assert issued == [1] and PENDING_SEND_SIDE not in sched.aux
+    assert torch.equal(sched.top_experts_TK, want.top_experts_TK)
 
 
 @gpu
@@ -644,8 +671,9 @@ def test_cpu_send_side_issued_after_the_experts(kw, routes, monkeypatch):
 def test_cuda_chain_issues_the_send_side_after_the_gemms(combine, routes, monkeypatch):
     """At one rank on the chain of GPU kernels the token rows are scattered into the table and the
     GEMMs issued right after it (the scatter reads no route ranks); with a push combine the
-    Schedule's tensors are made after them too; the send side is issued after the GEMMs: the same
-    schedule and bits as build_schedule then forward."""
+    Schedule's tensors are made after them too; the send side is issued at its first read, after
+    the GEMMs (the direct backward reads none of it: the test's reads of the fields issue it): the
+    same schedule and bits as build_schedule then forward."""
     T, H, I, E, K = 45, 128, 64, 8, 3
     if not native.gpu_forward_kernels(config(backend="cuda"), torch.device("cuda"), H, I, 1):
         pytest.skip("mok-bf16's grouped forward needs an sm_90 GPU and a CUDA build of mok-bf16")

@@ -33,6 +33,8 @@ class Schedule:
         route_row_TK: each route's row in that rank's table (int32 [T*K]): where a push
             dispatch writes the route's input and a pull combine reads its output.
         tokens_per_rank_R: T of every rank of the group.
+    At one rank mok.moe's call makes a LazySendSide: the send side (SEND_SIDE) is issued at its
+    first read.
 
     Rows of one expert are in global token order (source rank, t, k), so the same expert
     sees the same rows in the same order at every expert-parallel size.
@@ -61,6 +63,39 @@ class Schedule:
     @property
     def topk(self) -> int:
         return self.top_experts_TK.shape[1]
+
+
+# The send side: what only this rank's row moves read (docs/design.md §6).
+SEND_SIDE = ("send_order_TK", "send_counts_R", "route_rank_TK")
+# Schedule.aux's key of a send side not yet issued (LazySendSide).
+PENDING_SEND_SIDE = "pending_send_side"
+
+
+def _issued_at_first_read(name: str) -> property:
+    def read(self: Schedule) -> torch.Tensor:
+        issue = self.aux.pop(PENDING_SEND_SIDE, None)
+        if issue is not None:
+            issue(self)  # sets every field of SEND_SIDE
+        return self.__dict__[name]
+
+    def write(self: Schedule, value: torch.Tensor | None) -> None:  # the dataclass's __init__, the issue
+        self.__dict__[name] = value
+
+    return property(read, write, doc=f"{name}, issued at the first read of the send side")
+
+
+class LazySendSide(Schedule):
+    """A Schedule whose send side (SEND_SIDE) is issued on the device at its first read, not with
+    the table: at one rank mok.moe's forward, its direct backward and a forward that no backward
+    follows read none of it (only the row moves of the other paths do), so a call that never reads
+    it issues none of its kernels and none of its host work. `aux[PENDING_SEND_SIDE]` is the issue,
+    a function of the Schedule that sets the three fields; it reads `top_experts_TK`, which is then
+    the schedule's own int32 copy of the routes (made with the table), so that routes rewritten by
+    the caller after the call do not change it. Constructed with None in those three fields."""
+
+    send_order_TK = _issued_at_first_read("send_order_TK")  # type: ignore[assignment]
+    send_counts_R = _issued_at_first_read("send_counts_R")  # type: ignore[assignment]
+    route_rank_TK = _issued_at_first_read("route_rank_TK")  # type: ignore[assignment]
 
 
 @dataclass(frozen=True, eq=False)

@@ -66,7 +66,7 @@ from ...spec.experts import (
     swiglu,
 )
 from ...spec.ring import Block, RingPlan, plan_ring, replays_in_backward
-from ...structs import ForwardContext, Grads, Schedule
+from ...structs import PENDING_SEND_SIDE, SEND_SIDE, ForwardContext, Grads, LazySendSide, Schedule
 from ...workspace import Workspace
 from . import megakernel
 from .grouped import GroupedBackward, GroupedForward, grouped_backward, grouped_forward, launch_forward
@@ -675,16 +675,18 @@ class NativeBackend:
         router_weights_TK: torch.Tensor, routed: Weights3, shared: Weights3 | None, *, context: bool = True,
     ) -> tuple[Schedule, torch.Tensor, ForwardContext | None]:  # fmt: skip
         """build_schedule then forward, the same bits, with the routed experts issued as soon as
-        the schedule's table is: right after it, and the Schedule's tensors and send side
-        (_source_side) after them, on the megakernel's path and at one rank on the chain when its
-        token rows are scattered and the combine is a push (_scattered_experts); at one rank with
-        a pull dispatch otherwise, the send side after the GEMMs. The device then starts the
-        experts that much earlier in a call from an idle GPU. Without `context` (a forward that no
-        backward follows) the context is None, and the megakernel stores no x rows, a or b."""
+        the schedule's table is: right after it, and the Schedule's tensors after them, on the
+        megakernel's path and at one rank on the chain when its token rows are scattered and the
+        combine is a push (_scattered_experts). The device then starts the experts that much
+        earlier in a call from an idle GPU. At one rank the send side is issued at its first read
+        (structs.LazySendSide), which mok.moe's forward, its direct backward and a forward that no
+        backward follows never make. Without `context` (a forward that no backward follows) the
+        context is None, and the megakernel stores no x rows, a or b."""
         with _on(ws):
             path = expert_path(cfg, ws, routed[2].shape[2])
             tr = self._transport(ws, cfg)
             scatter = scatters_token_rows(cfg, ws, routed[2].shape[2], path)  # only at one rank
+            defer = ws.world_size == 1  # the send side at its first read: nothing before the experts reads it
             if path.forward == "megakernel" or (scatter and cfg.combine == "push"):
                 _log_path(cfg, ws, path, "forward")
                 table = self._table(ws, tr, top_experts_TK, one_buffer=True)
@@ -697,16 +699,12 @@ class NativeBackend:
                     y_rows = torch.empty(ws.capacity, ws.hidden_size, dtype=BF16, device=ws.device)
                     out = self._scattered_experts(cfg, ws, tr, table.route_row, table.row_src, table.offsets, x_TH,
                                                   routed, y_rows)  # fmt: skip
-                sched = self._source_side(ws, tr, top_experts_TK, table.tensors())
+                sched = self._source_side(ws, tr, top_experts_TK, table.tensors(), defer=defer)
                 y, shared_ab = self._forward_rest(cfg, ws, sched, tr, x_TH, router_weights_TK, shared, y_rows)
                 return sched, y, self._context(sched, out, shared_ab) if out is not None and context else None
-            later = scatter or (ws.world_size == 1 and cfg.dispatch == "pull")
             arrays = self._table(ws, tr, top_experts_TK, one_buffer=True).tensors()
-            sched = self._source_side(ws, tr, top_experts_TK, arrays, issue=not later)
-            source_side = None
-            if later:
-                source_side = functools.partial(self._issue_source_side, ws, tr, top_experts_TK, sched)
-            y, ctx = self._forward_on(cfg, ws, tr, path, sched, x_TH, router_weights_TK, routed, shared, source_side)
+            sched = self._source_side(ws, tr, top_experts_TK, arrays, defer=defer)
+            y, ctx = self._forward_on(cfg, ws, tr, path, sched, x_TH, router_weights_TK, routed, shared)
             return sched, y, ctx if context else None
 
     def recompute_forward_context(self, cfg: MoKConfig, ws: Workspace, *args: Any) -> ForwardContext:
@@ -794,21 +792,21 @@ class NativeBackend:
         return _IssuedTable(addr[3], addr[2], addr[6] if local else 0, offsets, tensors)
 
     def _source_side(
-        self, ws: Workspace, tr: Transport, top_experts_TK: torch.Tensor, table: _Table, *, issue: bool = True
+        self, ws: Workspace, tr: Transport, top_experts_TK: torch.Tensor, table: _Table, *, defer: bool = False
     ) -> Schedule:
         """The Schedule of `table` and of this rank's own routes (the send side: the order and
-        counts they go to the ranks in, each route's rank and row), issued now, or with
-        issue=False by _issue_source_side later (its tensors are made here: a reader further on
-        the stream finds them filled)."""
+        counts they go to the ranks in, each route's rank and row), issued now, or with `defer`
+        (one rank only: the transport has no barrier to keep in step) at its first read, on the
+        routes as they are now (LazySendSide: an int32 copy of them is made here)."""
         T, K = top_experts_TK.shape
         R, dev = ws.world_size, ws.device
         top = top_experts_TK
-        if top.dtype != torch.int32 or not top.is_contiguous():  # an int32 copy (_issue_source_side)
-            top = torch.empty(T, K, dtype=torch.int32, device=dev)
+        if defer or top.dtype != torch.int32 or not top.is_contiguous():  # an int32 copy
+            top = _int32_routes(top_experts_TK, out=torch.empty(T, K, dtype=torch.int32, device=dev))
         route_row = table.route_row
         if route_row is None:  # a copy of the transport's field, which the next schedule rewrites
             route_row = torch.empty(T * K, dtype=torch.int32, device=dev)
-        sched = Schedule(
+        fields: dict[str, Any] = dict(
             workspace=ws,
             backend=self.name,
             top_experts_TK=top,
@@ -818,21 +816,44 @@ class NativeBackend:
             expert_offsets_El1=table.offsets,
             expert_counts_El=table.counts,
             recv_counts_R=table.recv,
-            send_order_TK=torch.empty(T * K, dtype=torch.int64, device=dev),
-            send_counts_R=torch.empty(R, dtype=torch.int64, device=dev),
-            route_rank_TK=torch.empty(T * K, dtype=torch.int32, device=dev),
             route_row_TK=route_row,
         )
-        if issue:
-            self._issue_source_side(ws, tr, top_experts_TK, sched)
+        if defer:
+            assert R == 1, "a deferred send side is one rank's: across ranks its barrier is collective"
+            sched: Schedule = LazySendSide(**fields, **dict.fromkeys(SEND_SIDE))
+            stream = torch.cuda.current_stream(dev) if dev.type == "cuda" else None
+            sched.aux[PENDING_SEND_SIDE] = functools.partial(self._deferred_send_side, ws, tr, stream)
+            return sched
+        sched = Schedule(**fields, **self._send_side_tensors(ws, T * K))
+        self._issue_source_side(ws, tr, sched)
         return sched
 
-    def _issue_source_side(self, ws: Workspace, tr: Transport, top_experts_TK: torch.Tensor, sched: Schedule) -> None:
-        """Fill the send side of `sched` (_source_side), then the barrier after which every rank's
-        routes may be rewritten."""
+    @staticmethod
+    def _send_side_tensors(ws: Workspace, routes: int) -> dict[str, torch.Tensor]:
+        """SEND_SIDE's tensors, unfilled."""
+        dev = ws.device
+        return dict(
+            send_order_TK=torch.empty(routes, dtype=torch.int64, device=dev),
+            send_counts_R=torch.empty(ws.world_size, dtype=torch.int64, device=dev),
+            route_rank_TK=torch.empty(routes, dtype=torch.int32, device=dev),
+        )
+
+    def _deferred_send_side(
+        self, ws: Workspace, tr: Transport, stream: torch.cuda.Stream | None, sched: Schedule
+    ) -> None:
+        """LazySendSide's issue, at the first read: on the reader's stream, after everything the
+        call's stream had issued (the routes' copy among it) when the reader's is another."""
+        with _on(ws):
+            if stream is not None and torch.cuda.current_stream(ws.device) != stream:
+                torch.cuda.current_stream(ws.device).wait_stream(stream)
+            for name, tensor in self._send_side_tensors(ws, sched.top_experts_TK.numel()).items():
+                object.__setattr__(sched, name, tensor)
+            self._issue_source_side(ws, tr, sched)
+
+    def _issue_source_side(self, ws: Workspace, tr: Transport, sched: Schedule) -> None:
+        """Fill the send side of `sched` (_source_side) from its int32 routes, then the barrier after
+        which every rank's routes may be rewritten."""
         top = sched.top_experts_TK
-        if top is not top_experts_TK:
-            _int32_routes(top_experts_TK, out=top)
         T, K = top.shape
         R, El = ws.world_size, ws.num_local_experts
         tr.core.build_send_side(
@@ -1048,11 +1069,8 @@ class NativeBackend:
     def _forward_on(
         self, cfg: MoKConfig, ws: Workspace, tr: Transport, path: ExpertPath, sched: Schedule, x_TH: torch.Tensor,
         router_weights_TK: torch.Tensor, routed: Weights3, shared: Weights3 | None,
-        source_side: Callable[[], None] | None = None,
     ) -> tuple[torch.Tensor, ForwardContext]:  # fmt: skip
-        """The forward of a call on `tr` along `path`. `source_side`: the issue of the schedule's
-        send side, made right after the routed experts' kernels (schedule_and_forward: only where
-        nothing before them reads it)."""
+        """The forward of a call on `tr` along `path`."""
         _log_path(cfg, ws, path, "forward")
         rest = functools.partial(self._forward_rest, cfg, ws, sched, tr, x_TH, router_weights_TK, shared)
         if path.forward == "megakernel":
@@ -1068,7 +1086,7 @@ class NativeBackend:
             self._send_inputs(cfg, ws, tr, sched, x=x_TH)
             tr.barrier(3)
             out, table_y = self._routed_forward(cfg, ws, sched, tr, routed, outputs=True)
-        y, shared_ab = rest(table_y, source_side=source_side, moved=table_y is None)
+        y, shared_ab = rest(table_y, moved=table_y is None)
         return y, self._context(sched, out, shared_ab)
 
     @overload
@@ -1102,18 +1120,16 @@ class NativeBackend:
     def _forward_rest(
         self, cfg: MoKConfig, ws: Workspace, sched: Schedule, tr: Transport, x_TH: torch.Tensor,
         router_weights_TK: torch.Tensor, shared: Weights3 | None, y_rows: torch.Tensor | None,
-        *, source_side: Callable[[], None] | None = None, moved: bool = False,
+        *, moved: bool = False,
     ) -> tuple[torch.Tensor, SharedContext]:  # fmt: skip
-        """What follows the routed experts' launch: the schedule's send side where it is still owed
-        (`source_side`), the shared expert, the combine, the error snapshot; y and the shared
+        """What follows the routed experts' launch: the shared expert, the combine, the error
+        snapshot; y and the shared
         expert's context (a, b: None without one). The combine reads each route's output row from
         the table-ordered `y_rows` through the route's row (one rank: where the GEMMs left them),
         else from the transport's `rows` in route order: where the megakernel wrote them, or with
         `moved` where they land once every rank is past the barrier after the outputs (and a pull
         combine collected them)."""
         T, K, H = sched.num_tokens, sched.topk, ws.hidden_size
-        if source_side is not None:
-            source_side()
         ys, shared_a, shared_b = self._shared_forward(cfg, x_TH, shared, outputs=True)
         w = router_weights_TK.float().reshape(-1).contiguous()
         if y_rows is not None:
