@@ -291,7 +291,8 @@ def local_table(
     capacity: int, device: str, error: list[int] | None = None,
 ) -> dict[str, torch.Tensor]:  # fmt: skip
     """build_table at one rank with local_routes: `routes_TK` (int32 or int64, [>= num_tokens, K])
-    read where it is, each route's row into an array of its own; the outputs as core_table names them."""
+    read where it is, each route's row and its id as read (routes_copy) into arrays of their own;
+    the outputs as core_table names them, and "routes_copy"."""
     K, El, dev = routes_TK.shape[1], num_local_experts, _torch_device(device)
     routes = routes_TK.to(dev).contiguous()
     _, scratch = _scratch(device, mok_core.schedule_scratch_bytes(1, max_tokens, K, El))
@@ -306,15 +307,17 @@ def local_table(
         "tokens_per_rank": poison(1, torch.int64),
     }
     route_row = torch.full((max_tokens * K,), -7, dtype=torch.int32, device=dev)
+    copy = torch.full((max_tokens * K,), -9, dtype=torch.int32, device=dev)
     mok_core.build_table(
         dev, 0, 0, 1, max_tokens, K, 0, El, alignment, capacity, *(t.data_ptr() for t in out.values()),
         stream=_stream(device), scratch=scratch, error=0 if words is None else words.data_ptr(),
         local_routes=True, routes=routes.data_ptr(), routes_int64=routes.dtype == torch.int64,
-        num_tokens=num_tokens, route_row=route_row.data_ptr(),
+        num_tokens=num_tokens, route_row=route_row.data_ptr(), routes_copy=copy.data_ptr(),
     )  # fmt: skip
     _sync(device)
     got = {k: v.cpu() for k, v in out.items()}
     got["route_rows"] = route_row.cpu()[None]
+    got["routes_copy"] = copy.cpu()
     if words is not None:
         got["error"] = words.cpu()
     return got
@@ -342,6 +345,10 @@ def test_one_rank_table_reads_the_routes_in_place(device: str, dtype: torch.dtyp
         want["route_rows"][0][unlisted] = -1
         for name, t in want.items():
             assert torch.equal(got[name], t), (bad, name)
+        # The routes as read, in the first T * K words only (the rest untouched).
+        copied = got.pop("routes_copy")
+        assert torch.equal(copied[: T * K], routes.reshape(-1)[: T * K].to(torch.int32)), bad
+        assert bool((copied[T * K :] == -9).all()), bad
 
 
 @pytest.mark.parametrize("device", SORT_DEVICES)
@@ -356,6 +363,7 @@ def test_one_rank_table_never_wraps_an_int64_id(device: str) -> None:
     assert int(got["error"][0]) == 3
     assert decode_bad_expert(got["error"]) == (1, 2**31 - 1)  # the first bad route, its id read as INT32_MAX
     assert got["route_rows"][0, [1, 3]].tolist() == [-1, -1], "the bad routes have no row"
+    assert got["routes_copy"].tolist() == [0, 2**31 - 1, 1, -(2**31)], "copied as read: clamped, never wrapped"
 
 
 def test_capacity_matches_workspace(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -759,6 +767,10 @@ def test_build_table_local_routes_bad_arguments(device: str) -> None:
         call(**{**local, "world_size": 2, "capacity": call.kw["capacity"]})
     with pytest.raises(ValueError, match="route_row_ptrs must be 0"):
         call(**local, route_row_ptrs=call.routes_ptrs.data_ptr())
+    with pytest.raises(ValueError, match=r"routes_copy .* needs local_routes"):
+        call(routes_copy=call.routes[0].data_ptr())
+    with pytest.raises(ValueError, match="routes_copy"):
+        call(**local, routes_copy=call.routes[0].data_ptr() + 2)  # int32 misaligned
     with pytest.raises(ValueError, match="num_tokens"):
         call(**{**local, "num_tokens": 4})
     with pytest.raises(ValueError, match="routes"):

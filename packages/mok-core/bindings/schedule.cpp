@@ -31,7 +31,7 @@ void register_schedule(pybind11::module_& m) {
          std::uintptr_t expert_counts, std::uintptr_t recv_counts, std::uintptr_t tokens_per_rank,
          std::uintptr_t stream, std::uintptr_t route_row_ptrs, std::uintptr_t scratch,
          std::uintptr_t error, bool local_routes, std::uintptr_t routes, bool routes_int64,
-         std::int64_t num_tokens, std::uintptr_t route_row) {
+         std::int64_t num_tokens, std::uintptr_t route_row, std::uintptr_t routes_copy) {
         TableArgs a;
         a.routes_ptrs = routes_ptrs;
         a.tokens_ptrs = tokens_ptrs;
@@ -56,6 +56,7 @@ void register_schedule(pybind11::module_& m) {
         a.routes_int64 = routes_int64;
         a.num_tokens = num_tokens;
         a.route_row = route_row;
+        a.routes_copy = routes_copy;
         build_table(device, a, stream);
       },
       py::arg("device"), py::arg("routes_ptrs"), py::arg("tokens_ptrs"), py::arg("world_size"),
@@ -65,7 +66,8 @@ void register_schedule(pybind11::module_& m) {
       py::arg("tokens_per_rank"), py::arg("stream") = 0, py::arg("route_row_ptrs") = 0,
       py::arg("scratch") = 0, py::arg("error") = 0, py::arg("local_routes") = false,
       py::arg("routes") = 0, py::arg("routes_int64") = false, py::arg("num_tokens") = 0,
-      py::arg("route_row") = 0, py::call_guard<py::gil_scoped_release>(),
+      py::arg("route_row") = 0, py::arg("routes_copy") = 0,
+      py::call_guard<py::gil_scoped_release>(),
       "The schedule table of `rank` from every rank's routes. routes_ptrs / tokens_ptrs: address "
       "of an int64 [R] array of pointers to rank s's int32 [max_tokens, K] routes / int64 token "
       "count (host memory on \"cpu\", device memory on \"cuda\"). Writes row_src_rank, row_route "
@@ -86,7 +88,9 @@ void register_schedule(pybind11::module_& m) {
       "address "
       "of an int32 [num_tokens * K] array for each route's row (0: not written; route_row_ptrs "
       "must "
-      "be 0). An int64 id outside int32 reads as the nearest int32 (a bad id, never a valid one).");
+      "be 0); routes_copy the address of an int32 [num_tokens * K] array for each route's id as "
+      "read (0: not written), written by the counting pass (no copy kernel). An int64 id outside "
+      "int32 reads as the nearest int32 (a bad id, never a valid one).");
 
   m.def(
       "build_send_side",

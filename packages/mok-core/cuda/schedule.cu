@@ -202,6 +202,7 @@ __global__ void __launch_bounds__(1024) schedule_table_kernel(TableParams p) {
     int to_me = 0;
     count_buckets(num_routes(s), El, next, [&](std::int64_t i) {
       const std::int32_t id = p.src.id(s, i);
+      p.src.copy_id(i, id);
       check_expert_id(p, s, i, id);
       const int e = local_expert(id, p.rank, El);
       if (e == El) p.src.no_row(i);
@@ -313,6 +314,7 @@ struct TableSort {
   // The key in the counting pass, which also checks the id.
   __device__ int count_key(int s, std::int64_t i) const {
     const std::int32_t id = p.src.id(s, i);
+    p.src.copy_id(i, id);
     check_expert_id(p, s, i, id);
     const int e = local_expert(id, p.rank, p.num_local_experts);
     if (e == p.num_local_experts) p.src.no_row(i);

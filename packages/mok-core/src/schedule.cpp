@@ -124,7 +124,11 @@ void build_table(std::string_view device, const TableArgs& a, std::uintptr_t str
     check_at_most(fn, "num_tokens", a.num_tokens, a.max_tokens);
     check_pointer(fn, "routes", a.routes, a.routes_int64 ? 8 : 4, a.num_tokens > 0);
     check_pointer(fn, "route_row", a.route_row, 4, false);
+    check_pointer(fn, "routes_copy", a.routes_copy, 4, false);
   } else {
+    if (a.routes_copy != 0) {
+      invalid_argument(fn, "routes_copy (a copy of one rank's routes) needs local_routes");
+    }
     check_pointer(fn, "routes_ptrs", a.routes_ptrs, 8);
     check_pointer(fn, "tokens_ptrs", a.tokens_ptrs, 8);
   }
@@ -169,6 +173,7 @@ RouteSource route_source(const TableArgs& a) {
     src.local_int64 = a.routes_int64;
     src.local_tokens = a.num_tokens;
     src.local_route_row = reinterpret_cast<std::int32_t*>(a.route_row);
+    src.local_routes_copy = reinterpret_cast<std::int32_t*>(a.routes_copy);
   } else {
     src.routes_ptrs = reinterpret_cast<const std::int64_t*>(a.routes_ptrs);
     src.tokens_ptrs = reinterpret_cast<const std::int64_t*>(a.tokens_ptrs);
@@ -205,6 +210,7 @@ void build_table_cpu(const TableArgs& a) {
     std::int64_t mine = 0;
     for (std::int64_t i = 0; i < num_routes[s]; ++i) {
       const std::int32_t id = src.id(s, i);
+      src.copy_id(i, id);
       if (bad == 0 && (id < 0 || id >= E)) bad = bad_expert_word(s * a.max_tokens * K + i, id);
       const int e = local_expert(id, rank, El);
       if (e < El) {

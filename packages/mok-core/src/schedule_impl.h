@@ -39,12 +39,14 @@ struct TableArgs {
   // One rank only, with local_routes (schedule.h, RouteSource): this rank's routes [num_tokens, K]
   // read in place at `routes` (int32, or int64 with routes_int64) instead of through routes_ptrs /
   // tokens_ptrs (which may then be 0), and each route's row written to route_row (int32
-  // [num_tokens * K], or 0: not written) instead of through route_row_ptrs (which must be 0).
+  // [num_tokens * K], or 0: not written) instead of through route_row_ptrs (which must be 0);
+  // routes_copy (int32 [num_tokens * K], or 0) gets each route's id as the table read it.
   bool local_routes = false;
   std::uintptr_t routes = 0;
   bool routes_int64 = false;
   std::int64_t num_tokens = 0;
   std::uintptr_t route_row = 0;
+  std::uintptr_t routes_copy = 0;
 };
 
 // The RouteSource of checked TableArgs.

@@ -27,6 +27,12 @@ def build_table(
     route_row_ptrs: int = 0,
     scratch: int = 0,
     error: int = 0,
+    local_routes: bool = False,
+    routes: int = 0,
+    routes_int64: bool = False,
+    num_tokens: int = 0,
+    route_row: int = 0,
+    routes_copy: int = 0,
 ) -> None: ...
 def build_send_side(
     device: str,

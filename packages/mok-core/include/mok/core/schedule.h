@@ -59,6 +59,7 @@ struct RouteSource {
   bool local_int64 = false;                      //   ... as int64 (else int32)
   std::int64_t local_tokens = 0;                 //   its token count T
   std::int32_t* local_route_row = nullptr;       //   its route rows [T * K] (or null)
+  std::int32_t* local_routes_copy = nullptr;     //   its routes as read, int32 [T * K] (or null)
 
   MOK_HD std::int32_t id(int s, std::int64_t i) const {
     if (!local) return reinterpret_cast<const std::int32_t*>(routes_ptrs[s])[i];
@@ -75,6 +76,12 @@ struct RouteSource {
   // it was: no rank's table lists it.
   MOK_HD void no_row(std::int64_t i) const {
     if (local && local_route_row != nullptr) local_route_row[i] = -1;
+  }
+  // At one rank each route's id as the table reads it (int32; an int64 id outside int32 as the
+  // nearest), into local_routes_copy when given: the schedule's own copy of the routes, written
+  // in the counting pass, which reads every route once (no copy kernel).
+  MOK_HD void copy_id(std::int64_t i, std::int32_t id) const {
+    if (local && local_routes_copy != nullptr) local_routes_copy[i] = id;
   }
   // Rank s's array of route rows, or null (not written).
   MOK_HD std::int32_t* route_rows(int s) const {

@@ -397,7 +397,8 @@ def _on(ws: Workspace) -> Any:
 
 class _Table(NamedTuple):
     """The expert side of a schedule, as its table launch leaves it (Schedule's fields of these
-    names; route_row: at one rank each route's row, which the table writes there itself, else None)."""
+    names; route_row: at one rank each route's row, which the table writes there itself, else None;
+    routes: at one rank the routes as the table read them, int32 [T, K], else None)."""
 
     row_src: torch.Tensor
     row_route: torch.Tensor
@@ -406,6 +407,7 @@ class _Table(NamedTuple):
     recv: torch.Tensor
     tokens: torch.Tensor
     route_row: torch.Tensor | None
+    routes: torch.Tensor | None
 
 
 class _IssuedTable(NamedTuple):
@@ -753,8 +755,8 @@ class NativeBackend:
             tr.view["tokens"].fill_(T)
             tr.barrier(1)
         # int32 words: recv and tokens (int64 [R] each, first: 8-byte offsets), row_src, row_route,
-        # offsets, counts, and at one rank the route rows.
-        sizes = [2 * R, 2 * R, C, C, El + 1, El] + ([T * K] if local else [])
+        # offsets, counts, and at one rank the route rows and the routes' int32 copy.
+        sizes = [2 * R, 2 * R, C, C, El + 1, El] + ([T * K, T * K] if local else [])
         if one_buffer:
             buf = torch.empty(sum(sizes), dtype=torch.int32, device=ws.device)
             addr, at = [], buf.data_ptr()
@@ -765,22 +767,25 @@ class NativeBackend:
 
             def tensors() -> _Table:
                 parts = buf.split(sizes)
-                route_row = parts[6] if local else None
+                route_row, routes = (parts[6], parts[7].view(T, K)) if local else (None, None)
                 recv, tokens = parts[0].view(torch.int64), parts[1].view(torch.int64)
-                return _Table(parts[2], parts[3], parts[4], parts[5], recv, tokens, route_row)
+                return _Table(parts[2], parts[3], parts[4], parts[5], recv, tokens, route_row, routes)
 
         else:
             new = lambda n, dt=torch.int32: torch.empty(n, dtype=dt, device=ws.device)  # noqa: E731
             table = _Table(new(C), new(C), new(El + 1), new(El), new(R, torch.int64), new(R, torch.int64),
-                           new(T * K) if local else None)  # fmt: skip
-            parts = [table.recv, table.tokens, *table[:4]] + ([] if table.route_row is None else [table.route_row])
+                           new(T * K) if local else None, new(T * K).view(T, K) if local else None)  # fmt: skip
+            parts = [table.recv, table.tokens, *table[:4]]
+            if local:
+                assert table.route_row is not None and table.routes is not None
+                parts += [table.route_row, table.routes]
             addr = [t.data_ptr() for t in parts]
             tensors = lambda: table  # noqa: E731
             offsets = table.offsets
         if local:
             int64 = top_experts_TK.dtype == torch.int64
             routes = dict(local_routes=True, routes=top_experts_TK.data_ptr(), routes_int64=int64, num_tokens=T,
-                          route_row=addr[6])  # fmt: skip
+                          route_row=addr[6], routes_copy=addr[7])  # fmt: skip
         else:  # each route's row goes back to its rank (for a push dispatch and a pull combine)
             routes = dict(route_row_ptrs=tr.ptrs["route_row"].data_ptr())
         # On the GPU many CTAs build it, in a scratch of the workspace.
@@ -800,9 +805,11 @@ class NativeBackend:
         routes as they are now (LazySendSide: an int32 copy of them is made here)."""
         T, K = top_experts_TK.shape
         R, dev = ws.world_size, ws.device
-        top = top_experts_TK
-        if defer or top.dtype != torch.int32 or not top.is_contiguous():  # an int32 copy
-            top = _int32_routes(top_experts_TK, out=torch.empty(T, K, dtype=torch.int32, device=dev))
+        top = table.routes  # at one rank the table's copy of the routes (int32, as it read them)
+        if top is None:  # an int32 copy where the routes are not int32
+            top = top_experts_TK
+            if top.dtype != torch.int32 or not top.is_contiguous():
+                top = _int32_routes(top_experts_TK, out=torch.empty(T, K, dtype=torch.int32, device=dev))
         route_row = table.route_row
         if route_row is None:  # a copy of the transport's field, which the next schedule rewrites
             route_row = torch.empty(T * K, dtype=torch.int32, device=dev)
@@ -818,8 +825,8 @@ class NativeBackend:
             recv_counts_R=table.recv,
             route_row_TK=route_row,
         )
-        if defer:
-            assert R == 1, "a deferred send side is one rank's: across ranks its barrier is collective"
+        if defer:  # (its routes the table's copy: the issue reads them later)
+            assert R == 1 and top is table.routes, "a deferred send side is one rank's (its barrier is collective)"
             sched: Schedule = LazySendSide(**fields, **dict.fromkeys(SEND_SIDE))
             stream = torch.cuda.current_stream(dev) if dev.type == "cuda" else None
             sched.aux[PENDING_SEND_SIDE] = functools.partial(self._deferred_send_side, ws, tr, stream)
