@@ -18,7 +18,12 @@ of one forward + backward through mok.moe; with --timeline, one eager forward + 
 megakernel path from an idle device under torch.profiler, kernel by kernel in the order the
 device ran them: when each started after the call began on the host, how long it ran, and the
 device's idle time before it (what the host's issue leaves exposed); then the same call as the last
-of 20 issued back to back (the kernels' times under the sustained load of the bench's loop).
+of 20 issued back to back (the kernels' times under the sustained load of the bench's loop); with
+--compiled, a training step of the megakernel path (the routed weights as an nn.Module's
+parameters, x an input) eager and under torch.compile(backend="cudagraphs") (AOT autograd's graphs
+replayed as CUDA graphs by cudagraph trees): each step's time from an idle device, its host time
+to issue, and the time a step back to back (20 steps, no synchronization), with the compiled
+step's y and gradients compared bit for bit with the eager step's.
 """
 
 from __future__ import annotations
@@ -85,6 +90,7 @@ def main() -> None:
     p.add_argument("--host-profile", default=None)
     p.add_argument("--host-layers", default=None)
     p.add_argument("--timeline", default=None)
+    p.add_argument("--compiled", action="store_true")
     ns = p.parse_args()
     ranks = Ranks(torch.device("cuda", 0), None, 0, 1)
     report, report_host, report_layers, report_timeline = [], [], [], []
@@ -134,6 +140,8 @@ def main() -> None:
             if ns.timeline and fused:
                 report_timeline.extend(timeline(shape.name, forward_backward))
                 report_timeline.extend(timeline(shape.name, forward_backward, warm=WARM_CALLS))
+            if ns.compiled and fused:
+                report.extend(compiled_steps(shape, call, cfg))
     if ns.profile:
         with open(ns.profile, "w") as f:
             f.write("\n".join(report))
@@ -147,6 +155,62 @@ def main() -> None:
         with open(ns.host_layers, "w") as f:
             f.write("\n".join(report_layers) + "\n")
         print("\n".join(report_layers), flush=True)
+
+
+class _RoutedLayer(torch.nn.Module):
+    """The call's routed experts as parameters (their storage) and its routing as buffers: what a
+    model holds, so that a compiled step's CUDA graphs read the weights where they are."""
+
+    def __init__(self, call, cfg: mok.MoKConfig) -> None:
+        super().__init__()
+        self.cfg, self.T = cfg, call.x_TH.shape[0]
+        self.wg, self.wu, self.wd = (torch.nn.Parameter(w.detach()) for w in call.routed)
+        self.register_buffer("top", call.top_experts_TK)
+        self.register_buffer("w", call.router_weights_TK.detach())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return mok.moe(x, self.top, self.w, (self.wg, self.wu, self.wd), None, config=self.cfg, max_tokens=self.T)
+
+
+def compiled_steps(shape, call, cfg: mok.MoKConfig, iters: int = 20) -> list[str]:
+    """A training step (forward, backward, the gradients kept) eager and under
+    torch.compile(backend="cudagraphs"): from an idle device, its host time, back to back."""
+    if call.shared is not None:
+        return [f"{shape.name:16s} compiled: skipped (a shared expert: the probe holds the routed experts only)"]
+    layer = _RoutedLayer(call, cfg)
+    x = call.x_TH.detach().clone().requires_grad_()
+    compiled = torch.compile(layer, backend="cudagraphs")
+
+    def step(module) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        if module is compiled:
+            torch.compiler.cudagraph_mark_step_begin()
+        y = module(x)
+        y.backward(call.dy_TH)
+        return y, [t.grad for t in (x, layer.wg, layer.wu, layer.wd)]
+
+    y_eager, g_eager = step(layer)
+    y_eager, g_eager = y_eager.detach().clone(), [g.clone() for g in g_eager]
+    lines = []
+    for label, module in (("eager", layer), ("cudagraphs", compiled)):
+        for _ in range(3):  # cudagraph trees: a warm-up step, then the recording
+            step(module)
+        y, g = step(module)
+        same = torch.equal(y, y_eager) and all(torch.equal(a, b) for a, b in zip(g, g_eager, strict=True))
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            step(module)
+        end.record()
+        torch.cuda.synchronize()
+        b2b = start.elapsed_time(end) / iters
+        idle, host = median_ms(lambda m=module: step(m)), host_ms(lambda m=module: step(m), iters=iters)
+        lines.append(f"{shape.name:16s} step {label:10s} from idle {idle:7.3f} ms  back to back {b2b:7.3f} ms  "
+                     f"host {host * 1e3:7.1f} us  bitwise the eager step: {'yes' if same else 'NO'}")  # fmt: skip
+        print(lines[-1], flush=True)
+    return lines
 
 
 def host_layers(shape, call, cfg: mok.MoKConfig) -> list[str]:

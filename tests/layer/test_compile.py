@@ -118,3 +118,23 @@ def test_compile_without_autograd_keeps_no_context(monkeypatch):
         y = compiled(x)
     assert calls == {"forward_only": 2, "forward": 0}
     assert torch.equal(y, y_eager) and torch.equal(y, y_grad)
+
+
+@pytest.mark.skipif(
+    DEVICE != "cuda", reason="CUDA graphs need a CUDA device (MOK_TEST_DEVICE=cuda); this run is on the CPU"
+)
+def test_compile_cudagraphs_replays_the_eager_bits():
+    """torch.compile(backend="cudagraphs"): AOT autograd's forward and backward graphs of two MoE
+    layers replayed as CUDA graphs (cudagraph trees: no host work per step beyond the replays).
+    Every step after the warm-up and the recording gives the eager step's y and gradients, bit for
+    bit (the custom ops' kernels are the eager ones, replayed on the same addresses)."""
+    model = TwoLayers()
+    x = torch.randn(3, 5, H, device=DEVICE)
+    y_eager, g_eager = _step(model, x)
+    compiled = torch.compile(model, backend="cudagraphs")
+    for step in range(4):
+        torch.compiler.cudagraph_mark_step_begin()
+        y, g = _step(model, x, compiled)
+        assert torch.equal(y, y_eager), f"step {step}: y"
+        for n in g:
+            assert torch.equal(g[n], g_eager[n]), f"step {step}: {n}"
