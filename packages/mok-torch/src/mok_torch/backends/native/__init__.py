@@ -801,8 +801,9 @@ class NativeBackend:
     ) -> Schedule:
         """The Schedule of `table` and of this rank's own routes (the send side: the order and
         counts they go to the ranks in, each route's rank and row), issued now, or with `defer`
-        (one rank only: the transport has no barrier to keep in step) at its first read, on the
-        routes as they are now (LazySendSide: an int32 copy of them is made here)."""
+        (one rank only: the transport has no barrier to keep in step) at its first read
+        (LazySendSide), on the routes as the table read them (its int32 copy, `table.routes`:
+        routes the caller rewrites after the call do not change it)."""
         T, K = top_experts_TK.shape
         R, dev = ws.world_size, ws.device
         top = table.routes  # at one rank the table's copy of the routes (int32, as it read them)
@@ -1130,12 +1131,11 @@ class NativeBackend:
         *, moved: bool = False,
     ) -> tuple[torch.Tensor, SharedContext]:  # fmt: skip
         """What follows the routed experts' launch: the shared expert, the combine, the error
-        snapshot; y and the shared
-        expert's context (a, b: None without one). The combine reads each route's output row from
-        the table-ordered `y_rows` through the route's row (one rank: where the GEMMs left them),
-        else from the transport's `rows` in route order: where the megakernel wrote them, or with
-        `moved` where they land once every rank is past the barrier after the outputs (and a pull
-        combine collected them)."""
+        snapshot; y and the shared expert's context (a, b: None without one). The combine reads
+        each route's output row from the table-ordered `y_rows` through the route's row (one
+        rank: where the GEMMs left them), else from the transport's `rows` in route order: where
+        the megakernel wrote them, or with `moved` where they land once every rank is past the
+        barrier after the outputs (and a pull combine collected them)."""
         T, K, H = sched.num_tokens, sched.topk, ws.hidden_size
         ys, shared_a, shared_b = self._shared_forward(cfg, x_TH, shared, outputs=True)
         w = router_weights_TK.float().reshape(-1).contiguous()
