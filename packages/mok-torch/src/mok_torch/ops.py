@@ -203,6 +203,22 @@ def _(
 # ---------------------------------------------------------------------------- forward
 
 
+def _capacity_rows(t: torch.Tensor, capacity: int) -> torch.Tensor:
+    """A routed context array as `mok::forward` returns it: `capacity` rows (the table's, a shape
+    known before the call, so that torch.compile traces the op without a data-dependent shape and
+    no graph break), its first rows the context's (the backward reads only the rows of macrobatch
+    0), the rest zeros. The megakernel's arrays have the capacity's rows already (no copy)."""
+    rows = t.shape[0]
+    if rows == capacity:
+        return t
+    if rows > capacity:
+        raise RuntimeError(f"mok::forward: a context of {rows} rows, more than the table's {capacity}")
+    out = t.new_empty((capacity, *t.shape[1:]))
+    out[:rows].copy_(t)
+    out[rows:].zero_()
+    return out
+
+
 @torch.library.custom_op("mok::forward", mutates_args=())
 def forward_op(
     x: torch.Tensor,
@@ -219,7 +235,8 @@ def forward_op(
     max_tokens: int,
     config: str,
 ) -> list[torch.Tensor]:
-    """[y (x's dtype), x_routed, a, b, shared_a, shared_b]; absent shared parts are empty."""
+    """[y (x's dtype), x_routed, a, b, shared_a, shared_b]; absent shared parts are empty; the
+    routed ones with the table's capacity of rows (_capacity_rows)."""
     cfg = MoKConfig.from_key(config)
     H = x.shape[1]
     ws = _workspace(x.device, group, max_tokens, H, top_experts.shape[1], wg.shape[0] * _world(group), cfg)
@@ -228,7 +245,9 @@ def forward_op(
     y, ctx = run_forward(cfg, ws, sched, x, router_weights, (wg, wu, wd), (wg_s, wu_s, wd_s))
     shared_a = x.new_empty(0, dtype=BF16) if ctx.shared_a_TIs is None else ctx.shared_a_TIs
     shared_b = x.new_empty(0, dtype=BF16) if ctx.shared_b_TIs is None else ctx.shared_b_TIs
-    outputs = [y, ctx.x_routed_MH, ctx.a_MI, ctx.b_MI, shared_a, shared_b]
+    C = schedule[1].shape[0]  # row_src_rank_C: the table's capacity
+    routed_rows = [_capacity_rows(t, C) for t in (ctx.x_routed_MH, ctx.a_MI, ctx.b_MI)]
+    outputs = [y, *routed_rows, shared_a, shared_b]
     inputs = tuple(
         t for t in (x, router_weights, wg, wu, wd, wg_s, wu_s, wd_s, top_experts, *schedule) if t is not None
     )
@@ -253,7 +272,7 @@ def _(
 ) -> list[torch.Tensor]:
     T, H = x.shape
     inner = wg.shape[1]
-    rows = torch.library.get_ctx().new_dynamic_size()  # rows of macrobatch 0: data dependent
+    rows = schedule[1].shape[0]  # the table's capacity (_capacity_rows): no data-dependent shape
     # the saved routed x: bf16 rows, or MXFP8 rows (H E4M3 bytes then H/32 scale bytes)
     if MoKConfig.from_key(config).precision == "mxfp8":
         x_routed = x.new_empty(rows, H + H // 32, dtype=torch.uint8)
