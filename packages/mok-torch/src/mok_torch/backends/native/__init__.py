@@ -828,7 +828,8 @@ class NativeBackend:
         )
         if defer:  # (its routes the table's copy: the issue reads them later)
             assert R == 1 and top is table.routes, "a deferred send side is one rank's (its barrier is collective)"
-            sched: Schedule = LazySendSide(**fields, **dict.fromkeys(SEND_SIDE))
+            unissued: dict[str, Any] = dict.fromkeys(SEND_SIDE)
+            sched: Schedule = LazySendSide(**fields, **unissued)
             stream = torch.cuda.current_stream(dev) if dev.type == "cuda" else None
             sched.aux[PENDING_SEND_SIDE] = functools.partial(self._deferred_send_side, ws, tr, stream)
             return sched
@@ -837,7 +838,7 @@ class NativeBackend:
         return sched
 
     @staticmethod
-    def _send_side_tensors(ws: Workspace, routes: int) -> dict[str, torch.Tensor]:
+    def _send_side_tensors(ws: Workspace, routes: int) -> dict[str, Any]:
         """SEND_SIDE's tensors, unfilled."""
         dev = ws.device
         return dict(
