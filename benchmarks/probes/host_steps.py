@@ -74,13 +74,15 @@ STEPS = (
     ("mok_torch.backends.native", "NativeBackend._backward"),
     ("mok_torch.backends.native", "NativeBackend._shared_backward"),
     # The backward's steps before its first launch (the native backend's own names: it imports
-    # grouped_backward by name, so the grouped module's attribute is not what it calls).
+    # grouped_backward and launch_backward by name, so the grouped module's attribute is not what it calls).
     ("mok_torch.backends.native", "_log_path"),
     ("mok_torch.backends.native", "_wgrad_tensors"),
     ("mok_torch.backends.native", "NativeBackend._send_inputs"),
     ("mok_torch.backends.native", "NativeBackend._movers"),
     ("mok_torch.backends.native", "NativeBackend._output_rows"),
     ("mok_torch.backends.native", "grouped_backward"),
+    ("mok_torch.backends.native", "launch_backward"),
+    ("mok_torch.backends.native", "backward_scratch"),
     ("mok_bf16", "grouped_backward"),
 )
 # The launch before which the device's start of the experts is marked (the first one a call makes).

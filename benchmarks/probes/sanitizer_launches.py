@@ -41,6 +41,7 @@ def main() -> int:
         script += (
             "import functools\nfrom mok_torch.backends import native\n"
             f"native.grouped_backward = functools.partial(native.grouped_backward, num_sms={sms})\n"
+            f"native.launch_backward = functools.partial(native.launch_backward, num_sms={sms})\n"
         )
     script += SANITIZE
     env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1", PYTORCH_NO_CUDA_MEMORY_CACHING="1", TORCH_SHOW_CPP_STACKTRACES="0")

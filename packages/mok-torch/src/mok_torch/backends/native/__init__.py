@@ -69,7 +69,15 @@ from ...spec.ring import Block, RingPlan, plan_ring, replays_in_backward
 from ...structs import PENDING_SEND_SIDE, SEND_SIDE, ForwardContext, Grads, LazySendSide, Schedule
 from ...workspace import Workspace
 from . import megakernel
-from .grouped import GroupedBackward, GroupedForward, grouped_backward, grouped_forward, launch_forward
+from .grouped import (
+    GroupedBackward,
+    GroupedForward,
+    backward_scratch,
+    grouped_backward,
+    grouped_forward,
+    launch_backward,
+    launch_forward,
+)
 from .mxfp8_grouped import (
     MxGroupedForward,
     hq_row_bytes,
@@ -1369,10 +1377,25 @@ class NativeBackend:
                 # first): one [n, H] array less, and no zero fill (the combine reads the routes' rows).
                 if direct:
                     out = GroupedBackward(dys, torch.empty(n, dtype=torch.float32, device=dev))
-                dx, d_w = grouped_backward(xs, seg, a, b, dys, wr, wg_k, wu_k, wd_k, acc, cfg.swiglu_limit, out=out,
-                                           carry_in=m > 0, wgrad_out=final if last and not fp32 else None,
-                                           weight_route=sched.row_route_C[:n] if direct else None,
-                                           dy_tokens=dy_TH.contiguous() if gather_dy else None)  # fmt: skip
+                wgrad_out = final if last and not fp32 else None
+                weight_route = sched.row_route_C[:n] if direct else None
+                dy_tokens = dy_TH.contiguous() if gather_dy else None
+                if n == 0:  # no kernel runs: the checked call gives the weight gradients' carry
+                    dx, d_w = grouped_backward(xs, seg, a, b, dys, wr, wg_k, wu_k, wd_k, acc, cfg.swiglu_limit,
+                                               out=out, carry_in=m > 0, wgrad_out=wgrad_out,
+                                               weight_route=weight_route, dy_tokens=dy_tokens)  # fmt: skip
+                else:
+                    # The launch without grouped_backward's checks: every tensor here is made to shape
+                    # by this backend (outputs fresh when no transport rows are given: zeroed outside
+                    # the segments by the call).
+                    fresh = out is None
+                    if out is None:
+                        out = GroupedBackward(torch.empty(n, H, dtype=BF16, device=dev),
+                                              torch.empty(n, dtype=torch.float32, device=dev))  # fmt: skip
+                    launch_backward(xs, seg, a, b, dys, wr, wg_k, wu_k, wd_k, out, backward_scratch(n, inner, dev),
+                                    acc, wgrad_out, limit=cfg.swiglu_limit, carry_in=m > 0, zero_outside=fresh,
+                                    weight_route=weight_route, dy_tokens=dy_tokens)  # fmt: skip
+                    dx, d_w = out
                 if direct:
                     table_dx, table_dw = dx, d_w
                     continue

@@ -2,8 +2,9 @@
 consecutive rows.
 
 `grouped_forward` and `grouped_backward` check their tensors, allocate the outputs (and the
-backward's scratch) and call `mok_bf16.grouped_forward` / `grouped_backward` on the current
-stream. On CUDA it runs the tensor-core GEMMs
+backward's scratch) and call `launch_forward` / `launch_backward`, which pass them to
+`mok_bf16.grouped_forward` / `grouped_backward` on the current stream (the native backend calls
+the launches directly with tensors it made itself). On CUDA it runs the tensor-core GEMMs
 (sm_90a wgmma, `packages/mok-bf16/cuda/sm90/grouped_gemm.cuh`): each element one fp32 sum in a
 fixed order, so a row's bits depend only on that row and its expert's weights (not the
 reference's sequential sum: docs/determinism.md "The GPU GEMMs"). On the CPU it runs the
@@ -217,14 +218,12 @@ def grouped_backward(
     gathers them and stores that copy itself (no pass moves rows); on the CPU they are copied into
     dy_MH first.
     """
-    import mok_bf16
-
     dev, M, H, El, I = _check_rows_and_weights(x_MH, offsets_El1, w_gate_EIH, w_up_EIH, w_down_EHI)
     rows_I = [("M", M), ("I", I)]
     check_tensor("a", a_MI, dtypes=(BF16,), shape=rows_I, device=dev)
     check_tensor("b", b_MI, dtypes=(BF16,), shape=rows_I, device=dev)
     check_tensor("dy", dy_MH, dtypes=(BF16,), shape=[("M", M), ("H", H)], device=dev)
-    route_ptr, num_routes = 0, 0
+    num_routes = 0
     route_valid = route_at = None  # on the CPU: which rows have a route in [0, T*K), and it (else 0)
     if weight_route is not None:
         check_tensor("weight_route", weight_route, dtypes=(torch.int32,), shape=[("M", M)], device=dev)
@@ -232,16 +231,13 @@ def grouped_backward(
             raise ValueError("weight_route needs router_weights (the routes' weights [T*K])")
         check_tensor("router_weights", router_weights_M, dtypes=(torch.float32,), shape=[("T*K", None)], device=dev)
         num_routes = router_weights_M.shape[0]
-        if dev.type == "cuda":
-            route_ptr = weight_route.data_ptr()
-        else:  # as the kernel: a route outside [0, T*K) weighs 0
+        if dev.type != "cuda":  # as the kernel: a route outside [0, T*K) weighs 0
             idx = weight_route.long()
             route_valid = (idx >= 0) & (idx < num_routes)
             route_at = torch.where(route_valid, idx, 0)
             router_weights_M = torch.where(route_valid, router_weights_M[route_at], 0.0).contiguous()
     elif router_weights_M is not None:
         check_tensor("router_weights", router_weights_M, dtypes=(torch.float32,), shape=[("M", M)], device=dev)
-    dy_tokens_ptr, topk = 0, 1
     if dy_tokens is not None:
         if weight_route is None:
             raise ValueError("dy_tokens needs weight_route (each row's route)")
@@ -249,13 +245,10 @@ def grouped_backward(
         T = dy_tokens.shape[0]
         if T == 0 or num_routes % T != 0:
             raise ValueError(f"dy_tokens: router_weights must hold T*K routes for T = {T} tokens, got {num_routes}")
-        topk = num_routes // T
-        if dev.type == "cuda":
-            dy_tokens_ptr = dy_tokens.data_ptr()
-        else:  # as the kernels: a route outside [0, T*K) reads zeros
+        if dev.type != "cuda":  # as the kernels: a route outside [0, T*K) reads zeros
             assert route_valid is not None and route_at is not None
             zero = torch.zeros((), dtype=BF16)
-            dy_MH.copy_(torch.where(route_valid[:, None], dy_tokens[route_at // topk], zero))
+            dy_MH.copy_(torch.where(route_valid[:, None], dy_tokens[route_at // (num_routes // T)], zero))
     if acc is None and wgrad_out is None:
         raise ValueError("acc or wgrad_out must be given: where the weight gradients go")
     if carry_in and acc is None:
@@ -292,57 +285,103 @@ def grouped_backward(
                 if wgrad_out is not None:
                     wgrad_out[i].zero_()
         return out
-    given_scratch = scratch is not None
     if cuda and scratch is None:
-        scratch = GroupedScratch(
-            torch.empty(M, I, dtype=torch.float32, device=dev),
-            torch.empty(M, I, dtype=BF16, device=dev),
-            torch.empty(M, 2 * I, dtype=BF16, device=dev),
-        )
-    if cuda and scratch is not None and given_scratch:
+        scratch = backward_scratch(M, I, dev)
+    elif cuda and scratch is not None:
         check_tensor("scratch.g", scratch.g, dtypes=(torch.float32,), shape=rows_I, device=dev)
         check_tensor("scratch.hw", scratch.hw, dtypes=(BF16,), shape=rows_I, device=dev)
         check_tensor("scratch.d_ab", scratch.d_ab, dtypes=(BF16,), shape=[("M", M), ("2I", 2 * I)], device=dev)
-    g_ptr, hw_ptr, d_ab_ptr = (t.data_ptr() for t in scratch) if cuda and scratch is not None else (0, 0, 0)
-    acc_ptrs = (0, 0, 0) if acc is None else (acc[0].data_ptr(), acc[1].data_ptr(), acc[2].data_ptr())
-    out_ptrs = (0, 0, 0) if wgrad_out is None else tuple(t.data_ptr() for t in wgrad_out)
     on_device = torch.cuda.device(dev) if cuda else contextlib.nullcontext()
     with on_device:
-        mok_bf16.grouped_backward(
-            dev.type,
-            x_MH.data_ptr(),
-            offsets_El1.data_ptr(),
-            a_MI.data_ptr(),
-            b_MI.data_ptr(),
-            dy_MH.data_ptr(),
-            0 if router_weights_M is None else router_weights_M.data_ptr(),
-            w_gate_EIH.data_ptr(),
-            w_up_EIH.data_ptr(),
-            w_down_EHI.data_ptr(),
-            out.dx.data_ptr(),
-            out.d_w.data_ptr(),
-            acc_ptrs[0],
-            acc_ptrs[1],
-            acc_ptrs[2],
-            out_ptrs[0],
-            out_ptrs[1],
-            out_ptrs[2],
-            carry_in,
-            g_ptr,
-            hw_ptr,
-            d_ab_ptr,
-            M,
-            H,
-            I,
-            El,
-            limit=limit,
-            num_sms=num_sms,
-            num_threads=torch.get_num_threads() if not cuda else 1,
-            stream=current_stream_handle(dev) if cuda else 0,
-            zero_outside=fresh,
-            weight_route=route_ptr,
-            num_routes=num_routes,
-            dy_tokens=dy_tokens_ptr,
-            topk=topk,
-        )
+        launch_backward(x_MH, offsets_El1, a_MI, b_MI, dy_MH, router_weights_M, w_gate_EIH, w_up_EIH, w_down_EHI,
+                        out, scratch if cuda else None, acc, wgrad_out, limit=limit, num_sms=num_sms,
+                        carry_in=carry_in, zero_outside=fresh, weight_route=weight_route if cuda else None,
+                        dy_tokens=dy_tokens if cuda else None)  # fmt: skip
     return out
+
+
+def backward_scratch(M: int, I: int, device: torch.device) -> GroupedScratch:
+    """Fresh scratch arrays for the CUDA backward's kernels over M rows."""
+    return GroupedScratch(
+        torch.empty(M, I, dtype=torch.float32, device=device),
+        torch.empty(M, I, dtype=BF16, device=device),
+        torch.empty(M, 2 * I, dtype=BF16, device=device),
+    )
+
+
+def launch_backward(
+    x_MH: torch.Tensor,
+    offsets_El1: torch.Tensor,
+    a_MI: torch.Tensor,
+    b_MI: torch.Tensor,
+    dy_MH: torch.Tensor,
+    router_weights: torch.Tensor | None,
+    w_gate_EIH: torch.Tensor,
+    w_up_EIH: torch.Tensor,
+    w_down_EHI: torch.Tensor,
+    out: GroupedBackward,
+    scratch: GroupedScratch | None,
+    acc: Wgrads | None,
+    wgrad_out: Wgrads | None,
+    *,
+    limit: float | None,
+    num_sms: int = 0,
+    carry_in: bool,
+    zero_outside: bool,
+    weight_route: torch.Tensor | None = None,
+    dy_tokens: torch.Tensor | None = None,
+) -> None:
+    """mok_bf16.grouped_backward into `out`, `acc` and `wgrad_out` on the current device, without
+    grouped_backward's checks, allocations or device guard: for tensors made to shape by their
+    caller on the device it made current (the native backend's own: the wrapper's checks cost
+    ~170 us of host before the first launch, NOTES.md session 30). At least one row (M > 0);
+    `scratch` given on CUDA; weight_route and dy_tokens (CUDA only: the kernels read through the
+    routes) as grouped_backward takes them. mok_bf16 still checks the addresses and sizes."""
+    import mok_bf16
+
+    M, H = x_MH.shape
+    El, I = w_gate_EIH.shape[:2]
+    dev = x_MH.device
+    cuda = dev.type == "cuda"
+    num_routes = 0 if weight_route is None or router_weights is None else router_weights.shape[0]
+    topk = 1 if dy_tokens is None or dy_tokens.shape[0] == 0 else num_routes // dy_tokens.shape[0]
+    g_ptr, hw_ptr, d_ab_ptr = (0, 0, 0) if scratch is None else (t.data_ptr() for t in scratch)
+    acc_ptrs = (0, 0, 0) if acc is None else tuple(t.data_ptr() for t in acc)
+    out_ptrs = (0, 0, 0) if wgrad_out is None else tuple(t.data_ptr() for t in wgrad_out)
+    mok_bf16.grouped_backward(
+        dev.type,
+        x_MH.data_ptr(),
+        offsets_El1.data_ptr(),
+        a_MI.data_ptr(),
+        b_MI.data_ptr(),
+        dy_MH.data_ptr(),
+        0 if router_weights is None else router_weights.data_ptr(),
+        w_gate_EIH.data_ptr(),
+        w_up_EIH.data_ptr(),
+        w_down_EHI.data_ptr(),
+        out.dx.data_ptr(),
+        out.d_w.data_ptr(),
+        acc_ptrs[0],
+        acc_ptrs[1],
+        acc_ptrs[2],
+        out_ptrs[0],
+        out_ptrs[1],
+        out_ptrs[2],
+        carry_in,
+        g_ptr,
+        hw_ptr,
+        d_ab_ptr,
+        M,
+        H,
+        I,
+        El,
+        limit=limit,
+        num_sms=num_sms,
+        num_threads=torch.get_num_threads() if not cuda else 1,
+        stream=current_stream_handle(dev) if cuda else 0,
+        zero_outside=zero_outside,
+        weight_route=0 if weight_route is None else weight_route.data_ptr(),
+        num_routes=num_routes,
+        dy_tokens=0 if dy_tokens is None else dy_tokens.data_ptr(),
+        topk=topk,
+    )
