@@ -105,10 +105,16 @@ __device__ inline void gather_box(unsigned char* box, const RowGather& g, int co
   }
 }
 
-// Registers of a GEMM's warpgroups when its 128 producer threads gather A (2 x 128 x 232 + 128 x
-// 40 <= 64 Ki).
-inline constexpr int kGatherProducerRegs = 40;
-inline constexpr int kGatherConsumerRegs = 232;
+// Registers of the bf16 GEMMs' warpgroups (hopper::RegisterSplit checks them against the CTA's
+// pool). WideConsumerRegs: the consumers' 240 hold the deferred epilogue's packed tile beside the
+// accumulators, and the producer keeps the fewest (one thread driving the copy engine; the
+// weight gradient's gathering producer fits with a few bytes spilled, where its consumers at 232
+// would spill 64). GatherRegs: the grouped GEMM's and the megakernel's 128 gathering producer
+// threads get 40, the consumers give up 8 each.
+using WideConsumerRegs = hopper::RegisterSplit<24, 240>;
+using GatherRegs = hopper::RegisterSplit<40, 232>;
+template <bool kGatherA>
+using RegsFor = std::conditional_t<kGatherA, GatherRegs, WideConsumerRegs>;
 // The producer warpgroup's named barrier (1 is the weight-gradient GEMM consumers').
 inline constexpr int kProducerBarrier = 2;
 
@@ -445,7 +451,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     };
     if constexpr (kGatherA) {
       // Every thread copies a share of A's rows; thread 0 also has the copy engine load B.
-      hopper::regs_dealloc<kGatherProducerRegs>();
+      GatherRegs::producer();
       const int i = threadIdx.x;
       if (i == 0) {
         hopper::prefetch_tensor_map(&map_b0);
@@ -471,7 +477,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       return;
     }
-    hopper::regs_dealloc<24>();
+    WideConsumerRegs::producer();
     if (threadIdx.x != 0) return;
     hopper::prefetch_tensor_map(&map_a);
     hopper::prefetch_tensor_map(&map_b0);
@@ -495,7 +501,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // stage given back) only after this one is issued, so the tensor cores always have one
   // queued. The accumulation order does not change: wgmmas on the same accumulators run in
   // issue order.
-  hopper::regs_alloc<kGatherA ? kGatherConsumerRegs : 240>();
+  RegsFor<kGatherA>::consumer();
   constexpr bool kDeferred = IsDeferred<Epilogue>::value;
   const int consumer = threadIdx.x / 128 - 1;  // 0 or 1: rows [64 c, 64 c + 64) of the tile
   // Consumer 0 lets consumer 1 start after kLagBlocks k-blocks.

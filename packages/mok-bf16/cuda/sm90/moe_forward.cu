@@ -80,8 +80,8 @@ using tiles::kBlockM;
 
 constexpr int kStages = 4;
 constexpr int kThreads = 384;
-constexpr int kProducerRegs = 40;
-constexpr int kConsumerRegs = 232;  // 2 x 128 x 232 + 128 x 40 <= 64 Ki registers
+// The producer gathers A by cp.async with its 128 threads: the grouped GEMM's gathering split.
+using Regs = gemm::GatherRegs;
 constexpr int kTaskSlots = 4;
 constexpr int kGateUpN = kMmaN / 2;  // columns of each weight per gate/up tile
 constexpr int kDownN = kMmaN;
@@ -338,7 +338,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int gate_up_target = 2 * gate_up_columns(p);  // a row tile's gate/up tiles' h is stored
 
   if (threadIdx.x < 128) {  // ---------------------------------------------- producer
-    hopper::regs_dealloc<kProducerRegs>();
+    Regs::producer();
     const int i = threadIdx.x;
     if (i == 0) {
       hopper::prefetch_tensor_map(&map_wg);
@@ -434,7 +434,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // ------------------------------------------------------------------------ consumers
-  hopper::regs_alloc<kConsumerRegs>();
+  Regs::consumer();
   const int consumer = threadIdx.x / 128 - 1;  // rows [64 c, 64 c + 64) of a tile
   const bool leader = threadIdx.x % 128 == 0;
   const auto sig = core::TableSigmoid::of(p.limit);

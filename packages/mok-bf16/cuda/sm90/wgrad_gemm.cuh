@@ -131,10 +131,6 @@ __device__ inline void store_wgrad_piece(const PackedBf16& packed, std::uint16_t
   });
 }
 
-// Registers of a gathering weight-gradient GEMM's producer threads: the consumers keep their 240
-// (the deferred epilogue's packed tile beside the accumulators), 2 x 128 x 240 + 128 x 32 = 64 Ki.
-inline constexpr int kWgradGatherProducerRegs = 32;
-
 // kCarryIn: start from C's fp32 values; kF32: some part has an fp32 accumulator (else every
 // part has a bf16 output, and the epilogue is deferred). Template arguments: a run-time choice
 // there makes ptxas serialise the wgmmas. kCluster: CTAs per cluster (1 or 2, the launch's).
@@ -192,9 +188,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     };
+    WideConsumerRegs::producer();
     hopper::RingPos<kStages> pos;
     if constexpr (kGatherA) {
-      hopper::regs_dealloc<kWgradGatherProducerRegs>();
       const int i = threadIdx.x;
       if (i == 0) hopper::prefetch_tensor_map(&map_b);
       // The routes of the table rows this thread copies in k-block kb (pieces i / 8 + 16 j of
@@ -238,7 +234,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       if (i != 0) return;
     } else {
-      hopper::regs_dealloc<24>();
       if (threadIdx.x != 0) return;
       hopper::prefetch_tensor_map(&map_a);
       hopper::prefetch_tensor_map(&map_b);
@@ -274,7 +269,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // The second consumer runs about kLagBlocks k-blocks behind the first (grouped_gemm.cuh), so
   // their tile ends (the fp32 loads and the stores) overlap the other's wgmmas. A tile whose
   // rows end inside a block brings them together again (the zeroing's barrier).
-  hopper::regs_alloc<240>();
+  WideConsumerRegs::consumer();
   const int consumer = threadIdx.x / 128 - 1;  // rows [64 c, 64 c + 64) of the C tile
   const int t128 = threadIdx.x % 128;
   // Consumer 0 lets consumer 1 start after kLagBlocks k-blocks; stages go back to the producers

@@ -50,6 +50,9 @@ inline constexpr int kSlices = kBlockK / kSliceK;
 inline constexpr int kBlockN = 128;  // B rows per tile (64 of each weight when paired)
 inline constexpr int kThreads = 384;
 inline constexpr int kStages = 5;
+// Registers of the FP8 GEMMs' warpgroups: the producer converts scales as well as copying (the
+// split checked against the CTA's pool by hopper::RegisterSplit).
+using Fp8Regs = hopper::RegisterSplit<88, 208>;
 
 // Where B comes from. kSingle: one weight, 128 output columns per tile. kPaired: two weights
 // against the same rows (gate and up), 64 columns of each per tile, a thread's accumulators
@@ -281,7 +284,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // 16 (lane % 8).., 16 bytes). Warps 1-3 turn the landed bytes into fp32, a stage in three
     // each (one warp alone could not keep up: the conversion is a short dependent chain per
     // stage, and a warp converts one stage at a time).
-    hopper::regs_dealloc<88>();  // the conversion needs more than a copying warp
+    Fp8Regs::producer();  // the conversion needs more than a copying warp
     hopper::RingPos<kStagesT> pos;
     int n = 0;  // stages so far
     if (warp == 0 && lane == 0) {
@@ -359,7 +362,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // to overlap within a warpgroup, does not fit: 384 threads leave 168 registers, and ptxas
   // serialises wgmmas whose neighbours' results are read meanwhile.) A stage is given back after
   // its last slice is added, by a lane of each consumer warp.
-  hopper::regs_alloc<208>();  // 128 x 88 + 256 x 208 = 384 x 168, the launch's registers
+  Fp8Regs::consumer();
   const int consumer = threadIdx.x / 128 - 1;  // 0 or 1: rows [64 c, 64 c + 64) of the tile
   hopper::RingPos<kStagesT> pos;
   Accumulators acc;

@@ -106,7 +106,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Warp 0: a stage's tiles by the copy engine (one lane) and its scale bytes (lane: slice
     // lane / 8, 16 rows of A^T and 16 of B^T from 16 (lane % 8) on); warps 1-3 convert them to
     // fp32 in turn, as in the forward kernel.
-    hopper::regs_dealloc<88>();
+    Fp8Regs::producer();
     hopper::RingPos<kStagesT> pos;
     int n = 0;                                       // stages so far
     if (warp == 0 && lane == 0 && p.num_rows > 0) {  // no rows: the maps are not made
@@ -164,7 +164,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // ------------------------------------------------------------------------ consumers
-  hopper::regs_alloc<208>();
+  Fp8Regs::consumer();
   const int consumer = threadIdx.x / 128 - 1;  // 0 or 1: rows [64 c, 64 c + 64) of the tile
   hopper::RingPos<kStagesT> pos;
   Accumulators acc;

@@ -218,6 +218,23 @@ __device__ inline void regs_alloc() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegs));
 }
 
+// The registers of a warp-specialized CTA (one producer warpgroup, kConsumers consumer
+// warpgroups, __launch_bounds__(128 (1 + kConsumers), 1)): ptxas gives each thread 65536 / threads
+// rounded down to 8 (168 at 384 threads), so the CTA's pool is that times its threads, and
+// setmaxnreg only moves registers between its warpgroups. An increase the pool cannot cover
+// waits for ever (a hang, not an error): the split is checked here, where every kernel takes it.
+template <int kProducerRegs, int kConsumerRegs, int kConsumers = 2>
+struct RegisterSplit {
+  static constexpr int kThreads = 128 * (1 + kConsumers);
+  static constexpr int kPool = (65536 / kThreads) / 8 * 8 * kThreads;
+  static_assert(kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0, "setmaxnreg takes multiples of 8");
+  static_assert(kProducerRegs >= 24 && kConsumerRegs <= 256, "setmaxnreg's range is 24..256");
+  static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= kPool,
+                "the warpgroups' registers exceed the CTA's pool: the consumers' increase would hang");
+  __device__ static void producer() { regs_dealloc<kProducerRegs>(); }
+  __device__ static void consumer() { regs_alloc<kConsumerRegs>(); }
+};
+
 // ------------------------------------------------------------------ wgmma
 
 // The descriptor of a K-major, 128-byte-swizzled bf16 tile at shared address `addr`.
