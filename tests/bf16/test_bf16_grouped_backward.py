@@ -506,29 +506,28 @@ def token_routes(M: int, H: int, K: int, seed: int) -> tuple:
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_gpu)])
 @pytest.mark.parametrize("lengths, H, I", GROUPED_CASES)
 @pytest.mark.parametrize("K", [1, 3])
-@pytest.mark.parametrize("wgrads", ["bf16", "fp32-carried"])
-def test_dy_by_route_gives_the_bits_of_dy_in_table_order(device, lengths, H, I, K, wgrads):
+def test_dy_by_route_gives_the_bits_of_dy_in_table_order(device, lengths, H, I, K):
     """`dy_tokens` (the cuda backend at one rank below GATHER_DY_MAX_HIDDEN): each row's dy read
-    through its route from the token rows [T, H] by the g GEMM's and dWd's producers (no copy of
-    dy in table order exists); dx, d_w and the weight gradients (bf16 from +0, and fp32 carried
-    in: dWd's gathering kernel of each kind) bitwise the call with dy copied into table order
-    (zeros for padding rows and a route past T*K; the routes a permutation, as a schedule
-    table's are)."""
+    through its route from the token rows [T, H], gathered by the g GEMM, which stores them in
+    table order into dy_MH for the weight gradient; dx, d_w, the weight gradients and those rows
+    bitwise the call with dy copied into table order (zeros for padding rows and a route past
+    T*K; the routes a permutation, as a schedule table's are)."""
     d = make(lengths, H, I, seed=15)
     M = d["x"].shape[0]
     route, dy_T, w_TK, table_dy = token_routes(M, H, K, seed=16)
     d = to(d, device)
-    carried = wgrads == "fp32-carried"
     results = []
-    for dy, tokens in ((table_dy.to(device), None), (None, dy_T.to(device))):
-        acc = accumulators(d, fill=0.5) if carried else None
+    for dy, tokens in (
+        (table_dy.to(device), None),
+        (torch.full((M, H), float("nan"), dtype=BF16, device=device), dy_T.to(device)),
+    ):
         out16 = accumulators(d, fill=3.0, dtype=BF16)
         out = GroupedBackward(torch.full((M, H), 7.0, dtype=BF16, device=device), torch.full((M,), 7.0, device=device))
         got = grouped_backward(
-            d["x"], d["offsets"], d["a"], d["b"], dy, w_TK.to(device), d["wg"], d["wu"], d["wd"], acc, out=out,
-            carry_in=carried, wgrad_out=out16, weight_route=route.to(device), dy_tokens=tokens,
+            d["x"], d["offsets"], d["a"], d["b"], dy, w_TK.to(device), d["wg"], d["wu"], d["wd"], None, out=out,
+            carry_in=False, wgrad_out=out16, weight_route=route.to(device), dy_tokens=tokens,
         )  # fmt: skip
-        results.append((got.dx, got.d_w, *out16, *(acc or ())))
+        results.append((got.dx, got.d_w, *out16, dy))
     for u, v in zip(*results, strict=True):
         assert torch.equal(u.view(torch.int16 if u.dtype == BF16 else torch.int32),
                            v.view(torch.int16 if v.dtype == BF16 else torch.int32))  # fmt: skip
@@ -536,24 +535,26 @@ def test_dy_by_route_gives_the_bits_of_dy_in_table_order(device, lengths, H, I, 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_gpu)])
 @pytest.mark.parametrize("lengths, H, I", GROUPED_CASES)
-def test_dx_into_dy_gives_the_bits_of_a_dx_of_its_own(device, lengths, H, I):
+@pytest.mark.parametrize("gathered", [False, True], ids=["dy-in-table-order", "dy-by-route"])
+def test_dx_into_dy_gives_the_bits_of_a_dx_of_its_own(device, lengths, H, I, gathered):
     """out.dx may be dy_MH itself (the cuda backend's backward at one rank hands dy's table-order
-    rows to dx where it made them: one [M, H] array less at its peak): dx, d_w and the weight
-    gradients bitwise those of a dx of its own (dWd, dy's last reader, runs before dx's GEMM)."""
+    rows to dx: one [M, H] array less at its peak): dx, d_w and the weight gradients bitwise
+    those of a dx of its own, with dy given in table order and gathered by route (then dx
+    overwrites the g GEMM's stored copy, which the weight gradient dWd reads first)."""
     d = make(lengths, H, I, seed=17)
     M = d["x"].shape[0]
     route, dy_T, w_TK, table_dy = token_routes(M, H, 2, seed=18)
     d = to(d, device)
     results = []
     for shared in (False, True):
-        dy = table_dy.to(device)
+        dy = torch.full((M, H), float("nan"), dtype=BF16, device=device) if gathered else table_dy.to(device)
         dx = dy if shared else torch.full((M, H), 7.0, dtype=BF16, device=device)
         out16 = accumulators(d, fill=3.0, dtype=BF16)
         acc = accumulators(d, fill=0.5)
         got = grouped_backward(
             d["x"], d["offsets"], d["a"], d["b"], dy, w_TK.to(device), d["wg"], d["wu"], d["wd"], acc,
             out=GroupedBackward(dx, torch.full((M,), 7.0, device=device)), wgrad_out=out16,
-            weight_route=route.to(device),
+            weight_route=route.to(device), dy_tokens=dy_T.to(device) if gathered else None,
         )  # fmt: skip
         assert got.dx is dx
         results.append((got.dx, got.d_w, *out16, *acc))
@@ -568,14 +569,12 @@ def test_bad_dy_tokens_raise_naming_the_argument():
     route = torch.arange(8, dtype=torch.int32)
     w = torch.rand(8)
 
-    def call(dy_tokens, weight_route=route, w=w, dy=None):
+    def call(dy_tokens, weight_route=route, w=w):
         return grouped_backward(
-            d["x"], d["offsets"], d["a"], d["b"], dy, w, d["wg"], d["wu"], d["wd"], acc,
+            d["x"], d["offsets"], d["a"], d["b"], d["dy"], w, d["wg"], d["wu"], d["wd"], acc,
             weight_route=weight_route, dy_tokens=dy_tokens,
         )  # fmt: skip
 
-    with pytest.raises(ValueError, match="dy must be None with dy_tokens"):
-        call(torch.zeros(4, 64, dtype=BF16), dy=d["dy"])
     with pytest.raises(ValueError, match="dy_tokens needs weight_route"):
         call(torch.zeros(4, 64, dtype=BF16), weight_route=None, w=d["w"])
     with pytest.raises(TypeError, match="dy_tokens must have dtype bfloat16"):

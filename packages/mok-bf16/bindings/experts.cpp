@@ -213,8 +213,8 @@ void register_experts(pybind11::module_& m) {
       "weight router_weights[weight_route[r]] (0 for a route outside [0, num_routes)): the bits "
       "of the call with the weights copied into table order. dy_tokens (optional, 'cuda', with "
       "weight_route): bf16 [num_routes / topk, H], the token rows; given, row r's dy is "
-      "dy_tokens[weight_route[r] / topk] (zeros outside [0, num_routes)), read through the "
-      "routes by the g GEMM and dWd, and dy must be 0 (no table-ordered copy is made). "
+      "dy_tokens[weight_route[r] / topk] (zeros outside [0, num_routes)), gathered by the g "
+      "GEMM, and dy is written: those rows in table order (the weight gradient's operand). "
       "Raises ValueError naming a bad argument.");
 
   m.def(

@@ -260,7 +260,7 @@ void grouped_backward(std::string_view device, const GroupedBackwardArgs& a,
   check_pointer(fn, "offsets", a.offsets, 8, true);
   check_pointer(fn, "a", a.a, al, rows && s.inner > 0);
   check_pointer(fn, "b", a.b, al, rows && s.inner > 0);
-  check_pointer(fn, "dy", a.dy, al, rows && s.hidden > 0 && a.dy_tokens == 0);
+  check_pointer(fn, "dy", a.dy, al, rows && s.hidden > 0);
   check_pointer(fn, "router_weights", a.router_weights, 4, false);
   check_pointer(fn, "w_gate", a.w_gate, al, gemm);
   check_pointer(fn, "w_up", a.w_up, al, gemm);
@@ -313,7 +313,7 @@ void grouped_backward(std::string_view device, const GroupedBackwardArgs& a,
     if (a.topk < 1 || a.num_routes % a.topk != 0) {
       invalid(fn, "topk must be >= 1 and divide num_routes with dy_tokens" + got(a.topk));
     }
-    if (a.dy != 0) invalid(fn, "dy must be 0 with dy_tokens (dy is read through the routes)");
+    check_pointer(fn, "dy", a.dy, 16, true);  // written: the gathered rows in table order
   }
   if (run_on_cuda(fn, kind, a, stream,
                   [](const auto& args, std::uintptr_t st) { grouped_backward_cuda(args, st); })) {

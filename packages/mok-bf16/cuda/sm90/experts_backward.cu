@@ -2,14 +2,13 @@
 // the router weights the table's rows, or read through each row's route: dy_tokens, weight_route):
 //
 //   g:       g = dy @ Wd_e                  (grouped GEMM, Wd N-major; fp32 out, unrounded; with
-//            dy_tokens its producers gather dy's rows through the routes: grouped_gemm.cuh's
-//            RowGather)
+//            dy_tokens its producers gather dy's rows, and its tiles of column 0 store them into dy
+//            in table order for dWd: grouped_gemm.cuh's RowGather)
 //   SwiGLU:  hw = bf16(w h), d_a, d_b, d_w = <g, h> per row (an elementwise kernel: mok-core's
 //            element math, the reference's bit for bit given a, b, g and w; d_w summed in a
 //            fixed order that depends only on I)
 //   dWd:     dWd = C + dy^T bf16(w h)       (wgrad_gemm.cuh: rows as the reduction, fp32 carried
-//            across calls, bf16 out; with dy_tokens dy's rows gathered again by its producers;
-//            before dx, so that dx's rows may overwrite dy's)
+//            across calls, bf16 out; before dx, so that dx's rows may overwrite dy's)
 //   dx:      dx = [d_a, d_b] @ [Wg_e; Wu_e]  (grouped GEMM over K = 2I, gate part first)
 //   dWg/dWu: dWg, dWu = C + [d_a, d_b]^T x  (one weight-gradient GEMM)
 //
@@ -21,7 +20,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <type_traits>
 
 #include "grouped_gemm.cuh"
 #include "launch.cuh"
@@ -149,14 +147,12 @@ int resident_pairs(int shared_bytes) {
 }
 
 // One of the weight-gradient kernels on at most num_sms CTAs (no more than its tile groups), in
-// clusters of kCluster; kGatherA: A's rows through `gather` (map_a unused).
-template <bool kCarryIn, bool kF32, int kCluster, bool kGatherA>
+// clusters of kCluster.
+template <bool kCarryIn, bool kF32, int kCluster>
 void launch_wgrad_kernel(const CUtensorMap& map_a, const CUtensorMap& map_b,
-                         const gemm::WgradProblem& p, int num_sms, cudaStream_t stream,
-                         const gemm::RowGather& gather) {
+                         const gemm::WgradProblem& p, int num_sms, cudaStream_t stream) {
   using R = gemm::Ring<kernels::kStages>;
-  constexpr auto kernel =
-      gemm::wgrad_gemm_kernel<kernels::kStages, kCarryIn, kF32, kCluster, kGatherA>;
+  constexpr auto kernel = gemm::wgrad_gemm_kernel<kernels::kStages, kCarryIn, kF32, kCluster>;
   kernels::allow_shared_bytes<kernel>(R::kSharedBytes);
   const std::int64_t m_groups =
       ((p.m + gemm::kBlockM - 1) / gemm::kBlockM + kCluster - 1) / kCluster;
@@ -165,40 +161,34 @@ void launch_wgrad_kernel(const CUtensorMap& map_a, const CUtensorMap& map_b,
   if constexpr (kCluster > 1) {
     const int pairs = std::min(num_sms / 2, resident_pairs<kernel>(R::kSharedBytes));
     if (pairs < 1) {  // no cluster fits: one CTA a tile group of one
-      launch_wgrad_kernel<kCarryIn, kF32, 1, kGatherA>(map_a, map_b, p, num_sms, stream, gather);
+      launch_wgrad_kernel<kCarryIn, kF32, 1>(map_a, map_b, p, num_sms, stream);
       return;
     }
     const kernels::PairLaunch pair(static_cast<unsigned>(2 * std::min<std::int64_t>(pairs, groups)),
                                    gemm::kThreads, R::kSharedBytes, stream);
-    check(cudaLaunchKernelEx(&pair.config, kernel, map_a, map_b, p, gather),
+    check(cudaLaunchKernelEx(&pair.config, kernel, map_a, map_b, p),
           "launching a weight-gradient GEMM");
   } else {
     const int grid =
         static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>(num_sms, groups)));
-    kernel<<<grid, gemm::kThreads, R::kSharedBytes, stream>>>(map_a, map_b, p, gather);
+    kernel<<<grid, gemm::kThreads, R::kSharedBytes, stream>>>(map_a, map_b, p);
     check(cudaGetLastError(), "launching a weight-gradient GEMM");
   }
 }
 
-template <bool kGatherA>
 void launch_wgrad(const CUtensorMap& map_a, const CUtensorMap& map_b, const gemm::WgradProblem& p,
-                  bool carry_in, int num_sms, cudaStream_t stream,
-                  const gemm::RowGather& gather = {}) {
+                  bool carry_in, int num_sms, cudaStream_t stream) {
   // bf16 outputs only (no fp32 accumulator, so nothing carried in): the deferred epilogue. In
   // clusters of two CTAs sharing B (wgrad_gemm.cuh) where two SMs or more are asked for.
   const bool f32 = p.part[0].f32 != nullptr || p.part[1].f32 != nullptr;
-  const auto run = [&](auto carry, auto with_f32, auto cluster) {
-    launch_wgrad_kernel<carry.value, with_f32.value, cluster.value, kGatherA>(
-        map_a, map_b, p, num_sms, stream, gather);
-  };
-  using std::integral_constant;
-  const auto launch_in = [&](auto cluster) {
-    if (carry_in) return run(std::true_type{}, std::true_type{}, cluster);
-    if (f32) return run(std::false_type{}, std::true_type{}, cluster);
-    run(std::false_type{}, std::false_type{}, cluster);
-  };
-  if (num_sms < 2) return launch_in(integral_constant<int, 1>{});
-  launch_in(integral_constant<int, 2>{});
+  if (num_sms < 2) {
+    if (carry_in) return launch_wgrad_kernel<true, true, 1>(map_a, map_b, p, num_sms, stream);
+    if (f32) return launch_wgrad_kernel<false, true, 1>(map_a, map_b, p, num_sms, stream);
+    return launch_wgrad_kernel<false, false, 1>(map_a, map_b, p, num_sms, stream);
+  }
+  if (carry_in) return launch_wgrad_kernel<true, true, 2>(map_a, map_b, p, num_sms, stream);
+  if (f32) return launch_wgrad_kernel<false, true, 2>(map_a, map_b, p, num_sms, stream);
+  launch_wgrad_kernel<false, false, 2>(map_a, map_b, p, num_sms, stream);
 }
 
 }  // namespace
@@ -223,18 +213,18 @@ void grouped_backward_cuda(const GroupedBackwardArgs& args, std::uintptr_t strea
   const CUtensorMap map_wd = hopper::make_tensor_map(ptr(args.w_down), El * H, I, 64);
   const gemm::Problem pg{offsets, s.num_rows, Ei, Ii, Hi, Hi};
   const kernels::StoreF32 store_g{reinterpret_cast<float*>(args.scratch_g), Ii};
-  // With dy_tokens, dy's rows are read through each row's route by the g GEMM's producers and
-  // again by dWd's: no table-ordered copy of them is made (the GEMMs' map_a is then unused).
-  const gemm::RowGather dy_rows{reinterpret_cast<const std::uint16_t*>(args.dy_tokens),
-                                reinterpret_cast<const std::int32_t*>(args.weight_route),
-                                s.num_rows,
-                                static_cast<int>(args.num_routes),
-                                static_cast<int>(args.topk),
-                                Hi,
-                                nullptr};
-  const bool gathered = args.dy_tokens != 0;
-  if (gathered) {
-    kernels::launch<BLoad::kNMajor, true>(map_wd, map_wd, map_wd, pg, store_g, sms, stream,
+  if (args.dy_tokens != 0) {
+    // dy's rows gathered by the GEMM's producers through each row's route, and stored into args.dy
+    // in table order by the tiles of column 0 (dWd's operand below): no pass moves them.
+    const gemm::RowGather dy_rows{reinterpret_cast<const std::uint16_t*>(args.dy_tokens),
+                                  reinterpret_cast<const std::int32_t*>(args.weight_route),
+                                  s.num_rows,
+                                  static_cast<int>(args.num_routes),
+                                  static_cast<int>(args.topk),
+                                  Hi,
+                                  reinterpret_cast<std::uint16_t*>(args.dy)};
+    const CUtensorMap map_dy_copy = hopper::make_tensor_map(ptr(args.dy), M, H, 64);
+    kernels::launch<BLoad::kNMajor, true>(map_dy_copy, map_wd, map_wd, pg, store_g, sms, stream,
                                           dy_rows);
   } else {
     const CUtensorMap map_dy = hopper::make_tensor_map(ptr(args.dy), M, H, gemm::kBlockM);
@@ -265,17 +255,12 @@ void grouped_backward_cuda(const GroupedBackwardArgs& args, std::uintptr_t strea
   // (GroupedBackwardArgs::out_dx == dy: one [M, H] array less at the backward's peak).
   const auto f32 = [](std::uintptr_t p) { return reinterpret_cast<float*>(p); };
   const auto bf16 = [](std::uintptr_t p) { return reinterpret_cast<std::uint16_t*>(p); };
-  // dWd = C + dy^T bf16(w h): the router weight on h's side, so dy is the rows as they came
-  // (gathered through the routes with dy_tokens).
+  // dWd = C + dy^T bf16(w h): the router weight on h's side, so dy is the rows as they came.
+  const CUtensorMap map_dy_rows = hopper::make_tensor_map(ptr(args.dy), M, H, 64);
   const CUtensorMap map_hw_rows = hopper::make_tensor_map(ptr(args.scratch_hw), M, I, 64);
   gemm::WgradProblem down{offsets, s.num_rows, Ei, Hi, Ii, Hi, {}};
   down.part[0] = {f32(args.acc_down), bf16(args.out_down)};
-  if (gathered) {
-    launch_wgrad<true>(map_hw_rows, map_hw_rows, down, args.carry_in, sms, stream, dy_rows);
-  } else {
-    const CUtensorMap map_dy_rows = hopper::make_tensor_map(ptr(args.dy), M, H, 64);
-    launch_wgrad<false>(map_dy_rows, map_hw_rows, down, args.carry_in, sms, stream);
-  }
+  launch_wgrad(map_dy_rows, map_hw_rows, down, args.carry_in, sms, stream);
 
   // dx = d_a @ Wg_e + d_b @ Wu_e: one GEMM over K = 2I, Wg then Wu ([El, I, H], N-major).
   const CUtensorMap map_dab =
@@ -292,7 +277,7 @@ void grouped_backward_cuda(const GroupedBackwardArgs& args, std::uintptr_t strea
   gate_up.part[0] = {f32(args.acc_gate), bf16(args.out_gate)};
   gate_up.part[1] = {f32(args.acc_up), bf16(args.out_up)};
   const CUtensorMap map_x_rows = hopper::make_tensor_map(ptr(args.x), M, H, 64);
-  launch_wgrad<false>(map_dab_rows, map_x_rows, gate_up, args.carry_in, sms, stream);
+  launch_wgrad(map_dab_rows, map_x_rows, gate_up, args.carry_in, sms, stream);
 }
 
 }  // namespace mok::bf16

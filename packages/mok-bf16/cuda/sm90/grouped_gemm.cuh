@@ -107,10 +107,9 @@ __device__ inline void gather_box(unsigned char* box, const RowGather& g, int co
 
 // Registers of the bf16 GEMMs' warpgroups (hopper::RegisterSplit checks them against the CTA's
 // pool). WideConsumerRegs: the consumers' 240 hold the deferred epilogue's packed tile beside the
-// accumulators, and the producer keeps the fewest (one thread driving the copy engine; the
-// weight gradient's gathering producer fits with a few bytes spilled, where its consumers at 232
-// would spill 64). GatherRegs: the grouped GEMM's and the megakernel's 128 gathering producer
-// threads get 40, the consumers give up 8 each.
+// accumulators, and the producer, one thread driving the copy engine, keeps the fewest.
+// GatherRegs: the grouped GEMM's and the megakernel's 128 producer threads gather A by cp.async
+// with 40, and the consumers give up 8 each.
 using WideConsumerRegs = hopper::RegisterSplit<24, 240>;
 using GatherRegs = hopper::RegisterSplit<40, 232>;
 template <bool kGatherA>

@@ -21,13 +21,6 @@
 // of both). A group past the last row tile (an odd count) computes the last row tile again
 // without storing it (a ghost), so that both CTAs run the same k-blocks.
 //
-// Gathered A (kGatherA): A's rows are read through each table row's route (RowGather: dy's token
-// rows for dWd, where no table-ordered copy of them exists). The producer warpgroup's 128 threads
-// copy them (gather_box, the copy engine's 128-byte swizzle, so the wgmmas read the same shared
-// memory either way), zeros for rows past the segment, and thread 0 has the copy engine load B
-// (its share, multicast, in a cluster). Each thread reads the routes of the next k-block's rows
-// before it waits for the stage, so their latency is spent while the ring is full.
-//
 // Determinism (docs/determinism.md): a tile's accumulators start from C's fp32 values (or +0) and
 // take the expert's rows in blocks of 64 counted from its segment start, each four wgmma k16 steps
 // in ascending order. The last block of a segment is zero-padded in shared memory (rows past the
@@ -134,12 +127,10 @@ __device__ inline void store_wgrad_piece(const PackedBf16& packed, std::uint16_t
 // kCarryIn: start from C's fp32 values; kF32: some part has an fp32 accumulator (else every
 // part has a bf16 output, and the epilogue is deferred). Template arguments: a run-time choice
 // there makes ptxas serialise the wgmmas. kCluster: CTAs per cluster (1 or 2, the launch's).
-// kGatherA: A's rows through `gather` (map_a unused), else by the copy engine from map_a.
-template <int kStages, bool kCarryIn, bool kF32, int kCluster, bool kGatherA = false>
+template <int kStages, bool kCarryIn, bool kF32, int kCluster>
 __global__ void __launch_bounds__(kThreads, 1)
     wgrad_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
-                      const __grid_constant__ CUtensorMap map_b, WgradProblem p,
-                      const __grid_constant__ RowGather gather) {
+                      const __grid_constant__ CUtensorMap map_b, WgradProblem p) {
   using R = Ring<kStages>;
   static_assert(kStages > kLagBlocks, "consumer 0 must get kLagBlocks stages before any release");
   static_assert(kF32 || !kCarryIn, "carrying C in needs its fp32 accumulators");
@@ -155,7 +146,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       (reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) & ~std::uintptr_t{1023})};
   if (threadIdx.x == 32) {
     for (int s = 0; s < kStages; ++s) {
-      hopper::mbar_init(&full[s], kGatherA ? 128 : 1);  // gathering: every producer thread arrives
+      hopper::mbar_init(&full[s], 1);
       hopper::mbar_init(&empty[s], 2 * kCluster);  // both consumers of every CTA of the cluster
     }
     hopper::mbar_init(&lag, 1);
@@ -173,85 +164,36 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int stride = static_cast<int>(gridDim.x) / kCluster;
 
   if (threadIdx.x < 128) {  // ---------------------------------------------- producer
-    // This CTA's share of B's boxes of k-block rows [row, row + 64) (multicast in a cluster).
-    const auto load_b = [&](int stage, int row, const WgradTile& tile) {
-      constexpr int kShare = kMmaN / 64 / kCluster;  // B's boxes this CTA loads
+    WideConsumerRegs::producer();
+    if (threadIdx.x != 0) return;
+    hopper::prefetch_tensor_map(&map_a);
+    hopper::prefetch_tensor_map(&map_b);
+    hopper::RingPos<kStages> pos;
+    for (int t = first; t < total; t += stride) {
+      const WgradTile tile = locate_wgrad<kCluster>(p, t, rank);
+      for (int kb = 0; kb < tile.blocks; ++kb) {
+        const int row = static_cast<int>(tile.lo) + kb * kBlockK;
+        pos.wait_empty(empty);
+        const int stage = pos.stage;
+        hopper::mbar_expect_tx(&full[stage], R::kStageBytes);
 #pragma unroll
-      for (int jj = 0; jj < kShare; ++jj) {
-        const int j = rank * kShare + jj;
-        if constexpr (kCluster > 1) {
-          hopper::tma_load_2d_multicast(ring.b(stage) + j * kBox, &map_b, &full[stage],
-                                        tile.col0 + 64 * j, row, (1u << kCluster) - 1);
-        } else {
-          hopper::tma_load_2d(ring.b(stage) + j * kBox, &map_b, &full[stage], tile.col0 + 64 * j,
+        for (int i = 0; i < kBlockM / 64; ++i) {
+          hopper::tma_load_2d(ring.a(stage) + i * kBox, &map_a, &full[stage], tile.row0 + 64 * i,
                               row);
         }
-      }
-    };
-    WideConsumerRegs::producer();
-    hopper::RingPos<kStages> pos;
-    if constexpr (kGatherA) {
-      const int i = threadIdx.x;
-      if (i == 0) hopper::prefetch_tensor_map(&map_b);
-      // The routes of the table rows this thread copies in k-block kb (pieces i / 8 + 16 j of
-      // gather_box: rows i / 8 + 16 j of the block), -1 past the segment: loaded one k-block
-      // ahead, turned into source rows only when used.
-      constexpr int kPieces = kBlockK / 16;
-      const auto routes = [&](const WgradTile& tile, int kb, int (&r)[kPieces]) {
+        constexpr int kShare = kMmaN / 64 / kCluster;  // B's boxes this CTA loads
 #pragma unroll
-        for (int j = 0; j < kPieces; ++j) {
-          const std::int64_t row = tile.lo + kb * kBlockK + i / 8 + 16 * j;
-          r[j] = row < tile.hi ? gather.row_route[row] : -1;
-        }
-      };
-      for (int t = first; t < total; t += stride) {
-        const WgradTile tile = locate_wgrad<kCluster>(p, t, rank);
-        int now[kPieces];
-        if (tile.blocks > 0) routes(tile, 0, now);
-        for (int kb = 0; kb < tile.blocks; ++kb) {
-          int next[kPieces];
-          if (kb + 1 < tile.blocks) routes(tile, kb + 1, next);
-          pos.wait_empty(empty);
-          const int stage = pos.stage;
-          if (i == 0) {
-            hopper::mbar_expect_tx_only(&full[stage], R::kBBytes);  // B's boxes of every share
-            load_b(stage, static_cast<int>(tile.lo) + kb * kBlockK, tile);
-          }
-          const auto source = [&](int j) {
-            const int route = now[j];
-            return route < 0 || route >= gather.num_routes ? -1 : route / gather.divisor;
-          };
-#pragma unroll
-          for (int box = 0; box < kBlockM / 64; ++box) {
-            gather_box<kBlockK>(ring.a(stage) + box * kBox, gather, tile.row0 + 64 * box, i,
-                                source);
-          }
-          hopper::cp_async_arrive(&full[stage]);  // once this thread's copies have landed
-#pragma unroll
-          for (int j = 0; j < kPieces; ++j) now[j] = next[j];
-          pos.advance();
-        }
-      }
-      if (i != 0) return;
-    } else {
-      if (threadIdx.x != 0) return;
-      hopper::prefetch_tensor_map(&map_a);
-      hopper::prefetch_tensor_map(&map_b);
-      for (int t = first; t < total; t += stride) {
-        const WgradTile tile = locate_wgrad<kCluster>(p, t, rank);
-        for (int kb = 0; kb < tile.blocks; ++kb) {
-          const int row = static_cast<int>(tile.lo) + kb * kBlockK;
-          pos.wait_empty(empty);
-          const int stage = pos.stage;
-          hopper::mbar_expect_tx(&full[stage], R::kStageBytes);
-#pragma unroll
-          for (int a = 0; a < kBlockM / 64; ++a) {
-            hopper::tma_load_2d(ring.a(stage) + a * kBox, &map_a, &full[stage], tile.row0 + 64 * a,
+        for (int jj = 0; jj < kShare; ++jj) {
+          const int j = rank * kShare + jj;
+          if constexpr (kCluster > 1) {
+            hopper::tma_load_2d_multicast(ring.b(stage) + j * kBox, &map_b, &full[stage],
+                                          tile.col0 + 64 * j, row, (1u << kCluster) - 1);
+          } else {
+            hopper::tma_load_2d(ring.b(stage) + j * kBox, &map_b, &full[stage], tile.col0 + 64 * j,
                                 row);
           }
-          load_b(stage, row, tile);
-          pos.advance();
         }
+        pos.advance();
       }
     }
     if constexpr (kCluster > 1) {

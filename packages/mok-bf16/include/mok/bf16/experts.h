@@ -150,7 +150,7 @@ struct GroupedBackwardArgs {
   std::uintptr_t offsets = 0;         // int64 [El + 1]
   std::uintptr_t a = 0;               // bf16 [M, I]
   std::uintptr_t b = 0;               // bf16 [M, I]
-  std::uintptr_t dy = 0;              // bf16 [M, H] (0 with dy_tokens)
+  std::uintptr_t dy = 0;              // bf16 [M, H]
   std::uintptr_t router_weights = 0;  // fp32 [M] (with weight_route: [num_routes]), or 0: ones
   std::uintptr_t w_gate = 0;          // bf16 [El, I, H]
   std::uintptr_t w_up = 0;            // bf16 [El, I, H]
@@ -179,9 +179,9 @@ struct GroupedBackwardArgs {
   std::uintptr_t weight_route = 0;
   std::int64_t num_routes = 0;
   // Optional, with weight_route: bf16 [num_routes / topk, H], the token rows. Given, row r's dy is
-  // dy_tokens[weight_route[r] / topk] (zeros for a route outside [0, num_routes)), read through
-  // the routes by the kernels themselves (the g GEMM's and dWd's producers): `dy` must be 0, no
-  // table-ordered copy of the rows is made.
+  // dy_tokens[weight_route[r] / topk] (zeros for a route outside [0, num_routes)), read by the
+  // kernels themselves, and `dy` is an output: those rows in table order (rows outside every
+  // segment left as they are), written for the weight gradient.
   std::uintptr_t dy_tokens = 0;
   std::int64_t topk = 1;
 };

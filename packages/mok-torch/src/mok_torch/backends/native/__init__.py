@@ -1345,16 +1345,15 @@ class NativeBackend:
                     xs = self._received(cfg, tr, "x_recv", lo, hi)
                 else:
                     xs = self._receive(cfg, tr, sched, "x", self._pulled_rows(cfg, n, H, dev), lo, K, nw)
-                dy_rows: torch.Tensor | None = None  # gather_dy: read through the routes by the GEMMs
-                if gather_dy:
-                    pass
+                if gather_dy:  # written by the g GEMM: its gathered rows in table order
+                    dys = torch.empty(n, H, dtype=BF16, device=dev)
                 elif scatter_dy:
                     table = (sched.route_row_TK.data_ptr(), sched.row_src_rank_C.data_ptr())
-                    dy_rows = tr.scatter_local(_bf16_rows(dy_TH), self._pulled_rows(cfg, n, H, dev), *table, K, nw)
+                    dys = tr.scatter_local(_bf16_rows(dy_TH), self._pulled_rows(cfg, n, H, dev), *table, K, nw)
                 elif pushed:
-                    dy_rows = self._received(cfg, tr, "dy_recv", lo, hi)
+                    dys = self._received(cfg, tr, "dy_recv", lo, hi)
                 else:
-                    dy_rows = self._receive(cfg, tr, sched, "dy", self._pulled_rows(cfg, n, H, dev), lo, K, nw)
+                    dys = self._receive(cfg, tr, sched, "dy", self._pulled_rows(cfg, n, H, dev), lo, K, nw)
                 if direct:
                     wr = w_TK
                 elif pushed:
@@ -1374,17 +1373,15 @@ class NativeBackend:
                     self._output_rows(cfg, tr, "dw_send", lo, hi),
                 )
                 out = None if dx_out is None or dw_out is None else GroupedBackward(dx_out, dw_out)
-                # Direct: no zero fill (the combine reads the routes' rows), and dx's rows go into
-                # dy's table-ordered copy where there is one, the call's own buffer (dWd, dy's last
-                # reader, runs first): one [n, H] array less.
+                # Direct: dx's rows go into dy's, the call's own buffer (dWd, dy's last reader, runs
+                # first): one [n, H] array less, and no zero fill (the combine reads the routes' rows).
                 if direct:
-                    dx_rows = torch.empty(n, H, dtype=BF16, device=dev) if dy_rows is None else dy_rows
-                    out = GroupedBackward(dx_rows, torch.empty(n, dtype=torch.float32, device=dev))
+                    out = GroupedBackward(dys, torch.empty(n, dtype=torch.float32, device=dev))
                 wgrad_out = final if last and not fp32 else None
                 weight_route = sched.row_route_C[:n] if direct else None
                 dy_tokens = dy_TH.contiguous() if gather_dy else None
                 if n == 0:  # no kernel runs: the checked call gives the weight gradients' carry
-                    dx, d_w = grouped_backward(xs, seg, a, b, dy_rows, wr, wg_k, wu_k, wd_k, acc, cfg.swiglu_limit,
+                    dx, d_w = grouped_backward(xs, seg, a, b, dys, wr, wg_k, wu_k, wd_k, acc, cfg.swiglu_limit,
                                                out=out, carry_in=m > 0, wgrad_out=wgrad_out,
                                                weight_route=weight_route, dy_tokens=dy_tokens)  # fmt: skip
                 else:
@@ -1395,7 +1392,7 @@ class NativeBackend:
                     if out is None:
                         out = GroupedBackward(torch.empty(n, H, dtype=BF16, device=dev),
                                               torch.empty(n, dtype=torch.float32, device=dev))  # fmt: skip
-                    launch_backward(xs, seg, a, b, dy_rows, wr, wg_k, wu_k, wd_k, out, backward_scratch(n, inner, dev),
+                    launch_backward(xs, seg, a, b, dys, wr, wg_k, wu_k, wd_k, out, backward_scratch(n, inner, dev),
                                     acc, wgrad_out, limit=cfg.swiglu_limit, carry_in=m > 0, zero_outside=fresh,
                                     weight_route=weight_route, dy_tokens=dy_tokens)  # fmt: skip
                     dx, d_w = out

@@ -175,7 +175,7 @@ def grouped_backward(
     offsets_El1: torch.Tensor,
     a_MI: torch.Tensor,
     b_MI: torch.Tensor,
-    dy_MH: torch.Tensor | None,
+    dy_MH: torch.Tensor,
     router_weights_M: torch.Tensor | None,
     w_gate_EIH: torch.Tensor,
     w_up_EIH: torch.Tensor,
@@ -213,18 +213,16 @@ def grouped_backward(
 
     `dy_tokens` (bf16 [T, H] contiguous, with weight_route; T*K routes: router_weights [T*K]): dy's
     rows are then read by route, row r's dy = dy_tokens[weight_route[r] // K] (zeros for a route
-    outside [0, T*K)), and dy_MH must be None. On CUDA the g GEMM and dWd's GEMM gather them
-    through the routes (no table-ordered copy of dy exists); on the CPU a copy in table order is
-    made first, for the reference arithmetic.
+    outside [0, T*K)), and dy_MH is an output: the segments' rows of dy in table order (what the
+    weight gradient reads; the rows outside every segment are not part of it). On CUDA the g GEMM
+    gathers them and stores that copy itself (no pass moves rows); on the CPU they are copied into
+    dy_MH first.
     """
     dev, M, H, El, I = _check_rows_and_weights(x_MH, offsets_El1, w_gate_EIH, w_up_EIH, w_down_EHI)
     rows_I = [("M", M), ("I", I)]
     check_tensor("a", a_MI, dtypes=(BF16,), shape=rows_I, device=dev)
     check_tensor("b", b_MI, dtypes=(BF16,), shape=rows_I, device=dev)
-    if dy_tokens is None:
-        dy_MH = check_tensor("dy", dy_MH, dtypes=(BF16,), shape=[("M", M), ("H", H)], device=dev)
-    elif dy_MH is not None:
-        raise ValueError("dy must be None with dy_tokens (dy's rows are read through the routes)")
+    check_tensor("dy", dy_MH, dtypes=(BF16,), shape=[("M", M), ("H", H)], device=dev)
     num_routes = 0
     route_valid = route_at = None  # on the CPU: which rows have a route in [0, T*K), and it (else 0)
     if weight_route is not None:
@@ -250,7 +248,7 @@ def grouped_backward(
         if dev.type != "cuda":  # as the kernels: a route outside [0, T*K) reads zeros
             assert route_valid is not None and route_at is not None
             zero = torch.zeros((), dtype=BF16)
-            dy_MH = torch.where(route_valid[:, None], dy_tokens[route_at // (num_routes // T)], zero).contiguous()
+            dy_MH.copy_(torch.where(route_valid[:, None], dy_tokens[route_at // (num_routes // T)], zero))
     if acc is None and wgrad_out is None:
         raise ValueError("acc or wgrad_out must be given: where the weight gradients go")
     if carry_in and acc is None:
@@ -316,7 +314,7 @@ def launch_backward(
     offsets_El1: torch.Tensor,
     a_MI: torch.Tensor,
     b_MI: torch.Tensor,
-    dy_MH: torch.Tensor | None,
+    dy_MH: torch.Tensor,
     router_weights: torch.Tensor | None,
     w_gate_EIH: torch.Tensor,
     w_up_EIH: torch.Tensor,
@@ -356,7 +354,7 @@ def launch_backward(
         offsets_El1.data_ptr(),
         a_MI.data_ptr(),
         b_MI.data_ptr(),
-        0 if dy_MH is None else dy_MH.data_ptr(),
+        dy_MH.data_ptr(),
         0 if router_weights is None else router_weights.data_ptr(),
         w_gate_EIH.data_ptr(),
         w_up_EIH.data_ptr(),
