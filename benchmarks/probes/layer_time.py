@@ -23,7 +23,9 @@ of 20 issued back to back (the kernels' times under the sustained load of the be
 parameters, x an input) eager and under torch.compile(backend="cudagraphs") (AOT autograd's graphs
 replayed as CUDA graphs by cudagraph trees): each step's time from an idle device, its host time
 to issue, and the time a step back to back (20 steps, no synchronization), with the compiled
-step's y and gradients compared bit for bit with the eager step's.
+step's y and gradients compared bit for bit with the eager step's; with --compiled-profile FILE
+as well, torch.profiler's host view of 5 compiled steps (CPU time by op, inclusive and self) goes
+to FILE.
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ def main() -> None:
     p.add_argument("--host-layers", default=None)
     p.add_argument("--timeline", default=None)
     p.add_argument("--compiled", action="store_true")
+    p.add_argument("--compiled-profile", default=None, help="with --compiled: the compiled steps' host profile")
     ns = p.parse_args()
     ranks = Ranks(torch.device("cuda", 0), None, 0, 1)
     report, report_host, report_layers, report_timeline = [], [], [], []
@@ -141,7 +144,7 @@ def main() -> None:
                 report_timeline.extend(timeline(shape.name, forward_backward))
                 report_timeline.extend(timeline(shape.name, forward_backward, warm=WARM_CALLS))
             if ns.compiled and fused:
-                report.extend(compiled_steps(shape, call, cfg))
+                report.extend(compiled_steps(shape, call, cfg, profile_to=ns.compiled_profile))
     if ns.profile:
         with open(ns.profile, "w") as f:
             f.write("\n".join(report))
@@ -172,9 +175,10 @@ class _RoutedLayer(torch.nn.Module):
         return mok.moe(x, self.top, self.w, (self.wg, self.wu, self.wd), None, config=self.cfg, max_tokens=self.T)
 
 
-def compiled_steps(shape, call, cfg: mok.MoKConfig, iters: int = 20) -> list[str]:
+def compiled_steps(shape, call, cfg: mok.MoKConfig, iters: int = 20, profile_to: str | None = None) -> list[str]:
     """A training step (forward, backward, the gradients kept) eager and under
-    torch.compile(backend="cudagraphs"): from an idle device, its host time, back to back."""
+    torch.compile(backend="cudagraphs"): from an idle device, its host time, back to back; with
+    `profile_to`, torch.profiler's CPU tables of 5 compiled steps appended to that file."""
     if call.shared is not None:
         return [f"{shape.name:16s} compiled: skipped (a shared expert: the probe holds the routed experts only)"]
     layer = _RoutedLayer(call, cfg)
@@ -210,6 +214,28 @@ def compiled_steps(shape, call, cfg: mok.MoKConfig, iters: int = 20) -> list[str
         lines.append(f"{shape.name:16s} step {label:10s} from idle {idle:7.3f} ms  back to back {b2b:7.3f} ms  "
                      f"host {host * 1e3:7.1f} us  bitwise the eager step: {'yes' if same else 'NO'}")  # fmt: skip
         print(lines[-1], flush=True)
+    if profile_to:
+        from torch.profiler import ProfilerActivity, profile
+
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(5):
+                step(compiled)
+        torch.cuda.synchronize()
+        with open(profile_to, "a") as f:
+            f.write(f"== {shape.name}: 5 compiled steps, host\n")
+            f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=40) + "\n")
+            f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30) + "\n")
+        cp = cProfile.Profile()
+        cp.enable()
+        for _ in range(5):
+            step(compiled)
+        cp.disable()
+        torch.cuda.synchronize()
+        out = io.StringIO()
+        pstats.Stats(cp, stream=out).sort_stats("cumulative").print_stats(45)
+        with open(profile_to, "a") as f:
+            f.write(f"== {shape.name}: 5 compiled steps, cProfile (cumulative)\n{out.getvalue()}\n")
     return lines
 
 
