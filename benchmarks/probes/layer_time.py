@@ -218,14 +218,18 @@ def compiled_steps(shape, call, cfg: mok.MoKConfig, iters: int = 20, profile_to:
         from torch.profiler import ProfilerActivity, profile
 
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
             for _ in range(5):
                 step(compiled)
-        torch.cuda.synchronize()
+            torch.cuda.synchronize()
         with open(profile_to, "a") as f:
             f.write(f"== {shape.name}: 5 compiled steps, host\n")
             f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=40) + "\n")
             f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30) + "\n")
+            # Which inputs cudagraph trees copy into the graphs' static buffers: the copies' shapes.
+            f.write(f"== {shape.name}: the copies by input shape\n")
+            by_shape = prof.key_averages(group_by_input_shape=True)
+            f.write(by_shape.table(sort_by="cpu_time_total", row_limit=25, max_shapes_column_width=120) + "\n")
         cp = cProfile.Profile()
         cp.enable()
         for _ in range(5):
