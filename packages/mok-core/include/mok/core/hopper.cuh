@@ -227,10 +227,12 @@ template <int kProducerRegs, int kConsumerRegs, int kConsumers = 2>
 struct RegisterSplit {
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kPool = (65536 / kThreads) / 8 * 8 * kThreads;
-  static_assert(kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0, "setmaxnreg takes multiples of 8");
+  static_assert(kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0,
+                "setmaxnreg takes multiples of 8");
   static_assert(kProducerRegs >= 24 && kConsumerRegs <= 256, "setmaxnreg's range is 24..256");
-  static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= kPool,
-                "the warpgroups' registers exceed the CTA's pool: the consumers' increase would hang");
+  static_assert(
+      128 * (kProducerRegs + kConsumers * kConsumerRegs) <= kPool,
+      "the warpgroups' registers exceed the CTA's pool: the consumers' increase would hang");
   __device__ static void producer() { regs_dealloc<kProducerRegs>(); }
   __device__ static void consumer() { regs_alloc<kConsumerRegs>(); }
 };
