@@ -223,7 +223,7 @@ def compiled_steps(shape, call, cfg: mok.MoKConfig, iters: int = 20, profile_to:
                 step(compiled)
             torch.cuda.synchronize()
         with open(profile_to, "a") as f:
-            f.write(f"== {shape.name}: 5 compiled steps, host\n")
+            f.write(f"== {shape.name}: 5 compiled steps, host and device\n")
             f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=40) + "\n")
             f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30) + "\n")
             # Which inputs cudagraph trees copy into the graphs' static buffers: the copies' shapes.
