@@ -20,12 +20,17 @@ device ran them: when each started after the call began on the host, how long it
 device's idle time before it (what the host's issue leaves exposed); then the same call as the last
 of 20 issued back to back (the kernels' times under the sustained load of the bench's loop); with
 --compiled, a training step of the megakernel path (the routed weights as an nn.Module's
-parameters, x an input) eager and under torch.compile(backend="cudagraphs") (AOT autograd's graphs
-replayed as CUDA graphs by cudagraph trees): each step's time from an idle device, its host time
-to issue, and the time a step back to back (20 steps, no synchronization), with the compiled
-step's y and gradients compared bit for bit with the eager step's; with --compiled-profile FILE
-as well, torch.profiler's host view of 5 compiled steps (CPU time by op, inclusive and self) goes
-to FILE.
+parameters, x an input) eager and compiled in each of --compiled-modes: "cudagraphs"
+(torch.compile(backend="cudagraphs"): AOT autograd's graphs replayed as CUDA graphs by cudagraph
+trees), "static" (the same with the module's parameters and buffers and x marked as static
+addresses, torch._dynamo.mark_static_address, so that cudagraph trees read them in place instead of
+copying them into the graphs' buffers each step) and "reduce-overhead" (torch.compile(mode=
+"reduce-overhead"): inductor, whose cudagraph trees know the parameters as static): each step's
+time from an idle device, its host time to issue, and the time a step back to back (20 steps, no
+synchronization), with the compiled step's y and gradients compared bit for bit with the eager
+step's; --compiled-only skips everything else; with --compiled-profile FILE as well,
+torch.profiler's host view of 5 steps of the first compiled mode (CPU time by op, inclusive and
+self) goes to FILE.
 """
 
 from __future__ import annotations
@@ -94,13 +99,22 @@ def main() -> None:
     p.add_argument("--timeline", default=None)
     p.add_argument("--compiled", action="store_true")
     p.add_argument("--compiled-profile", default=None, help="with --compiled: the compiled steps' host profile")
+    p.add_argument("--compiled-modes", default=",".join(COMPILED_MODES), help="with --compiled: which compiled steps")
+    p.add_argument("--compiled-only", action="store_true", help="with --compiled: only the compiled steps")
     ns = p.parse_args()
+    modes = [m for m in ns.compiled_modes.split(",") if m]
+    unknown = sorted(set(modes) - set(COMPILED_MODES))
+    if unknown:
+        p.error(f"--compiled-modes: unknown {unknown}; known: {list(COMPILED_MODES)}")
     ranks = Ranks(torch.device("cuda", 0), None, 0, 1)
     report, report_host, report_layers, report_timeline = [], [], [], []
     for shape in resolve_shapes(",".join(ns.shapes), 1):
         call = make_call(shape, "balanced", make_weights(shape, ranks), ranks)
-        for fused in (True, False):
+        for fused in (True,) if ns.compiled_only else (True, False):
             cfg = mok.MoKConfig(megakernel=fused)
+            if ns.compiled_only:
+                report.extend(compiled_steps(shape, call, cfg, modes, profile_to=ns.compiled_profile))
+                continue
             path = "megakernel" if fused else "chain"
 
             def forward(cfg: mok.MoKConfig = cfg, call=call, T: int = shape.tokens) -> torch.Tensor:
@@ -144,7 +158,7 @@ def main() -> None:
                 report_timeline.extend(timeline(shape.name, forward_backward))
                 report_timeline.extend(timeline(shape.name, forward_backward, warm=WARM_CALLS))
             if ns.compiled and fused:
-                report.extend(compiled_steps(shape, call, cfg, profile_to=ns.compiled_profile))
+                report.extend(compiled_steps(shape, call, cfg, modes, profile_to=ns.compiled_profile))
     if ns.profile:
         with open(ns.profile, "w") as f:
             f.write("\n".join(report))
@@ -175,72 +189,105 @@ class _RoutedLayer(torch.nn.Module):
         return mok.moe(x, self.top, self.w, (self.wg, self.wu, self.wd), None, config=self.cfg, max_tokens=self.T)
 
 
-def compiled_steps(shape, call, cfg: mok.MoKConfig, iters: int = 20, profile_to: str | None = None) -> list[str]:
-    """A training step (forward, backward, the gradients kept) eager and under
-    torch.compile(backend="cudagraphs"): from an idle device, its host time, back to back; with
-    `profile_to`, torch.profiler's CPU tables of 5 compiled steps appended to that file."""
+COMPILED_MODES = ("cudagraphs", "static", "reduce-overhead")
+
+
+def _compile(layer: _RoutedLayer, x: torch.Tensor, mode: str):
+    """The layer compiled as `mode` says (COMPILED_MODES, the module docstring)."""
+    if mode == "reduce-overhead":
+        return torch.compile(layer, mode="reduce-overhead")
+    if mode == "static":
+        for t in (*layer.parameters(), *layer.buffers(), x):
+            torch._dynamo.mark_static_address(t)
+    return torch.compile(layer, backend="cudagraphs")
+
+
+def compiled_steps(shape, call, cfg: mok.MoKConfig, modes: list[str], iters: int = 20,
+                   profile_to: str | None = None) -> list[str]:  # fmt: skip
+    """A training step (forward, backward, the gradients kept) eager and compiled in each of
+    `modes`: from an idle device, its host time, back to back; with `profile_to`, torch.profiler's
+    CPU tables of 5 steps of the first mode appended to that file."""
     if call.shared is not None:
         return [f"{shape.name:16s} compiled: skipped (a shared expert: the probe holds the routed experts only)"]
-    layer = _RoutedLayer(call, cfg)
-    x = call.x_TH.detach().clone().requires_grad_()
-    compiled = torch.compile(layer, backend="cudagraphs")
 
-    def step(module) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def step(run) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        _, layer, module, x = run
         layer.zero_grad(set_to_none=True)
         x.grad = None
-        if module is compiled:
+        if module is not layer:
             torch.compiler.cudagraph_mark_step_begin()
         y = module(x)
         y.backward(call.dy_TH)
         return y, [t.grad for t in (x, layer.wg, layer.wu, layer.wd)]
 
-    y_eager, g_eager = step(layer)
+    eager_layer = _RoutedLayer(call, cfg)
+    eager = ("eager", eager_layer, eager_layer, call.x_TH.detach().clone().requires_grad_())
+    y_eager, g_eager = step(eager)
     y_eager, g_eager = y_eager.detach().clone(), [g.clone() for g in g_eager]
     lines = []
-    for label, module in (("eager", layer), ("cudagraphs", compiled)):
-        for _ in range(3):  # cudagraph trees: a warm-up step, then the recording
-            step(module)
-        y, g = step(module)
+    for i, mode in enumerate(["eager", *modes]):
+        if i == 0:
+            run = eager
+        else:
+            # Each mode its own module and x (the same weights' storage) and a fresh Dynamo, so
+            # that no mode's marks or compiled frames serve another.
+            torch._dynamo.reset()
+            layer, x = _RoutedLayer(call, cfg), call.x_TH.detach().clone().requires_grad_()
+            run = (mode, layer, _compile(layer, x, mode), x)
+        try:
+            for _ in range(3):  # cudagraph trees: a warm-up step, then the recording
+                step(run)
+        except Exception as exc:  # a mode that does not compile is reported, the probe goes on
+            lines.append(f"{shape.name:16s} step {mode:15s} failed: {type(exc).__name__}: {str(exc)[:160]}")
+            print(lines[-1], flush=True)
+            continue
+        y, g = step(run)
         same = torch.equal(y, y_eager) and all(torch.equal(a, b) for a, b in zip(g, g_eager, strict=True))
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(iters):
-            step(module)
+            step(run)
         end.record()
         torch.cuda.synchronize()
         b2b = start.elapsed_time(end) / iters
-        idle, host = median_ms(lambda m=module: step(m)), host_ms(lambda m=module: step(m), iters=iters)
-        lines.append(f"{shape.name:16s} step {label:10s} from idle {idle:7.3f} ms  back to back {b2b:7.3f} ms  "
+        idle, host = median_ms(lambda r=run: step(r)), host_ms(lambda r=run: step(r), iters=iters)
+        lines.append(f"{shape.name:16s} step {mode:15s} from idle {idle:7.3f} ms  back to back {b2b:7.3f} ms  "
                      f"host {host * 1e3:7.1f} us  bitwise the eager step: {'yes' if same else 'NO'}")  # fmt: skip
         print(lines[-1], flush=True)
-    if profile_to:
-        from torch.profiler import ProfilerActivity, profile
-
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
-            for _ in range(5):
-                step(compiled)
-            torch.cuda.synchronize()
-        with open(profile_to, "a") as f:
-            f.write(f"== {shape.name}: 5 compiled steps, host and device\n")
-            f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=40) + "\n")
-            f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30) + "\n")
-            # Which inputs cudagraph trees copy into the graphs' static buffers: the copies' shapes.
-            f.write(f"== {shape.name}: the copies by input shape\n")
-            by_shape = prof.key_averages(group_by_input_shape=True)
-            f.write(by_shape.table(sort_by="cpu_time_total", row_limit=25, max_shapes_column_width=120) + "\n")
-        cp = cProfile.Profile()
-        cp.enable()
-        for _ in range(5):
-            step(compiled)
-        cp.disable()
-        torch.cuda.synchronize()
-        out = io.StringIO()
-        pstats.Stats(cp, stream=out).sort_stats("cumulative").print_stats(45)
-        with open(profile_to, "a") as f:
-            f.write(f"== {shape.name}: 5 compiled steps, cProfile (cumulative)\n{out.getvalue()}\n")
+        if profile_to and i == 1:
+            _profile_steps(shape.name, mode, lambda r=run: step(r), profile_to)
     return lines
+
+
+def _profile_steps(name: str, mode: str, step, path: str) -> None:
+    """torch.profiler's host and device tables of 5 steps (the ops by input shape as well: which
+    inputs cudagraph trees copy into the graphs' static buffers), then cProfile's, appended to
+    `path`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+    with open(path, "a") as f:
+        f.write(f"== {name}: 5 compiled steps ({mode}), host and device\n")
+        f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=40) + "\n")
+        f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30) + "\n")
+        f.write(f"== {name}: the copies by input shape\n")
+        by_shape = prof.key_averages(group_by_input_shape=True)
+        f.write(by_shape.table(sort_by="cpu_time_total", row_limit=25, max_shapes_column_width=120) + "\n")
+    cp = cProfile.Profile()
+    cp.enable()
+    for _ in range(5):
+        step()
+    cp.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(cp, stream=out).sort_stats("cumulative").print_stats(45)
+    with open(path, "a") as f:
+        f.write(f"== {name}: 5 compiled steps ({mode}), cProfile (cumulative)\n{out.getvalue()}\n")
 
 
 def host_layers(shape, call, cfg: mok.MoKConfig) -> list[str]:

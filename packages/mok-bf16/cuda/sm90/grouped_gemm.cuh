@@ -25,6 +25,7 @@
 #include "mok/core/bf16.h"
 #include "mok/core/grouped_tiles.cuh"
 #include "mok/core/hopper.cuh"
+#include "mok/core/pipeline.cuh"
 
 namespace mok::bf16::gemm {
 
@@ -197,15 +198,15 @@ struct Ring {
   __device__ unsigned char* b(int s) const { return a(s) + kABytes; }
 };
 
-// The consumer side of a GEMM's ring, one for every mainloop (the grouped GEMM's, the weight
-// gradients', the megakernel's): the stage of the next k-block and its phase; the stage to give
-// back once the next k-block's group is issued (one group of wgmmas stays queued), to this CTA's
-// producer or, kCluster > 1, to the producers of every CTA of the cluster (they multicast into
-// it); consumer 0's release of consumer 1 after kLagBlocks k-blocks.
+// The consumer side of a bf16 GEMM's ring (hopper::Pipeline's protocol), one for every bf16
+// mainloop (the grouped GEMM's, the weight gradients', the megakernel's): the stage of the next
+// k-block and its phase; the stage to give back once the next k-block's group is issued (one
+// group of wgmmas stays queued), to this CTA's producer or, kCluster > 1, to the producers of
+// every CTA of the cluster (they multicast into it); consumer 0's release of consumer 1 after
+// kLagBlocks k-blocks.
 template <int kStages, int kCluster = 1>
 struct ConsumerRing {
-  std::uint64_t* full;
-  std::uint64_t* empty;
+  hopper::Pipeline<kStages> stages;
   std::uint64_t* lag;
   bool releases;  // the warpgroup's thread that arrives on the barriers
   bool lag_due;   // consumer 0, until it has let consumer 1 start
@@ -214,10 +215,7 @@ struct ConsumerRing {
   int lag_blocks = 0;
 
   // The next k-block's stage, once it is full.
-  __device__ int acquire() {
-    pos.wait_full(full);
-    return pos.stage;
-  }
+  __device__ int acquire() { return stages.wait(pos); }
   // After the k-block's wgmmas are committed: the group before them done, its stage given back.
   __device__ void release() {
     hopper::wgmma_wait<1>();
@@ -241,14 +239,7 @@ struct ConsumerRing {
   }
 
  private:
-  __device__ void give_back(int s) const {
-    if constexpr (kCluster > 1) {
-#pragma unroll
-      for (int cta = 0; cta < kCluster; ++cta) hopper::mbar_arrive_cluster(&empty[s], cta);
-    } else {
-      hopper::mbar_arrive(&empty[s]);
-    }
-  }
+  __device__ void give_back(int s) const { stages.template release<kCluster>(s); }
 };
 
 // The accumulators of one consumer warpgroup: 64 rows x 256 columns. For a paired GEMM the
@@ -373,6 +364,66 @@ __device__ inline void unroll(const Fn& fn) {
   unroll_impl<kN>(fn, std::make_integer_sequence<int, kN>{});
 }
 
+// ------------------------------------------------------------------ the consumers' tile loop
+
+// One k-block's wgmmas on a consumer warpgroup: four k16 steps in ascending order, A from the
+// warpgroup's rows at shared address `a`, B at `b`, one commit group. kTransA / kTransB: that
+// operand is MN-major (its k16 steps 16 rows, 2048 bytes, apart: smem_desc_mn), else K-major (32
+// bytes apart: smem_desc). `accumulate`: the first step adds to the accumulators (false: it
+// overwrites them, a tile's first k-block with no carried start); the other steps always add.
+template <int kTransA, int kTransB>
+__device__ inline void mma_k_block(Accumulators& acc, std::uint32_t a, std::uint32_t b,
+                                   bool accumulate) {
+  const auto desc = [](std::uint32_t addr, bool mn_major) {
+    return mn_major ? hopper::smem_desc_mn(addr) : hopper::smem_desc(addr);
+  };
+  constexpr std::uint32_t kStepA = kTransA ? 2048 : 32, kStepB = kTransB ? 2048 : 32;
+  hopper::wgmma_fence();
+#pragma unroll
+  for (int k = 0; k < kBlockK / 16; ++k) {
+    hopper::Wgmma<kMmaN>::mma<kTransA, kTransB>(acc.d, desc(a + kStepA * k, kTransA != 0),
+                                                desc(b + kStepB * k, kTransB != 0),
+                                                k != 0 || accumulate);
+  }
+  hopper::wgmma_commit();
+}
+
+// A consumer warpgroup's tile of a bf16 GEMM, the mainloop the grouped GEMM, the weight-gradient
+// GEMM and the megakernel's tasks share: k_block(kb) for each of the tile's k-blocks (its stage
+// acquired from `pipe`, its wgmmas issued, the stage before it released). With a deferred
+// epilogue (kDrain), the previous tile's piece c is stored by drain(c) right after k-block c,
+// and, kDrainAfter, the pieces past the tile's k-blocks after the loop (the megakernel stores
+// them all before a short task instead). Then the last wgmmas are waited for, settle() runs
+// (what must be done before the tile's last stage goes back) and the last stage goes back.
+template <bool kDrain, bool kDrainAfter, int kStages, int kCluster, class KBlock, class Drain,
+          class Settle>
+__device__ inline void consume_tile(ConsumerRing<kStages, kCluster>& pipe, Accumulators& acc,
+                                    int k_blocks, const KBlock& k_block, const Drain& drain,
+                                    const Settle& settle) {
+  hopper::fence_regs(acc.d);
+  pipe.begin_tile();
+  if constexpr (kDrain) {
+    unroll<kDrainChunks>([&](auto c) {
+      if (c.value < k_blocks) {
+        k_block(c.value);
+        drain(c);
+      }
+    });
+    for (int kb = kDrainChunks; kb < k_blocks; ++kb) k_block(kb);
+    if constexpr (kDrainAfter) {
+      unroll<kDrainChunks>([&](auto c) {
+        if (c.value >= k_blocks) drain(c);
+      });
+    }
+  } else {
+    for (int kb = 0; kb < k_blocks; ++kb) k_block(kb);
+  }
+  hopper::wgmma_wait<0>();
+  hopper::fence_regs(acc.d);
+  settle();
+  pipe.end_tile();
+}
+
 // The persistent kernel, B loaded as kB says, A by the copy engine from map_a or, kGatherA, by
 // the producer warpgroup through `gather` (the tiles of column 0 then store the gathered rows into
 // gather.copy_to where it is given, map_a being its tensor map: store_gathered_rows). Epilogue:
@@ -395,17 +446,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   __shared__ int prefix[kMaxExperts + 1];
   __shared__ int tile_source[kGatherA ? kBlockM : 1];  // a tile's rows: their source rows
 
-  const R ring{reinterpret_cast<unsigned char*>(
-      (reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) & ~std::uintptr_t{1023})};
+  const R ring{hopper::swizzle_base(smem_raw)};
+  const hopper::Pipeline<kStages> stages{full, empty};
   TileList list{prefix, 0};
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (warp == 0) list.build(p, kBlockN, lane);
   list.n_tiles = (p.n + kBlockN - 1) / kBlockN;
   if (threadIdx.x == 32) {
-    for (int s = 0; s < kStages; ++s) {
-      hopper::mbar_init(&full[s], kGatherA ? 128 : 1);  // gathering: every producer thread arrives
-      hopper::mbar_init(&empty[s], 2);
-    }
+    stages.init(kGatherA ? 128 : 1, 2);  // gathering: every producer thread arrives
     hopper::mbar_init(&lag, 1);
     hopper::fence_barrier_init();
   }
@@ -485,7 +533,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const Tile tile = locate(p, list, t, kBlockN);
       for (int kb = 0; kb < k_blocks; ++kb) {
         hopper::mbar_wait(&empty[stage], phase ^ 1);
-        hopper::mbar_expect_tx(&full[stage], R::kStageBytes);
+        stages.expect(stage, R::kStageBytes);
         hopper::tma_load_2d(ring.a(stage), &map_a, &full[stage], kb * kBlockK,
                             static_cast<int>(tile.row0));
         load_b(stage, kb, tile);
@@ -504,7 +552,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr bool kDeferred = IsDeferred<Epilogue>::value;
   const int consumer = threadIdx.x / 128 - 1;  // 0 or 1: rows [64 c, 64 c + 64) of the tile
   // Consumer 0 lets consumer 1 start after kLagBlocks k-blocks.
-  ConsumerRing<kStages> pipe{full, empty, &lag, threadIdx.x % 128 == 0, consumer == 0};
+  ConsumerRing<kStages> pipe{stages, &lag, threadIdx.x % 128 == 0, consumer == 0};
   Accumulators acc;
   // A gathered tile of column 0 with gather.copy_to: the warpgroup's first table row (its rows
   // are stored from each stage, store_gathered_rows), else -1; copy_end: the segment's end;
@@ -514,20 +562,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const bool leader = threadIdx.x % 128 == 0;
   const auto k_block = [&](int kb) {
     const int stage = pipe.acquire();
-    const std::uint32_t a = hopper::smem_addr(ring.a(stage)) + consumer * 64 * 128;
-    const std::uint32_t b = hopper::smem_addr(ring.b(stage));
-    hopper::wgmma_fence();
-#pragma unroll
-    for (int k = 0; k < kBlockK / 16; ++k) {
-      if constexpr (kB == BLoad::kNMajor) {
-        hopper::Wgmma<kMmaN>::mma<0, 1>(acc.d, hopper::smem_desc(a + 32 * k),
-                                        hopper::smem_desc_mn(b + 2048 * k), (kb | k) != 0);
-      } else {
-        hopper::Wgmma<kMmaN>::mma(acc.d, hopper::smem_desc(a + 32 * k),
-                                  hopper::smem_desc(b + 32 * k), (kb | k) != 0);
-      }
-    }
-    hopper::wgmma_commit();
+    mma_k_block<0, kB == BLoad::kNMajor>(acc,
+                                         hopper::smem_addr(ring.a(stage)) + consumer * 64 * 128,
+                                         hopper::smem_addr(ring.b(stage)), kb != 0);
     if constexpr (kGatherA) {
       store_gathered_rows(&map_a, gather, ring.a(stage) + consumer * 64 * 128, copy_first, copy_end,
                           kb * kBlockK, leader, copy_pending);
@@ -551,28 +588,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       copy_first = copy ? tile.row0 + 64 * consumer : -1;
       copy_end = tile.row_end;
     }
-    hopper::fence_regs(acc.d);
-    pipe.begin_tile();
-    if constexpr (kDeferred) {
-      // The first k-blocks each store one piece of the previous tile after issuing their
-      // wgmmas; pieces left over (K shorter than kDrainChunks blocks) are stored after the loop.
-      unroll<kDrainChunks>([&](auto c) {
-        if (c.value < k_blocks) {
-          k_block(c.value);
-          drain(c);
-        }
-      });
-      for (int kb = kDrainChunks; kb < k_blocks; ++kb) k_block(kb);
-      unroll<kDrainChunks>([&](auto c) {
-        if (c.value >= k_blocks) drain(c);
-      });
-    } else {
-      for (int kb = 0; kb < k_blocks; ++kb) k_block(kb);
-    }
-    hopper::wgmma_wait<0>();
-    hopper::fence_regs(acc.d);
-    if constexpr (kGatherA) gathered_rows_read(leader, copy_pending);
-    pipe.end_tile();
+    // Deferred: the previous tile's pieces stored under this tile's first k-blocks (those left
+    // over, K shorter than kDrainChunks blocks, after them).
+    consume_tile<kDeferred, true>(pipe, acc, k_blocks, k_block, drain, [&] {
+      if constexpr (kGatherA) gathered_rows_read(leader, copy_pending);
+    });
     if constexpr (kDeferred) {
       pack_bf16(acc, pending);
       pending_tile = tile;

@@ -62,6 +62,7 @@
 #include "mok/core/bf16.h"
 #include "mok/core/expert_math.h"
 #include "mok/core/hopper.cuh"
+#include "mok/core/pipeline.cuh"
 #include "mok/core/sigmoid_table.cuh"
 #include "mok/core/task_queue.cuh"
 #include "swiglu_h_tile.cuh"
@@ -315,18 +316,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   __shared__ RowTiles row_tiles;
   __shared__ unsigned long long timer_acc[kTimed ? kTimerRoles : 1][kTimerSlots];
 
-  const R ring{reinterpret_cast<unsigned char*>(
-      (reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) & ~std::uintptr_t{1023})};
+  const R ring{hopper::swizzle_base(smem_raw)};
+  const hopper::Pipeline<kStages> stages{full, empty};
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (warp == 0) build_row_tiles(p, row_tiles, lane);
   if constexpr (kTimed) {
     if (threadIdx.x < kTimerRoles * kTimerSlots) (&timer_acc[0][0])[threadIdx.x] = 0;
   }
   if (threadIdx.x == 32) {
-    for (int s = 0; s < kStages; ++s) {
-      hopper::mbar_init(&full[s], 128);
-      hopper::mbar_init(&empty[s], 2);
-    }
+    stages.init(128, 2);  // every producer thread arrives; one arrival per consumer warpgroup
     for (int s = 0; s < kTaskSlots; ++s) {
       hopper::mbar_init(&task_full[s], 1);
       hopper::mbar_init(&task_empty[s], 2);
@@ -382,8 +380,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int b_row = task.expert * p.inner + task.col0;
         for (int kb = 0; kb < task.k_blocks; ++kb) {
           const long long t0 = clock();
-          pos.wait_empty(empty);
-          const int stage = pos.stage;
+          const int stage = stages.acquire(pos);
           if (timer) account<kTimed>(timer_acc, 0, kTimeStageWait, clock() - t0);
           if (i == 0) {
             hopper::mbar_expect_tx_only(&full[stage], R::kBBytes);
@@ -412,8 +409,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int b_row = task.expert * p.hidden + task.col0;
         for (int kb = 0; kb < task.k_blocks; ++kb) {
           const long long t0 = clock();
-          pos.wait_empty(empty);
-          const int stage = pos.stage;
+          const int stage = stages.acquire(pos);
           if (timer) account<kTimed>(timer_acc, 0, kTimeStageWait, clock() - t0);
           if (i == 0) {
             hopper::mbar_expect_tx_only(&full[stage], R::kStageBytes);
@@ -441,7 +437,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   hopper::RingPos<kTaskSlots> slots;  // the ring of task slots
   bool first_task = true;
   // Consumer 0 lets consumer 1 start after kLagBlocks k-blocks.
-  gemm::ConsumerRing<kStages> pipe{full, empty, &lag, leader, consumer == 0};
+  gemm::ConsumerRing<kStages> pipe{stages, &lag, leader, consumer == 0};
   Accumulators acc;
   Pending pend;
   pend.live = false;
@@ -459,15 +455,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const long long t0 = clock();
     const int stage = pipe.acquire();
     if (timer) account<kTimed>(timer_acc, role, kTimeStageWait, clock() - t0);
-    const std::uint32_t a = hopper::smem_addr(ring.a(stage)) + consumer * 64 * 128;
-    const std::uint32_t b = hopper::smem_addr(ring.b(stage));
-    hopper::wgmma_fence();
-#pragma unroll
-    for (int k = 0; k < kBlockK / 16; ++k) {
-      hopper::Wgmma<kMmaN>::mma(acc.d, hopper::smem_desc(a + 32 * k), hopper::smem_desc(b + 32 * k),
-                                (kb | k) != 0);
-    }
-    hopper::wgmma_commit();
+    gemm::mma_k_block<0, 0>(acc, hopper::smem_addr(ring.a(stage)) + consumer * 64 * 128,
+                            hopper::smem_addr(ring.b(stage)), kb != 0);
     // While the wgmmas run: the stage is this warpgroup's until its release after the next
     // k-block's wgmmas (store_gathered_rows waits for its store's reads before that release).
     gemm::store_gathered_rows(&map_x, p.x_rows, ring.a(stage) + consumer * 64 * 128, x_first, x_end,
@@ -508,19 +497,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     const bool copy_x = p.x_rows.copy_to != nullptr && task.kind == kGateUp && task.col0 == 0;
     x_first = copy_x ? task.row0 + 64 * consumer : -1;
     x_end = task.row_end;
-    hopper::fence_regs(acc.d);
-    pipe.begin_tile();
-    unroll<kDrainChunks>([&](auto c) {
-      if (c.value < task.k_blocks) {
-        k_block(c.value);
-        drain(c);
-      }
-    });
-    for (int kb = kDrainChunks; kb < task.k_blocks; ++kb) k_block(kb);
-    hopper::wgmma_wait<0>();
-    hopper::fence_regs(acc.d);
-    gemm::gathered_rows_read(leader, x_pending);
-    pipe.end_tile();  // (and consumer 1 let go after a first task of fewer than kLagBlocks blocks)
+    // The grouped GEMMs' tile loop (no pieces after it: a short task's went out above). At its
+    // end consumer 1 is let go if the first task had fewer than kLagBlocks blocks.
+    gemm::consume_tile<true, false>(pipe, acc, task.k_blocks, k_block, drain,
+                                    [&] { gemm::gathered_rows_read(leader, x_pending); });
     gemm::pack_bf16(acc, pend.words);
     pend.task = task;
     pend.live = true;

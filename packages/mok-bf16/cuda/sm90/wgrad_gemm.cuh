@@ -142,13 +142,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   __shared__ alignas(8) std::uint64_t empty[kStages];
   __shared__ alignas(8) std::uint64_t lag;  // consumer 0 has issued kLagBlocks k-blocks
 
-  const R ring{reinterpret_cast<unsigned char*>(
-      (reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) & ~std::uintptr_t{1023})};
+  const R ring{hopper::swizzle_base(smem_raw)};
+  const hopper::Pipeline<kStages> stages{full, empty};
   if (threadIdx.x == 32) {
-    for (int s = 0; s < kStages; ++s) {
-      hopper::mbar_init(&full[s], 1);
-      hopper::mbar_init(&empty[s], 2 * kCluster);  // both consumers of every CTA of the cluster
-    }
+    stages.init(1, 2 * kCluster);  // read by both consumers of every CTA of the cluster
     hopper::mbar_init(&lag, 1);
     hopper::fence_barrier_init();
   }
@@ -173,9 +170,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       const WgradTile tile = locate_wgrad<kCluster>(p, t, rank);
       for (int kb = 0; kb < tile.blocks; ++kb) {
         const int row = static_cast<int>(tile.lo) + kb * kBlockK;
-        pos.wait_empty(empty);
-        const int stage = pos.stage;
-        hopper::mbar_expect_tx(&full[stage], R::kStageBytes);
+        const int stage = stages.acquire(pos);
+        stages.expect(stage, R::kStageBytes);
 #pragma unroll
         for (int i = 0; i < kBlockM / 64; ++i) {
           hopper::tma_load_2d(ring.a(stage) + i * kBox, &map_a, &full[stage], tile.row0 + 64 * i,
@@ -200,7 +196,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // The CTA stays until every stage is given back by the consumers of both CTAs: no arrival
       // from the other CTA is then still on its way to this one's barriers.
       for (int s = 0; s < kStages; ++s) {
-        pos.wait_empty(empty);
+        stages.acquire(pos);
         pos.advance();
       }
     }
@@ -216,7 +212,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int t128 = threadIdx.x % 128;
   // Consumer 0 lets consumer 1 start after kLagBlocks k-blocks; stages go back to the producers
   // of every CTA of the cluster.
-  ConsumerRing<kStages, kCluster> pipe{full, empty, &lag, t128 == 0, consumer == 0};
+  ConsumerRing<kStages, kCluster> pipe{stages, &lag, t128 == 0, consumer == 0};
   Accumulators acc;
   // One k-block of `tile` (the last of a partial block: rows past the segment zeroed first).
   const auto k_block = [&](const WgradTile& tile, int kb, int tail) {
@@ -232,15 +228,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       hopper::fence_proxy_async();
       hopper::named_barrier(1, 256);
     }
-    const std::uint32_t a = hopper::smem_addr(ring.a(stage) + consumer * kBox);
-    const std::uint32_t b = hopper::smem_addr(ring.b(stage));
-    hopper::wgmma_fence();
-#pragma unroll
-    for (int k = 0; k < kBlockK / 16; ++k) {
-      hopper::Wgmma<kMmaN>::mma<1, 1>(acc.d, hopper::smem_desc_mn(a + 2048 * k),
-                                      hopper::smem_desc_mn(b + 2048 * k), 1);
-    }
-    hopper::wgmma_commit();
+    // (The accumulators start from the carried sums or +0: every step adds.)
+    mma_k_block<1, 1>(acc, hopper::smem_addr(ring.a(stage) + consumer * kBox),
+                      hopper::smem_addr(ring.b(stage)), true);
     pipe.release();
   };
   // The previous tile's rounded sums while they are being stored (deferred epilogue).
@@ -279,28 +269,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         acc.d[4 * j + 2 * half + 1] = v.y;
       }
     }
-    hopper::fence_regs(acc.d);
     const int tail = static_cast<int>((tile.hi - tile.lo) % kBlockK);  // rows of a partial block
-    pipe.begin_tile();
-    if constexpr (kDeferred) {
-      // The first k-blocks each store one piece of the previous tile after issuing their
-      // wgmmas; pieces left over (fewer than kDrainChunks blocks) are stored after the loop.
-      unroll<kDrainChunks>([&](auto c) {
-        if (c.value < tile.blocks) {
-          k_block(tile, c.value, tail);
-          drain(c);
-        }
-      });
-      for (int kb = kDrainChunks; kb < tile.blocks; ++kb) k_block(tile, kb, tail);
-      unroll<kDrainChunks>([&](auto c) {
-        if (c.value >= tile.blocks) drain(c);
-      });
-    } else {
-      for (int kb = 0; kb < tile.blocks; ++kb) k_block(tile, kb, tail);
-    }
-    hopper::wgmma_wait<0>();
-    hopper::fence_regs(acc.d);
-    pipe.end_tile();  // (and consumer 1 let go after a first tile of fewer than kLagBlocks blocks)
+    // Deferred: the previous tile's pieces stored under this tile's first k-blocks (those left
+    // over, fewer than kDrainChunks blocks, after them). At the end consumer 1 is let go if the
+    // first tile had fewer than kLagBlocks blocks.
+    consume_tile<kDeferred, true>(
+        pipe, acc, tile.blocks, [&](int kb) { k_block(tile, kb, tail); }, drain, [] {});
     if constexpr (kDeferred) {
       pack_bf16(acc, pending);
       pending_c16 = c16;

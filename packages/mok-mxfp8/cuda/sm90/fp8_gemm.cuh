@@ -31,6 +31,7 @@
 
 #include "mok/core/grouped_tiles.cuh"
 #include "mok/core/hopper.cuh"
+#include "mok/core/pipeline.cuh"
 #include "mok/mxfp8/format.h"
 
 namespace mok::mxfp8::gemm {
@@ -178,22 +179,43 @@ __device__ inline void add_slice(float (&acc)[64], const float (&t)[64], const S
   }
 }
 
-// The ring's barriers: `full` (the copy engine's bytes and the copying lanes' scale bytes),
-// `ready` (a converting warp's fp32 scales), `empty` (a lane of each of the 8 consumer warps).
+// The ring (hopper::Pipeline's protocol) and its third barrier: `full` (the copy engine's bytes
+// and the copying lanes' scale bytes: 1 + 32 arrivals), `empty` (a lane of each of the 8 consumer
+// warps), `ready` (a converting warp's fp32 scales, one arrival), which the consumers wait for
+// after `full`, in the same phases.
 template <int kStagesT>
-__device__ inline void init_barriers(std::uint64_t (&full)[kStagesT],
-                                     std::uint64_t (&ready)[kStagesT],
-                                     std::uint64_t (&empty)[kStagesT]) {
-  if (threadIdx.x == 32) {
-    for (int s = 0; s < kStagesT; ++s) {
-      hopper::mbar_init(&full[s], 1 + 32);
-      hopper::mbar_init(&ready[s], 1);
-      hopper::mbar_init(&empty[s], 8);
+struct Fp8Pipeline {
+  hopper::Pipeline<kStagesT> stages;
+  std::uint64_t* ready;
+
+  // The barriers made (thread 32), and the CTA synchronised.
+  __device__ void init() const {
+    if (threadIdx.x == 32) {
+      stages.init(1 + 32, 8);
+      for (int s = 0; s < kStagesT; ++s) hopper::mbar_init(&ready[s], 1);
+      hopper::fence_barrier_init();
     }
-    hopper::fence_barrier_init();
+    __syncthreads();
   }
-  __syncthreads();
-}
+  // A converting warp, once its lanes have written the stage's fp32 scales.
+  __device__ void scales_ready(int stage, int lane) const {
+    __syncwarp();
+    if (lane == 0) hopper::mbar_arrive(&ready[stage]);
+  }
+  // Consumer: the stage at `pos` once its tiles, scale bytes and fp32 scales are in.
+  __device__ int wait(const hopper::RingPos<kStagesT>& pos) const {
+    stages.wait(pos);
+    pos.wait_full(ready);  // (a second barrier of the same phases)
+    return pos.stage;
+  }
+  // Consumer: the stage given back (a lane of each consumer warp, after the warp's lanes have
+  // read its scales) and the ring advanced.
+  __device__ void release(hopper::RingPos<kStagesT>& pos, int lane) const {
+    __syncwarp();
+    if (lane == 0) stages.release(pos.stage);
+    pos.advance();
+  }
+};
 
 // A converting warp's B scales of a stage: lane l turns slice l / 8's 16 bytes of B rows
 // 16 (l % 8) .. into fp32 at their b_index places.
@@ -233,16 +255,6 @@ __device__ inline void consume_stage(const R& ring, int stage, int slices, int c
   }
 }
 
-// The stage given back (a lane of each consumer warp, after the warp's lanes have read its
-// scales) and the ring advanced.
-template <int kStagesT>
-__device__ inline void release_stage(std::uint64_t (&empty)[kStagesT],
-                                     hopper::RingPos<kStagesT>& pos, int lane) {
-  __syncwarp();
-  if (lane == 0) hopper::mbar_arrive(&empty[pos.stage]);
-  pos.advance();
-}
-
 // The persistent kernel. map_a: A's E4M3 rows (boxes 128 x 128 bytes); map_b0 / map_b1: the
 // weights' E4M3 [El * N, K'] (boxes of 64 rows when paired, else 128). Epilogue:
 // `void operator()(const Tile&, int consumer, const Accumulators&) const` on the consumer
@@ -268,13 +280,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   __shared__ alignas(8) std::uint64_t empty[kStagesT];  // the consumers are done with the stage
   __shared__ int prefix[kMaxExperts + 1];
 
-  const R ring{reinterpret_cast<unsigned char*>(
-      (reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) & ~std::uintptr_t{1023})};
+  const R ring{hopper::swizzle_base(smem_raw)};
+  const Fp8Pipeline<kStagesT> pipe{{full, empty}, ready};
   TileList list{prefix, 0};
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (warp == 0) list.build(p, kTileN, lane);
   list.n_tiles = (p.n + kTileN - 1) / kTileN;
-  init_barriers(full, ready, empty);
+  pipe.init();
   const int total = list.total(p);
   const int blocks = k_blocks(p);
 
@@ -298,9 +310,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         const KBlock k = k_block(p, kb);
         const int stage = pos.stage;
         if (warp == 0) {
-          pos.wait_empty(empty);
+          pipe.stages.acquire(pos);
           if (lane == 0) {
-            hopper::mbar_expect_tx(&full[stage], R::kStageBytes);
+            pipe.stages.expect(stage, R::kStageBytes);
             hopper::tma_load_2d(ring.a(stage), &map_a, &full[stage], k.k0,
                                 static_cast<int>(tile.row0));
             const int b_row = tile.expert * p.n + tile.col0;
@@ -332,7 +344,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
           hopper::cp_async_arrive(&full[stage]);
         } else if (n % 3 == warp - 1) {
-          pos.wait_full(full);
+          pipe.stages.wait(pos);
           if constexpr (kProbe != 2 && kProbe != 6) {
             const uint4 ra = reinterpret_cast<const uint4*>(ring.raw_a(stage))[lane];
             const std::uint32_t aw[4] = {ra.x, ra.y, ra.z, ra.w};  // rows 4 lane + r, 4 slices
@@ -346,8 +358,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
             convert_b_scales(ring, stage, lane);
           }
-          __syncwarp();
-          if (lane == 0) hopper::mbar_arrive(&ready[stage]);
+          pipe.scales_ready(stage, lane);
         }
         pos.advance();
       }
@@ -380,9 +391,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int q = 0; q < 64; ++q) acc.d[q] = 0.0f;
     for (int kb = 0; kb < blocks; ++kb) {
       const int slices = k_block(p, kb).slices;
-      pos.wait_full(full);
-      pos.wait_full(ready);  // (its fp32 scales: a second barrier of the same phases)
-      const int stage = pos.stage;
+      const int stage = pipe.wait(pos);
       const std::uint32_t a = hopper::smem_addr(ring.a(stage)) + consumer * 64 * 128;
       const std::uint32_t b = hopper::smem_addr(ring.b(stage));
       if constexpr (kProbe == 3 || kProbe == 6) {
@@ -425,7 +434,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         (void)b;
         consume_stage(ring, stage, slices, consumer, acc.d, t);
       }
-      release_stage(empty, pos, lane);
+      pipe.release(pos, lane);
     }
     epilogue(tile, consumer, acc);
   }

@@ -96,10 +96,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   __shared__ alignas(8) std::uint64_t ready[kStagesT];  // fp32 scales written
   __shared__ alignas(8) std::uint64_t empty[kStagesT];  // the consumers are done with the stage
 
-  const R ring{reinterpret_cast<unsigned char*>(
-      (reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) & ~std::uintptr_t{1023})};
+  const R ring{hopper::swizzle_base(smem_raw)};
+  const Fp8Pipeline<kStagesT> pipe{{full, empty}, ready};
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  init_barriers(full, ready, empty);
+  pipe.init();
   const int total = p.num_experts * wgrad_row_tiles(p) * wgrad_col_tiles(p);
 
   if (threadIdx.x < 128) {  // ---------------------------------------------- producer
@@ -122,9 +122,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         const KBlock k = wgrad_block(rows, kb);
         const int stage = pos.stage;
         if (warp == 0) {
-          pos.wait_empty(empty);
+          pipe.stages.acquire(pos);
           if (lane == 0) {
-            hopper::mbar_expect_tx(&full[stage], R::kStageBytes);
+            pipe.stages.expect(stage, R::kStageBytes);
             hopper::tma_load_2d(ring.a(stage), &map_a, &full[stage], k.k0, a_row);
             hopper::tma_load_2d(ring.b(stage), &map_b, &full[stage], k.k0, tile.col0);
           }
@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
           hopper::cp_async_arrive(&full[stage]);
         } else if (n % 3 == warp - 1) {
-          pos.wait_full(full);
+          pipe.stages.wait(pos);
 #pragma unroll
           for (int s = 0; s < kSlices; ++s) {  // A^T's: [slice][128 rows], rows 4 lane ..
             const std::uint32_t w =
@@ -154,8 +154,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
           }
           convert_b_scales(ring, stage, lane);  // B^T's, as the forward's B
-          __syncwarp();
-          if (lane == 0) hopper::mbar_arrive(&ready[stage]);
+          pipe.scales_ready(stage, lane);
         }
         pos.advance();
       }
@@ -184,10 +183,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int blocks = wgrad_blocks(rows);
     for (int kb = 0; kb < blocks; ++kb) {
       const int slices = wgrad_block(rows, kb).slices;
-      pos.wait_full(full);
-      pos.wait_full(ready);  // (its fp32 scales: a second barrier of the same phases)
-      consume_stage(ring, pos.stage, slices, consumer, acc.d, t);
-      release_stage(empty, pos, lane);
+      consume_stage(ring, pipe.wait(pos), slices, consumer, acc.d, t);
+      pipe.release(pos, lane);
     }
     for_each_pair<kBlockN>(tile, consumer, p.c, [&](std::int64_t row, int col, int q) {
       const std::int64_t at = row * p.c + col;

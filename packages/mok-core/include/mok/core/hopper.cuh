@@ -60,26 +60,6 @@ __device__ inline void mbar_wait(std::uint64_t* bar, std::uint32_t parity) {
       : "memory");
 }
 
-// A position in a ring of kStages shared-memory stages, each with a `full` and an `empty`
-// barrier: the stage and the parity of the phase its barriers are in. Every GEMM kernel's
-// producer and consumers walk their ring with one: the producer fills a stage once it is empty
-// (its empty barrier's phase of parity phase ^ 1 has completed, which a fresh barrier counts as
-// done), a consumer reads it once it is full (parity phase), and each then advances.
-template <int kStages>
-struct RingPos {
-  int stage = 0;
-  std::uint32_t phase = 0;
-
-  __device__ void wait_empty(std::uint64_t* empty) const { mbar_wait(&empty[stage], phase ^ 1); }
-  __device__ void wait_full(std::uint64_t* full) const { mbar_wait(&full[stage], phase); }
-  __device__ void advance() {
-    if (++stage == kStages) {
-      stage = 0;
-      phase ^= 1;
-    }
-  }
-};
-
 // A 2-D box of a tensor map into shared memory, completing on `bar` (coordinates: column, row).
 __device__ inline void tma_load_2d(void* dst, const CUtensorMap* map, std::uint64_t* bar, int col,
                                    int row) {
