@@ -39,7 +39,8 @@ def cuda_config(**kw) -> mok.MoKConfig:
 
 
 # (T, H, I, E, K, Is, routing, limit): awkward sizes, every routing, empty experts, one expert
-# with every row, one token, a prime T, K = 1, H not a multiple of 256, I not of 128.
+# with every row, one token, a prime T, K = 1, H not a multiple of 256, I not of 128, tasks of
+# fewer k-blocks than the deferred pieces (I / 64 or H / 64 below 8: 1-3 and 4-7 k-blocks).
 CASES = [
     pytest.param(300, 128, 128, 8, 2, 0, "balanced", None, id="balanced"),
     pytest.param(257, 256, 192, 16, 4, 0, "skewed", None, id="skewed-I192"),
@@ -48,6 +49,8 @@ CASES = [
     pytest.param(1, 128, 64, 4, 1, 0, "balanced", None, id="one-token-K1"),
     pytest.param(1021, 192, 128, 4, 1, 64, "worst", None, id="prime-T-one-expert-shared"),
     pytest.param(640, 1024, 640, 8, 8, 0, "balanced", None, id="long-K-K8"),
+    # Tasks of 4 to 7 k-blocks (gate/up 4, down 6): the pending tile's pieces two a k-block.
+    pytest.param(333, 256, 384, 8, 4, 0, "skewed", None, id="skewed-short-tasks"),
 ]
 
 
