@@ -7,7 +7,7 @@
 // warpgroups (64 rows of a 128-row tile each) read them with wgmma. Pipeline<kStages> is the ring's
 // protocol, the one every such kernel runs:
 //
-//   producer   pos.stage = acquire(pos)      waits until the stage's readers gave it back
+//   producer   stage = acquire(pos)          waits until the stage's readers gave it back
 //              (copy engine bytes announced on full[stage], loads issued, arrivals)
 //              pos.advance()
 //   consumer   stage = wait(pos)             waits until full[stage] completed
