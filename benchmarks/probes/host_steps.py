@@ -2,6 +2,7 @@
 starts the expert kernels because of it.
 
     python3 benchmarks/probes/host_steps.py [shape ...] [--calls N] [--out FILE]
+    python3 benchmarks/probes/host_steps.py [shape ...] --profile [--calls N] [--out FILE]
 
 Each call starts from an idle device (synchronized before it), as the bench's timed iterations do.
 Every step listed in STEPS is wrapped with a timer: per step the median over the calls of its
@@ -11,13 +12,21 @@ stream just before the forward's expert kernel is issued (the megakernel, or the
 grouped GEMM) give the device's start of the experts ("experts start"); with an idle device that is
 the host's issue time up to there plus the few small kernels before it (the schedule's). Shapes by
 bench name (default qwen3-30b-a3b and sonic-7b), balanced routing, the default config.
+
+With --profile no step is wrapped: cProfile runs over the forwards alone (each from an idle device)
+and the functions that took the most host time by their own time are listed, per call (us), with
+the time spent inside them (cumulative): what the steps' inclusive times cannot split, as the
+allocations, the stream lookups and the extensions' argument parsing.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import functools
 import importlib
+import io
+import pstats
 import statistics
 import time
 from collections import defaultdict
@@ -207,15 +216,55 @@ def run(shape_name: str, calls: int) -> list[str]:
     return out
 
 
+def profile(shape_name: str, calls: int, top: int = 32) -> list[str]:
+    """cProfile over `calls` forwards, each from an idle device: the top functions by own time."""
+    cuda = torch.cuda.is_available()
+    ranks = Ranks(torch.device("cuda", 0) if cuda else torch.device("cpu"), None, 0, 1)
+    sync = torch.cuda.synchronize if cuda else lambda: None
+    shape = resolve_shapes(shape_name, 1)[0]
+    call = make_call(shape, "balanced", make_weights(shape, ranks), ranks)
+    cfg = mok.MoKConfig()
+
+    def forward() -> torch.Tensor:  # the bench's call: a backward could follow (the context is kept)
+        return mok_autograd.moe(call.x_TH, call.top_experts_TK, call.router_weights_TK, call.routed, call.shared,
+                       config=cfg, max_tokens=shape.tokens)  # fmt: skip
+
+    for _ in range(3):
+        forward()
+    prof = cProfile.Profile()
+    host = []
+    for _ in range(calls):
+        sync()
+        t = time.perf_counter()
+        prof.enable()
+        forward()
+        prof.disable()
+        host.append(time.perf_counter() - t)
+    sync()
+    stats = pstats.Stats(prof, stream=io.StringIO())
+    rows = []
+    for (file, line, name), (_, ncalls, own, cum, _) in stats.stats.items():  # type: ignore[attr-defined]
+        where = name if file == "~" else f"{file.split('site-packages/')[-1]}:{line}({name})"
+        rows.append((own, cum, ncalls, where))
+    rows.sort(reverse=True)
+    out = [f"== {shape.name} forward under cProfile: {calls} calls from an idle device "
+           f"(host {statistics.median(host) * 1e6:.1f} us a call by the median, the profiler's cost included)",
+           f"   {'own us/call':>11s} {'cum us/call':>11s} {'calls/call':>10s}  function"]  # fmt: skip
+    for own, cum, ncalls, where in rows[:top]:
+        out.append(f"   {own / calls * 1e6:11.1f} {cum / calls * 1e6:11.1f} {ncalls / calls:10.1f}  {where}")
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("shapes", nargs="*", default=["qwen3-30b-a3b", "sonic-7b"])
     p.add_argument("--calls", type=int, default=30)
     p.add_argument("--out", default=None)
+    p.add_argument("--profile", action="store_true", help="cProfile the forwards instead of timing the steps")
     ns = p.parse_args()
     lines = []
     for name in ns.shapes:
-        lines.extend(run(name, ns.calls))
+        lines.extend(profile(name, ns.calls) if ns.profile else run(name, ns.calls))
     text = "\n".join(lines) + "\n"
     if ns.out:
         with open(ns.out, "w") as f:

@@ -227,7 +227,8 @@ void register_experts(pybind11::module_& m) {
          std::int64_t num_experts, std::int64_t topk, std::optional<double> limit,
          std::int64_t num_sms, std::int64_t timeout_ns, std::int64_t stage, std::int64_t rank,
          bool inject_missing_dependency, std::uintptr_t stream, std::uintptr_t timers,
-         std::uintptr_t out_x) {
+         std::uintptr_t out_x, std::int64_t world_size, std::uintptr_t row_src,
+         std::uintptr_t x_ranks, std::uintptr_t out_rows_ranks, std::int64_t num_threads) {
         MoeForwardArgs a;
         a.x = x;
         a.row_route = row_route;
@@ -252,6 +253,11 @@ void register_experts(pybind11::module_& m) {
         a.inject_missing_dependency = inject_missing_dependency;
         a.timers = timers;
         a.out_x = out_x;
+        a.world_size = world_size;
+        a.row_src = row_src;
+        a.x_ranks = x_ranks;
+        a.out_rows_ranks = out_rows_ranks;
+        a.num_threads = num_threads;
         moe_forward(device, a, stream);
       },
       py::arg("device"), py::arg("x"), py::arg("row_route"), py::arg("offsets"), py::arg("w_gate"),
@@ -261,15 +267,20 @@ void register_experts(pybind11::module_& m) {
       py::arg("topk"), py::arg("limit") = py::none(), py::arg("num_sms") = 0,
       py::arg("timeout_ns") = 300000000000LL, py::arg("stage") = 0, py::arg("rank") = 0,
       py::arg("inject_missing_dependency") = false, py::arg("stream") = 0, py::arg("timers") = 0,
-      py::arg("out_x") = 0, py::call_guard<py::gil_scoped_release>(),
-      "The routed experts of a layer call in one persistent launch (CUDA, sm_90a; "
-      "docs/megakernel.md). For each row r of the schedule table's segments (offsets: int32 "
+      py::arg("out_x") = 0, py::arg("world_size") = 1, py::arg("row_src") = 0,
+      py::arg("x_ranks") = 0, py::arg("out_rows_ranks") = 0, py::arg("num_threads") = 1,
+      py::call_guard<py::gil_scoped_release>(),
+      "The routed experts of a layer call in one call: on \"cuda\" one persistent launch "
+      "(sm_90a; docs/megakernel.md), on \"cpu\" the same rows through the CPU kernels. For each "
+      "row r of the schedule table's segments (offsets: int32 "
       "[El + 1]; row_route: int32 [C], route t*K + k or -1 for padding): x_r = x[route / K] (bf16 "
       "[T, H]), [a, b] = x_r @ [Wg_e; Wu_e]^T, h = bf16(silu(a_c) * b_c), y_r = h @ Wd_e^T stored "
       "at out_rows[route] (bf16 [T*K, H]). Writes out_a, out_b (bf16 [C, I], zero past the last "
       "segment; both 0: not written, a forward no backward follows); scratch_h bf16 [C, I]; out_x "
       "(0: none) bf16 [C, H], x_r of every table row (zeros for padding rows and past the last "
-      "segment). The bits of grouped_forward. task_state: "
+      "segment). The bits of grouped_forward. With world_size > 1 (\"cpu\" only) row r's x is "
+      "row route / K of rank row_src[r] (int32 [C]) at x_ranks (int64 [R] addresses) and y_r goes "
+      "to row route of that rank's rows at out_rows_ranks. task_state: "
       "moe_forward_state_bytes(C, El) bytes, zero before the first call (every call leaves it "
       "zero); error: int32 [4], the transport's error words (a task that waits more than "
       "timeout_ns records a timeout with `stage` and `rank`). H and I multiples of 64, El <= "

@@ -345,10 +345,42 @@ void moe_forward(std::string_view device, const MoeForwardArgs& a, std::uintptr_
             "out_a and out_b must both be given or both be 0 (no context: a forward that no "
             "backward follows)");
   }
+  if (a.world_size < 1) invalid(fn, "world_size must be >= 1" + got(a.world_size));
+  const bool ranks = a.world_size > 1;
+  if (ranks && (a.row_src == 0 || a.x_ranks == 0 || a.out_rows_ranks == 0)) {
+    invalid(fn, "row_src, x_ranks and out_rows_ranks are required when world_size > 1");
+  }
   if (kind != Device::kCuda) {
+    if (a.num_threads < 1) invalid(fn, "num_threads must be >= 1" + got(a.num_threads));
+    const bool any = s.num_rows > 0;
+    const bool tokens = a.num_tokens > 0;
+    const auto need = [&](const char* name, std::uintptr_t p, bool required) {
+      if (required && p == 0) invalid(fn, std::string(name) + " must be given (got 0)");
+    };
+    need("x", a.x, tokens && !ranks);
+    need("out_rows", a.out_rows, tokens && !ranks);
+    need("row_route", a.row_route, any);
+    need("offsets", a.offsets, true);
+    need("w_gate", a.w_gate, true);
+    need("w_up", a.w_up, true);
+    need("w_down", a.w_down, true);
+    need("scratch_h", a.scratch_h, any);
+    const auto* off = reinterpret_cast<const std::int32_t*>(a.offsets);
+    for (std::int64_t e = 0; e <= s.num_experts; ++e) {
+      const std::int64_t lo = e == 0 ? 0 : off[e - 1];
+      if (off[e] < lo || off[e] > s.num_rows) {
+        invalid(fn, "offsets must be non-decreasing within [0, capacity = " +
+                        std::to_string(s.num_rows) + "]: offsets[" + std::to_string(e) + "]" +
+                        got(off[e]));
+      }
+    }
+    moe_forward_cpu(a);
+    return;
+  }
+  if (ranks) {
     throw std::runtime_error(
-        "moe_forward: the megakernel runs on CUDA only (device=\"cuda\"); on the CPU the native "
-        "backend runs grouped_forward");
+        "moe_forward: across ranks (world_size > 1) it runs on the CPU only; the CUDA megakernel "
+        "is one rank's (docs/megakernel.md)");
   }
   check_grouped_cuda_shape(fn, s);
   const bool rows = s.num_rows > 0;

@@ -360,4 +360,86 @@ void grouped_backward_cpu(const GroupedBackwardArgs& args) {
   }
 }
 
+// ------------------------------------------------------------------ the whole forward
+
+// moe_forward on the CPU: each table row's x gathered from its source's token rows (in table
+// order, into out_x or a scratch), the segments through grouped_forward_cpu (so the bits of the
+// CPU chain, which moves the same rows into table order first), then each row's y stored at its
+// route in its source's output rows. Offsets checked by the caller.
+void moe_forward_cpu(const MoeForwardArgs& args) {
+  const std::int64_t C = args.shape.num_rows, H = args.shape.hidden, I = args.shape.inner;
+  const std::int64_t El = args.shape.num_experts, K = args.topk, R = args.world_size;
+  const std::int64_t routes = args.num_tokens * K;
+  const auto* off32 = reinterpret_cast<const std::int32_t*>(args.offsets);
+  const auto* row_route = reinterpret_cast<const std::int32_t*>(args.row_route);
+  const auto* row_src = reinterpret_cast<const std::int32_t*>(args.row_src);
+  const auto* x_ranks = reinterpret_cast<const std::int64_t*>(args.x_ranks);
+  const auto* out_ranks = reinterpret_cast<const std::int64_t*>(args.out_rows_ranks);
+  const std::int64_t first = off32[0], last = off32[El];
+  std::vector<std::int64_t> offsets(static_cast<std::size_t>(El + 1));
+  for (std::int64_t e = 0; e <= El; ++e) offsets[static_cast<std::size_t>(e)] = off32[e];
+
+  // Row r's source rank and route, or -1: a padding row (what the GPU's gather reads as zeros).
+  const auto source = [&](std::int64_t r, std::int64_t& rank) -> std::int64_t {
+    const std::int64_t route = row_route[r];
+    rank = R > 1 ? row_src[r] : 0;
+    if (route < 0 || route >= routes || rank < 0 || rank >= R) return -1;
+    return route;
+  };
+  const auto scratch = [C](std::vector<u16>& v, std::uintptr_t given, std::int64_t cols) {
+    if (given != 0) return reinterpret_cast<u16*>(given);
+    v.assign(static_cast<std::size_t>(C * cols), 0);
+    return v.data();
+  };
+  std::vector<u16> x_tmp, a_tmp, b_tmp, y_tmp(static_cast<std::size_t>(C * H));
+  u16* xr = scratch(x_tmp, args.out_x, H);
+  u16* a = scratch(a_tmp, args.out_a, I);
+  u16* b = scratch(b_tmp, args.out_b, I);
+  parallel_ranges(C, args.num_threads, [&](std::int64_t lo, std::int64_t hi) {
+    for (std::int64_t r = lo; r < hi; ++r) {
+      std::int64_t rank = 0;
+      const std::int64_t route = r < first || r >= last ? -1 : source(r, rank);
+      u16* to = xr + r * H;
+      if (route < 0) {
+        std::fill(to, to + H, u16{0});
+        continue;
+      }
+      const auto* from =
+          reinterpret_cast<const u16*>(R > 1 ? static_cast<std::uintptr_t>(x_ranks[rank]) : args.x);
+      std::copy(from + route / K * H, from + (route / K + 1) * H, to);
+    }
+  });
+  // Rows outside the segments: a and b zero (the GPU's launch writes every row).
+  for (std::int64_t r = 0; r < C; ++r) {
+    if (r >= first && r < last) continue;
+    std::fill(a + r * I, a + (r + 1) * I, u16{0});
+    std::fill(b + r * I, b + (r + 1) * I, u16{0});
+  }
+  GroupedForwardArgs g;
+  g.x = reinterpret_cast<std::uintptr_t>(xr);
+  g.offsets = reinterpret_cast<std::uintptr_t>(offsets.data());
+  g.w_gate = args.w_gate;
+  g.w_up = args.w_up;
+  g.w_down = args.w_down;
+  g.out_a = reinterpret_cast<std::uintptr_t>(a);
+  g.out_b = reinterpret_cast<std::uintptr_t>(b);
+  g.out_h = args.scratch_h;
+  g.out_y = reinterpret_cast<std::uintptr_t>(y_tmp.data());
+  g.shape = args.shape;
+  g.limit = args.limit;
+  g.num_threads = args.num_threads;
+  if (last > first) grouped_forward_cpu(g);
+  // Each route's row where its source reads it (rows of different routes: no two rows collide).
+  parallel_ranges(last - first, args.num_threads, [&](std::int64_t lo, std::int64_t hi) {
+    for (std::int64_t r = first + lo; r < first + hi; ++r) {
+      std::int64_t rank = 0;
+      const std::int64_t route = source(r, rank);
+      if (route < 0) continue;
+      auto* to = reinterpret_cast<u16*>(R > 1 ? static_cast<std::uintptr_t>(out_ranks[rank])
+                                              : args.out_rows);
+      std::copy(y_tmp.data() + r * H, y_tmp.data() + (r + 1) * H, to + route * H);
+    }
+  });
+}
+
 }  // namespace mok::bf16

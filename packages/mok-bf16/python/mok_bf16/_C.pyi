@@ -133,5 +133,10 @@ def moe_forward(
     stream: int = 0,
     timers: int = 0,
     out_x: int = 0,
+    world_size: int = 1,
+    row_src: int = 0,
+    x_ranks: int = 0,
+    out_rows_ranks: int = 0,
+    num_threads: int = 1,
 ) -> None: ...
 def moe_forward_state_bytes(capacity: int, num_experts: int) -> int: ...

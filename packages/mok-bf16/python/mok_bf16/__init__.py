@@ -19,9 +19,11 @@ They run on the CPU (``device="cpu"``); ``"cuda"`` raises RuntimeError.
   tensor cores, not the reference's sequential one; on ``"cpu"`` the reference arithmetic.
 - ``grouped_backward``: the backward over the same segments: ``dx``, ``d_w`` and the weight
   gradients added to fp32 accumulators (``cuda/sm90/experts_backward.cu``, ``cuda/sm90/wgrad_gemm.cuh``).
-- ``moe_forward`` (CUDA only): the forward megakernel, the routed experts of a whole layer call
-  in one persistent launch, x rows gathered from the token rows and each output row stored at its
-  route (``cuda/sm90/moe_forward.cu``); the bits of ``grouped_forward``.
+- ``moe_forward``: the routed experts of a whole layer call in one call, x rows gathered from the
+  token rows and each output row stored at its route; on ``"cuda"`` the forward megakernel, one
+  persistent launch (``cuda/sm90/moe_forward.cu``), on ``"cpu"`` the same rows through the CPU
+  kernels, at one rank or across ranks (each row read from and stored to its source rank's rows
+  by address); the bits of ``grouped_forward`` on the same device.
 ``exp_f64`` and ``sigmoid`` expose the element functions they share, for tests.
 """
 

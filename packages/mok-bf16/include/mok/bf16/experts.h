@@ -186,20 +186,28 @@ struct GroupedBackwardArgs {
   std::int64_t topk = 1;
 };
 
-// moe_forward: the routed experts of a whole layer call in one persistent launch (CUDA only:
-// cuda/sm90/moe_forward.cu, docs/megakernel.md), from the token rows to one output row per route:
+// moe_forward: the routed experts of a whole layer call in one call, from the token rows to one
+// output row per route (on "cuda" one persistent launch: cuda/sm90/moe_forward.cu,
+// docs/megakernel.md; on "cpu" the same rows through the CPU kernels, the protocol's host model):
 //
 //   for every row r of local expert e's segment (the schedule table; route = row_route[r]):
 //     x_r = x[route / K] (a padding row, route -1, reads zeros),
 //     [a, b] = x_r @ [Wg_e; Wu_e]^T,  h = bf16(silu(a_c) * b_c),  y_r = h @ Wd_e^T,
 //     rows_out[route] = y_r (padding rows go nowhere)
 //
-// with grouped_forward's arithmetic on "cuda" (the same bits). a and b are written for every row
-// (rows past the last segment: zero); h is scratch. offsets: int32 [El + 1] and row_route: int32
-// [C], the schedule table's, read on the device only. task_state: moe_forward_state_bytes(C, El)
-// bytes of device memory, zero before the first call; every call leaves it zero. A task that
-// waits longer than timeout_ns for the tiles it depends on records a timeout in `error` (the
-// transport's error words, with `stage` and `rank`) and the launch still ends.
+// with grouped_forward's arithmetic on the device (the same bits). Across ranks (world_size > 1,
+// "cpu" only so far) row r's source is rank row_src[r]: x_r is row route / K of that rank's token
+// rows and y_r goes to row `route` of that rank's output rows, read and written where they are
+// (x_ranks, out_rows_ranks: each rank's address, as the transport maps its peers' segments; the
+// caller's barriers order them: the sources' rows written before, the outputs read after). A
+// route outside [0, num_tokens * K) or a source outside [0, world_size) is a padding row (no
+// token row is read, nothing is stored), as a route of -1. a and b are written for every row
+// (rows outside the segments: zero); h is scratch. offsets: int32 [El + 1] and row_route: int32
+// [C], the schedule table's (on "cuda" read on the device only; on "cpu" the offsets are checked
+// first). task_state: moe_forward_state_bytes(C, El) bytes of device memory, zero before the
+// first call; every call leaves it zero. A task that waits longer than timeout_ns for the tiles
+// it depends on records a timeout in `error` (the transport's error words, with `stage` and
+// `rank`) and the launch still ends. On "cpu" nothing waits: task_state and error are not used.
 struct MoeForwardArgs {
   std::uintptr_t x = 0;          // bf16 [T, H]: the token rows
   std::uintptr_t row_route = 0;  // int32 [C]: route t*K + k of each table row, -1 for padding
@@ -228,6 +236,15 @@ struct MoeForwardArgs {
   // A probe's per-CTA time accounts (uint64 [CTAs][3][9]: cuda/sm90/moe_forward.cu's Timer), or 0:
   // the untimed kernel.
   std::uintptr_t timers = 0;
+  // Across ranks (world_size > 1): int32 [C] each table row's source rank (the table's row_src),
+  // int64 [world_size] the address of each rank's token rows (bf16 [>= num_tokens, H]) and of its
+  // output rows (bf16 [>= num_tokens * K, H]); x and out_rows are then not read. num_tokens is
+  // then the most tokens a rank brings (every rank's routes below num_tokens * K).
+  std::int64_t world_size = 1;
+  std::uintptr_t row_src = 0;
+  std::uintptr_t x_ranks = 0;
+  std::uintptr_t out_rows_ranks = 0;
+  std::int64_t num_threads = 1;  // CPU threads
 };
 
 // The dependency counters of moe_forward: one per row tile of the table, at most C/128 + El.
@@ -264,6 +281,7 @@ void swiglu_forward_cpu(const SwigluForwardArgs& args);
 void swiglu_backward_cpu(const SwigluBackwardArgs& args);
 void grouped_forward_cpu(const GroupedForwardArgs& args);
 void grouped_backward_cpu(const GroupedBackwardArgs& args);
+void moe_forward_cpu(const MoeForwardArgs& args);
 // The CUDA implementations (built with CUDA only), for checked arguments.
 void grouped_forward_cuda(const GroupedForwardArgs& args, std::uintptr_t stream);
 void grouped_backward_cuda(const GroupedBackwardArgs& args, std::uintptr_t stream);
