@@ -161,18 +161,25 @@ def _wrap(rec: Recorder, label: str | None, fn: Any, marks: bool) -> Any:
     return timed
 
 
-def run(shape_name: str, calls: int) -> list[str]:
+def _setup(shape_name: str) -> tuple[Any, Any, Any, Any]:
+    """(shape, the bench's call at one rank, its forward (autograd on: the context is kept), sync)."""
     cuda = torch.cuda.is_available()
     ranks = Ranks(torch.device("cuda", 0) if cuda else torch.device("cpu"), None, 0, 1)
     sync = torch.cuda.synchronize if cuda else lambda: None
     shape = resolve_shapes(shape_name, 1)[0]
     call = make_call(shape, "balanced", make_weights(shape, ranks), ranks)
     cfg = mok.MoKConfig()
-    T = shape.tokens
 
     def forward() -> torch.Tensor:
         return mok_autograd.moe(call.x_TH, call.top_experts_TK, call.router_weights_TK, call.routed, call.shared,
-                       config=cfg, max_tokens=T)  # fmt: skip
+                       config=cfg, max_tokens=shape.tokens)  # fmt: skip
+
+    return shape, call, forward, sync
+
+
+def run(shape_name: str, calls: int) -> list[str]:
+    cuda = torch.cuda.is_available()
+    shape, call, forward, sync = _setup(shape_name)
 
     def forward_backward() -> None:
         call.drop_grads()
@@ -218,17 +225,7 @@ def run(shape_name: str, calls: int) -> list[str]:
 
 def profile(shape_name: str, calls: int, top: int = 32) -> list[str]:
     """cProfile over `calls` forwards, each from an idle device: the top functions by own time."""
-    cuda = torch.cuda.is_available()
-    ranks = Ranks(torch.device("cuda", 0) if cuda else torch.device("cpu"), None, 0, 1)
-    sync = torch.cuda.synchronize if cuda else lambda: None
-    shape = resolve_shapes(shape_name, 1)[0]
-    call = make_call(shape, "balanced", make_weights(shape, ranks), ranks)
-    cfg = mok.MoKConfig()
-
-    def forward() -> torch.Tensor:  # the bench's call: a backward could follow (the context is kept)
-        return mok_autograd.moe(call.x_TH, call.top_experts_TK, call.router_weights_TK, call.routed, call.shared,
-                       config=cfg, max_tokens=shape.tokens)  # fmt: skip
-
+    shape, _, forward, sync = _setup(shape_name)
     for _ in range(3):
         forward()
     prof = cProfile.Profile()
