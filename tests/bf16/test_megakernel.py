@@ -63,9 +63,43 @@ def test_expert_path_is_decided_in_one_place():
         ws = mok.create_workspace(cfg, None, device=dev, max_tokens=64, hidden_size=128, topk=2, num_experts=4)
         path = native.expert_path(cfg, ws, 128)
         assert path.forward in ("megakernel", "tensor-cores", "fp8-cores", "cpu-kernels", "reference")
-        if dev.type == "cpu":
-            assert path.forward == path.backward != "megakernel"
+        if dev.type == "cpu":  # the CPU's megakernel is a forward (moe_forward); the backward the chain's
+            assert path.backward in ("cpu-kernels", "reference") and path.forward in ("megakernel", path.backward)
     assert set(native.describe_expert_paths(dev)) == {"bf16", "mxfp8"}
+
+
+CPU_MEGAKERNEL = megakernel.available(torch.device("cpu"))
+
+
+@pytest.mark.skipif(not CPU_MEGAKERNEL, reason="needs mok-bf16's CPU moe_forward (mok-bf16 not installed)")
+def test_cpu_takes_moe_forward_where_it_can():
+    """On the CPU the forward runs mok_bf16.moe_forward (the megakernel's call, the bits of
+    "cpu-kernels") in BF16 without a backward replay; across ranks only with a pull dispatch and
+    a push combine (the form that reads x_src and stores into `rows` by address: tests/layer/
+    test_native.py runs it at EP 2 and 3)."""
+
+    def path(**kw):
+        cfg = mok.MoKConfig(backend="cpu", **kw)
+        ws = mok.create_workspace(cfg, None, device="cpu", max_tokens=64, hidden_size=128, topk=2, num_experts=4)
+        return tuple(native.expert_path(cfg, ws, 128))
+
+    assert path() == ("megakernel", "cpu-kernels")
+    assert path(dispatch="push", combine="pull") == ("megakernel", "cpu-kernels")  # one rank: nothing moves
+    assert path(megakernel=False) == ("cpu-kernels", "cpu-kernels")
+    assert path(macrobatch_size=128) == ("cpu-kernels", "cpu-kernels")  # a replay keeps the chain
+    assert path(precision="mxfp8")[0] != "megakernel"
+    # across ranks: the decision on a workspace's world size (no group needed to decide)
+    cfg = mok.MoKConfig(backend="cpu")
+    ws = mok.create_workspace(cfg, None, device="cpu", max_tokens=64, hidden_size=128, topk=2, num_experts=4)
+    for kw, want in ((dict(), True), (dict(dispatch="push"), False), (dict(combine="pull"), False)):
+        assert native._cpu_megakernel(mok.MoKConfig(backend="cpu", **kw), _Ranks(ws, 2), "cpu-kernels") is want, kw
+
+
+class _Ranks:
+    """A workspace seen as one of `world` ranks (for the path decision only)."""
+
+    def __init__(self, ws, world: int) -> None:
+        self.world_size, self.capacity, self.device = world, ws.capacity, ws.device
 
 
 def test_megakernel_knob_is_checked():

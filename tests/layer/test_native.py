@@ -4,6 +4,7 @@ in a CUDA graph, and a rank that never arrives raises instead of hanging."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import pytest
 import torch
@@ -108,6 +109,63 @@ def _check_ep(results: list[dict], world: int) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_cpu_backend_across_processes(world):
     _check_ep(run_ranks(world, "test_native.native_scenario", "cpu"), world)
+
+
+def cpu_megakernel_scenario(rank: int, world: int, group, device: str) -> dict:
+    """Each config at EP `world` through the native CPU backend, counting the calls of moe_forward
+    across ranks (the megakernel's form that reads every rank's x_src and stores into its `rows`
+    by address) and of the chain's ring: {config index: (results, calls across ranks, ring calls)}."""
+    from mok_torch.backends.native import NativeBackend, megakernel
+
+    calls = {"ranks": 0, "ring": 0}
+    real_launch, real_ring = megakernel.moe_forward, NativeBackend._routed_forward
+
+    def launch(*a, **k):
+        calls["ranks"] += k.get("ranks") is not None
+        return real_launch(*a, **k)
+
+    def ring(self, *a, **k):
+        calls["ring"] += 1
+        return real_ring(self, *a, **k)
+
+    megakernel.moe_forward = launch  # this worker process only
+    NativeBackend._routed_forward = ring  # type: ignore[method-assign]
+    inp = make_inputs(T_GLOBAL, 32, 16, 6, 2, 8, "skewed", seed=9)
+    out = {}
+    for i, kw in enumerate(MEGAKERNEL_EP_CONFIGS):
+        calls.update(ranks=0, ring=0)
+        res = run_functional(inp, config(backend="cpu", **kw), group=group, rank=rank, world=world,
+                             tokens=_slice(world, rank), max_tokens=T_GLOBAL, device="cpu")  # fmt: skip
+        out[i] = (res, calls["ranks"], calls["ring"])
+    return out
+
+
+# The megakernel's form across ranks (pull dispatch, push combine, no replay), the chain beside it.
+MEGAKERNEL_EP_CONFIGS = [
+    dict(expert_alignment=8),
+    dict(expert_alignment=1, fwd_num_comm_sms=2, bwd_num_comm_sms=4),
+    dict(expert_alignment=8, megakernel=False),
+    dict(expert_alignment=8, dispatch="push"),
+]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_cpu_megakernel_across_processes(world):
+    """At EP 2 and 3 (one rank without tokens at 3) the CPU forward runs moe_forward across ranks
+    where the config allows it (once a forward: the ring never runs; the backward's ring is the
+    chain's) and the chain elsewhere; every rank's y, dx and gradients bitwise the reference's."""
+    if not native.megakernel.available(torch.device("cpu")):
+        pytest.skip("needs mok-bf16's CPU moe_forward (mok-bf16 not installed)")
+    results = run_ranks(world, "test_native.cpu_megakernel_scenario", "cpu")
+    inp = make_inputs(T_GLOBAL, 32, 16, 6, 2, 8, "skewed", seed=9)
+    for i, kw in enumerate(MEGAKERNEL_EP_CONFIGS):
+        fused = kw.get("megakernel", True) and kw.get("dispatch", "pull") == "pull"
+        for rank, r in enumerate(results):
+            _, across, ring = r[i]
+            assert (across, ring) == ((1, 0) if fused else (0, 1)), (world, rank, kw, across, ring)
+        ref = run_functional(inp, config(backend="reference", **kw), device="cpu", max_tokens=T_GLOBAL)
+        merged = {k: torch.cat([r[i][0][k] for r in results]) for k in CONTRACT_KEYS}
+        assert_bitwise(ref, merged, CONTRACT_KEYS, what=f"EP {world} {kw}: ")
 
 
 def route_rows_scenario(rank: int, world: int, group, device: str) -> bool:
@@ -617,6 +675,14 @@ def _send_side_order(monkeypatch, experts: str) -> list[str]:
     order: list[str] = []
     for name in (experts, "_source_side", "_issue_source_side"):
         real = getattr(NativeBackend, name)
+        if isinstance(inspect.getattr_static(NativeBackend, name), staticmethod):
+
+            def wrap_static(*a, _real=real, _name=name, **k):
+                order.append(_name)
+                return _real(*a, **k)
+
+            monkeypatch.setattr(NativeBackend, name, staticmethod(wrap_static))
+            continue
 
         def wrap(self, *a, _real=real, _name=name, **k):
             order.append(_name)
@@ -631,18 +697,38 @@ def _send_side_order(monkeypatch, experts: str) -> list[str]:
 def test_cpu_send_side_issued_at_its_first_read(kw, routes, monkeypatch):
     """mok.moe's eager call at one rank issues the schedule's send side at its first read: a pull
     dispatch's forward reads none of it (issued by the backward's moves or the test's reads, after
-    the experts), a push dispatch's row moves read it before the experts; either way the schedule,
-    y, context and gradients are those of build_schedule then forward."""
+    the experts), a push dispatch's row moves read it before the experts; on the megakernel's path
+    (moe_forward, which moves no rows) the Schedule's tensors are made after the experts too;
+    either way the schedule, y, context and gradients are those of build_schedule then forward."""
     inp = make_inputs(30, 32, 48, 8, 3, 8, "skewed", seed=6)
     inp = dataclasses.replace(inp, top_experts_TK=inp.top_experts_TK.to(routes))
-    order = _send_side_order(monkeypatch, "_routed_forward")
-    assert_fused_forward_is_the_two_calls(inp, config(backend="cpu", **kw), device="cpu")
+    cfg = config(backend="cpu", **kw)
+    ws = mok.get_workspace(cfg, None, device="cpu", max_tokens=30, hidden_size=32, topk=3, num_experts=8)
+    fused_path = native.expert_path(cfg, ws, 48).forward == "megakernel"
+    experts = "_megakernel_launch" if fused_path else "_routed_forward"
+    order = _send_side_order(monkeypatch, experts)
+    assert_fused_forward_is_the_two_calls(inp, cfg, device="cpu")
     # build_schedule, then forward (its routed forward), then schedule_and_forward
-    assert order[:3] == ["_source_side", "_issue_source_side", "_routed_forward"], order
+    assert order[:3] == ["_source_side", "_issue_source_side", experts], order
     push = kw.get("dispatch", "pull") == "push"
-    fused = ["_source_side"] + (["_issue_source_side", "_routed_forward"] if push else ["_routed_forward"])
+    if fused_path:
+        fused = [experts, "_source_side"]
+    else:
+        fused = ["_source_side"] + (["_issue_source_side", experts] if push else [experts])
     assert order[3 : 3 + len(fused)] == fused, order
     assert order.count("_issue_source_side") == 2, order  # once a schedule
+
+
+def test_cpu_send_side_test_sees_both_paths():
+    """The test above covers the megakernel's order and the chain's (CONFIGS hold both at one rank)."""
+    paths = set()
+    for kw in CONFIGS:
+        cfg = config(backend="cpu", **kw)
+        ws = mok.get_workspace(cfg, None, device="cpu", max_tokens=30, hidden_size=32, topk=3, num_experts=8)
+        paths.add(native.expert_path(cfg, ws, 48).forward)
+    if not native.megakernel.available(torch.device("cpu")):
+        pytest.skip("needs mok-bf16's CPU moe_forward (mok-bf16 not installed)")
+    assert paths == {"megakernel", "cpu-kernels"}, paths
 
 
 @pytest.mark.parametrize("routes", [torch.int64, torch.int32])

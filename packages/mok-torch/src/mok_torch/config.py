@@ -97,7 +97,9 @@ class MoKConfig:
             ignores both. Defaults measured: docs/core-runtime.md "Directions".
         megakernel: let the cuda backend run the routed experts' forward as one persistent
             kernel where it applies and was measured faster (one rank, hidden sizes below
-            4096: docs/megakernel.md); False keeps the chain of grouped kernels. The same bits
+            4096: docs/megakernel.md), and the cpu backend run it as the same one call on the
+            host (BF16; across ranks with a pull dispatch and a push combine); False keeps the
+            chain of grouped kernels (of row moves and per-row loops on the CPU). The same bits
             either way.
     """
 

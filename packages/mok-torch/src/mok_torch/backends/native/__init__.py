@@ -11,7 +11,10 @@ logger, listed by `mok info`):
   forward's routed experts in one persistent launch
   (`megakernel.py`, docs/megakernel.md), x rows gathered by the schedule table inside the GEMM's
   operand loads and each output row stored at its route; the combine follows. Its bits are those
-  of "tensor-cores".
+  of "tensor-cores". On the CPU (BF16 with mok-bf16, no backward replay; across ranks a pull
+  dispatch and a push combine) the same call runs on the host (`mok_bf16.moe_forward("cpu")`,
+  every rank's x read from its x_src and each y stored into its source rank's rows by address,
+  between barriers 3 and 4), with the bits of "cpu-kernels", which runs its backward.
 - "tensor-cores" (cuda, BF16, sm_90, H and I multiples of 64): mok-bf16's grouped GEMMs
   (`grouped.py`) between the transport's pulls and pushes, a whole macrobatch per call:
   deterministic and invariant as the contract says, but not bitwise the reference
@@ -235,7 +238,7 @@ def _expert_path(cfg: MoKConfig, ws: Workspace, inner: int) -> ExpertPath:
     if dev.type == "cpu":
         compiled = _mxfp8_kernels("cpu") if cfg.precision == "mxfp8" else _expert_kernels("cpu")
         path = "cpu-kernels" if compiled is not None else "reference"
-        return ExpertPath(path, path)
+        return ExpertPath("megakernel" if _cpu_megakernel(cfg, ws, path) else path, path)
     if gpu_mxfp8_forward_kernels(cfg, dev, H, inner, El):
         return ExpertPath("fp8-cores", "fp8-cores")
     if not gpu_forward_kernels(cfg, dev, H, inner, El):
@@ -250,6 +253,18 @@ def _expert_path(cfg: MoKConfig, ws: Workspace, inner: int) -> ExpertPath:
         and megakernel.available(dev)
     )
     return ExpertPath("megakernel" if fused else "tensor-cores", backward)
+
+
+def _cpu_megakernel(cfg: MoKConfig, ws: Workspace, path: str) -> bool:
+    """Whether the CPU's forward runs mok_bf16.moe_forward (the megakernel's call and host protocol,
+    the bits of "cpu-kernels"): BF16 on the compiled kernels, the backward reading the whole
+    context (no replay), and across ranks a pull dispatch and a push combine (each row read from
+    its source rank's x_src and stored into its `rows`: the form without moves)."""
+    across = ws.world_size == 1 or (cfg.dispatch == "pull" and cfg.combine == "push")
+    return (
+        cfg.megakernel and cfg.precision == "bf16" and path == "cpu-kernels" and across
+        and not replays_in_backward(cfg, ws) and megakernel.available(ws.device)
+    )  # fmt: skip
 
 
 def scatters_token_rows(cfg: MoKConfig, ws: Workspace, inner: int, path: ExpertPath | None = None) -> bool:
@@ -697,13 +712,14 @@ class NativeBackend:
             tr = self._transport(ws, cfg)
             scatter = scatters_token_rows(cfg, ws, routed[2].shape[2], path)  # only at one rank
             defer = ws.world_size == 1  # the send side at its first read: nothing before the experts reads it
-            if path.forward == "megakernel" or (scatter and cfg.combine == "push"):
+            # (across ranks the megakernel waits for every rank's x: _forward_on, after the send side)
+            if defer and (path.forward == "megakernel" or (scatter and cfg.combine == "push")):
                 _log_path(cfg, ws, path, "forward")
                 table = self._table(ws, tr, top_experts_TK, one_buffer=True)
                 y_rows = None  # the megakernel's: each route's row in the transport's rows, route order
                 out: megakernel.Outputs | None
                 if path.forward == "megakernel":
-                    out = self._megakernel_launch(cfg, ws, tr, table.row_route, table.offsets.data_ptr(), x_TH, routed,
+                    out = self._megakernel_launch(cfg, ws, tr, table.row_route, table.offsets, x_TH, routed,
                                                   context=context)  # fmt: skip
                 else:  # the GEMMs': in table order
                     y_rows = torch.empty(ws.capacity, ws.hidden_size, dtype=BF16, device=ws.device)
@@ -1091,9 +1107,14 @@ class NativeBackend:
         _log_path(cfg, ws, path, "forward")
         rest = functools.partial(self._forward_rest, cfg, ws, sched, tr, x_TH, router_weights_TK, shared)
         if path.forward == "megakernel":
-            table = (sched.row_route_C.data_ptr(), sched.expert_offsets_El1.data_ptr())
-            out = self._megakernel_launch(cfg, ws, tr, *table, x_TH, routed)
-            y, shared_ab = rest(None)
+            table = (sched.row_route_C.data_ptr(), sched.expert_offsets_El1)
+            ranks = None
+            if ws.world_size > 1:  # each row read from its source rank's x_src, stored into its rows
+                self._send_inputs(cfg, ws, tr, sched, x=x_TH)
+                tr.barrier(3)  # every rank's x rows are there to read
+                ranks = megakernel.Ranks(sched.row_src_rank_C.data_ptr(), tr.ptrs["x_src"], tr.ptrs["rows"])
+            out = self._megakernel_launch(cfg, ws, tr, *table, x_TH, routed, ranks=ranks)
+            y, shared_ab = rest(None, moved=ranks is not None)
             return y, self._context(sched, out, shared_ab)
         if scatters_token_rows(cfg, ws, routed[2].shape[2], path):  # one rank: nothing to send first
             y_rows = self._y_rows(cfg, tr, 0, ws.capacity, ws.hidden_size, ws.device)  # a pull combine's y_send
@@ -1109,29 +1130,33 @@ class NativeBackend:
     @overload
     @staticmethod
     def _megakernel_launch(
-        cfg: MoKConfig, ws: Workspace, tr: Transport, row_route: int, offsets: int, x_TH: torch.Tensor,
-        routed: Weights3, *, context: Literal[True] = True,
+        cfg: MoKConfig, ws: Workspace, tr: Transport, row_route: int, offsets: torch.Tensor, x_TH: torch.Tensor,
+        routed: Weights3, *, context: Literal[True] = True, ranks: megakernel.Ranks | None = None,
     ) -> megakernel.Outputs: ...  # fmt: skip
 
     @overload
     @staticmethod
     def _megakernel_launch(
-        cfg: MoKConfig, ws: Workspace, tr: Transport, row_route: int, offsets: int, x_TH: torch.Tensor,
-        routed: Weights3, *, context: bool,
+        cfg: MoKConfig, ws: Workspace, tr: Transport, row_route: int, offsets: torch.Tensor, x_TH: torch.Tensor,
+        routed: Weights3, *, context: bool, ranks: megakernel.Ranks | None = None,
     ) -> megakernel.Outputs | None: ...  # fmt: skip
 
     @staticmethod
     def _megakernel_launch(
-        cfg: MoKConfig, ws: Workspace, tr: Transport, row_route: int, offsets: int, x_TH: torch.Tensor,
-        routed: Weights3, *, context: bool = True,
+        cfg: MoKConfig, ws: Workspace, tr: Transport, row_route: int, offsets: torch.Tensor, x_TH: torch.Tensor,
+        routed: Weights3, *, context: bool = True, ranks: megakernel.Ranks | None = None,
     ) -> megakernel.Outputs | None:  # fmt: skip
-        """The megakernel on the table at those addresses (row_route_C's, expert_offsets_El1's): at
-        one rank the routed experts in one launch, each route's row into the transport's `rows`
-        (route order), and (with `context`) the x rows it gathered in table order (the context's
-        routed x, as the chain's) and the pre-activations. No barrier (there is no peer)."""
+        """The megakernel on the table (row_route_C's address, expert_offsets_El1): the
+        routed experts in one launch, each route's row into the transport's `rows` (route order) of
+        its source rank, and (with `context`) the x rows it gathered in table order (the context's
+        routed x, as the chain's) and the pre-activations. At one rank no barrier (there is no
+        peer); across ranks (`ranks`, the CPU only so far) the caller's barriers 3 and 4 stand
+        before and after it. On the CPU it runs the rows in use (read on the host, as the CPU's
+        ring plan does: the context holds those rows only)."""
+        rows = int(offsets[-1]) if ws.device.type == "cpu" else None
         return megakernel.moe_forward(
-            ws, row_route, offsets, x_TH, routed, tr.view["rows"], tr.error, limit=cfg.swiglu_limit,
-            timeout_ns=tr.timeout_ns, context=context,
+            ws, row_route, offsets.data_ptr(), x_TH, routed, tr.view["rows"], tr.error, limit=cfg.swiglu_limit,
+            timeout_ns=tr.timeout_ns, context=context, ranks=ranks, rows=rows,
         )  # fmt: skip
 
     def _forward_rest(

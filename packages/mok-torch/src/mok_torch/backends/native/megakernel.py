@@ -6,6 +6,11 @@ table order: the routed x the backward reads), the down tiles wait on per-row-ti
 store each output row at its route. The cuda backend calls it
 between the schedule and the combine; its bits are those of the chain of grouped kernels.
 
+On the CPU the same call is mok-bf16's CPU model of it (one C++ call, the bits of the CPU chain),
+at one rank and across ranks (`Ranks`: each table row read from its source rank's token rows and
+its output stored into that rank's rows, by address, between the transport's barriers 3 and 4).
+The GPU kernel takes one rank's arguments only, so far (docs/megakernel.md "Where it stands").
+
 Shape letters: docs/design.md §1.
 """
 
@@ -26,6 +31,14 @@ STAGE = 9
 # cuda/sm90/moe_forward.cu's Timer.
 TIMER_ROLES = ("producer", "consumer 0", "consumer 1")
 TIMER_SLOTS = ("ticket", "gate/up", "swiglu", "down", "stage wait", "dependency", "flush", "total", "tasks")
+
+
+class Ranks(NamedTuple):
+    """A call across ranks: where each table row's x comes from and its y goes, by address."""
+
+    row_src_C: int  # the table's row_src_rank_C (int32 [C]): each row's source rank
+    x_R: torch.Tensor  # int64 [R]: each rank's token rows (bf16 [max_tokens, H], the transport's x_src)
+    rows_R: torch.Tensor  # int64 [R]: each rank's output rows (bf16 [max_tokens * K, H], its `rows`)
 
 
 class Outputs(NamedTuple):
@@ -71,6 +84,8 @@ def moe_forward(
     inject_missing_dependency: bool = False,
     timers: torch.Tensor | None = None,
     context: bool = True,
+    ranks: Ranks | None = None,
+    rows: int | None = None,
 ) -> Outputs | None:
     """The routed experts of one call: y of every route into rows_out [>= T*K, H] (row t*K + k);
     returned, the pre-activations a, b [C, I] and the x rows [C, H] of every table row (Outputs:
@@ -86,6 +101,11 @@ def moe_forward(
     timers: a probe's int64 [CTAs * 3 * 9] (zeroed by the kernel's roles as they finish): the
     timed kernel adds up clock64 cycles per CTA and role (TIMER_SLOTS; benchmarks/probes/
     megakernel_timers.py reads them); None runs the untimed kernel.
+    ranks (the CPU only, so far): a call across the workspace's ranks; x_TH and rows_out are then
+    not read (each rank's rows are `ranks`'), and every rank's routes are below max_tokens * K.
+    rows (the CPU only): the table rows it runs and the context holds, the capacity's first `rows`
+    (the CPU's chain reads the end of the last segment on the host and keeps that many; None: the
+    capacity, as the GPU's launch, which reads no device value on the host).
     """
     import mok_bf16
 
@@ -94,8 +114,11 @@ def moe_forward(
     wg, wu, wd = routed
     T, H = x_TH.shape
     El, inner = wg.shape[:2]
-    C = ws.capacity
     dev = x_TH.device
+    cpu = dev.type == "cpu"
+    if rows is not None and not (cpu and 0 <= rows <= ws.capacity):
+        raise ValueError(f"rows must be in [0, capacity = {ws.capacity}] and given on the CPU only, got {rows}")
+    C = ws.capacity if rows is None else rows
     out = None
     if context:
         out = Outputs(
@@ -104,14 +127,20 @@ def moe_forward(
             torch.empty(C, H, dtype=BF16, device=dev),
         )
     a, b, x_rows = (0, 0, 0) if out is None else (t.data_ptr() for t in out)
-    h = _scratch_h(ws, inner)
+    h = _scratch_h(ws, inner)  # (the capacity's rows: C of them are used)
+    across: dict[str, int] = {}
+    if ranks is not None:  # every rank's token rows: the table's routes reach max_tokens * K
+        T = ws.max_tokens
+        across = dict(world_size=ws.world_size, row_src=ranks.row_src_C, x_ranks=ranks.x_R.data_ptr(),
+                      out_rows_ranks=ranks.rows_R.data_ptr())  # fmt: skip
     mok_bf16.moe_forward(
-        "cuda", x_TH.data_ptr(), row_route_C, expert_offsets_El1,
+        dev.type, x_TH.data_ptr(), row_route_C, expert_offsets_El1,
         wg.data_ptr(), wu.data_ptr(), wd.data_ptr(), a, b, h.data_ptr(),
-        rows_out.data_ptr(), task_state(ws).data_ptr(), error.data_ptr(), C, T, H, inner, El, ws.topk,
+        rows_out.data_ptr(), 0 if cpu else task_state(ws).data_ptr(), error.data_ptr(), C, T, H, inner, El, ws.topk,
         limit=limit, num_sms=num_sms, timeout_ns=timeout_ns, stage=STAGE, rank=ws.rank,
-        inject_missing_dependency=inject_missing_dependency, stream=current_stream_handle(dev),
+        inject_missing_dependency=inject_missing_dependency, stream=0 if cpu else current_stream_handle(dev),
         timers=0 if timers is None else timers.data_ptr(), out_x=x_rows,
+        num_threads=max(1, torch.get_num_threads()), **across,
     )  # fmt: skip
     return out
 
@@ -130,19 +159,22 @@ def _check_timers(timers: torch.Tensor, device: torch.device, num_sms: int) -> N
 
 
 def available(device: torch.device) -> bool:
-    """Whether the installed mok-bf16 has the megakernel and it runs on `device` (sm_90)."""
+    """Whether the installed mok-bf16 has the megakernel and it runs on `device` (sm_90, or the
+    CPU's model of it)."""
+    if device.type == "cpu":
+        return _available_on(-1)
     if device.type != "cuda":
         return False
     return _available_on(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.cache
-def _available_on(index: int) -> bool:  # asked on every call: answered once per device
+def _available_on(index: int) -> bool:  # asked on every call: answered once per device (-1: the CPU)
     try:
         import mok_bf16
     except ImportError:
         return False
     build: Any = mok_bf16.build_info()
-    if not hasattr(mok_bf16, "moe_forward") or "cuda" not in build["backends"]:
+    if not hasattr(mok_bf16, "moe_forward") or ("cpu" if index < 0 else "cuda") not in build["backends"]:
         return False
-    return torch.cuda.get_device_capability(index) == (9, 0)
+    return index < 0 or torch.cuda.get_device_capability(index) == (9, 0)
