@@ -377,14 +377,16 @@ void moe_forward(std::string_view device, const MoeForwardArgs& a, std::uintptr_
     moe_forward_cpu(a);
     return;
   }
-  if (ranks) {
-    throw std::runtime_error(
-        "moe_forward: across ranks (world_size > 1) it runs on the CPU only; the CUDA megakernel "
-        "is one rank's (docs/megakernel.md)");
+  if (a.world_size > 65536) {  // the down tiles hold a row's source rank in 16 bits
+    invalid(fn, "world_size must be <= 65536 on cuda" + got(a.world_size));
+  }
+  if (ranks && a.timers != 0) {
+    invalid(fn, "timers must be 0 when world_size > 1 (a timed launch is one rank's)");
   }
   check_grouped_cuda_shape(fn, s);
   const bool rows = s.num_rows > 0;
-  check_pointer(fn, "x", a.x, 16, a.num_tokens > 0);
+  // Across ranks x and out_rows are not read: every rank's rows are x_ranks' and out_rows_ranks'.
+  check_pointer(fn, "x", a.x, 16, a.num_tokens > 0 && !ranks);
   check_pointer(fn, "row_route", a.row_route, 4, rows);
   check_pointer(fn, "offsets", a.offsets, 4, true);
   check_pointer(fn, "w_gate", a.w_gate, 16, true);
@@ -393,10 +395,13 @@ void moe_forward(std::string_view device, const MoeForwardArgs& a, std::uintptr_
   check_pointer(fn, "out_a", a.out_a, 16, false);
   check_pointer(fn, "out_b", a.out_b, 16, false);
   check_pointer(fn, "scratch_h", a.scratch_h, 16, rows);
-  check_pointer(fn, "out_rows", a.out_rows, 16, a.num_tokens > 0);
+  check_pointer(fn, "out_rows", a.out_rows, 16, a.num_tokens > 0 && !ranks);
   check_pointer(fn, "out_x", a.out_x, 16, false);
   check_pointer(fn, "task_state", a.task_state, 8, true);
   check_pointer(fn, "error", a.error, 4, true);
+  check_pointer(fn, "row_src", a.row_src, 4, ranks && rows);
+  check_pointer(fn, "x_ranks", a.x_ranks, 8, ranks);
+  check_pointer(fn, "out_rows_ranks", a.out_rows_ranks, 8, ranks);
 #if MOK_WITH_CUDA
   sm90::moe_forward_cuda(a, stream);
 #else

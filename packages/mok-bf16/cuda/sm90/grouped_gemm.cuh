@@ -84,7 +84,9 @@ struct RowGather {
 };
 
 // The 128 producer threads' copies of one 128-byte-swizzled box: 128-byte piece q (a row of the
-// box) from source row src(q) at column `col`. Thread i copies 16-byte chunk i % 8 of pieces
+// box) from source row src(q) at column `col` (src: the row's index in g.rows, -1 for zeros; or
+// the row's own address, null for zeros: the megakernel across ranks, each row in its source
+// rank's rows). Thread i copies 16-byte chunk i % 8 of pieces
 // i / 8 + 16 j (j < kPieces / 16): a warp's 32 copies are four whole 128-byte pieces, so every
 // request is a full line. Each thread then arrives on the stage (cp_async_arrive) once its
 // copies have landed.
@@ -98,11 +100,17 @@ __device__ inline void gather_box(unsigned char* box, const RowGather& g, int co
 #pragma unroll
   for (int j = 0; j < kPieces / 16; ++j) {
     const int piece = i / 8 + 16 * j;
-    const int s = src(j);
-    const bool valid = s >= 0 && in_cols;
-    const std::uint16_t* from =
-        g.rows + (valid ? static_cast<std::int64_t>(s) * g.cols + col + 8 * chunk : 0);
-    hopper::cp_async_16_zfill(box + piece * 128 + swizzled, from, valid ? 16 : 0);
+    const auto s = src(j);
+    if constexpr (std::is_pointer_v<decltype(s)>) {
+      const bool valid = s != nullptr && in_cols;
+      const std::uint16_t* from = valid ? s + col + 8 * chunk : g.rows;
+      hopper::cp_async_16_zfill(box + piece * 128 + swizzled, from, valid ? 16 : 0);
+    } else {
+      const bool valid = s >= 0 && in_cols;
+      const std::uint16_t* from =
+          g.rows + (valid ? static_cast<std::int64_t>(s) * g.cols + col + 8 * chunk : 0);
+      hopper::cp_async_16_zfill(box + piece * 128 + swizzled, from, valid ? 16 : 0);
+    }
   }
 }
 

@@ -118,7 +118,26 @@ struct Params {
   int inner;
   core::SwigluLimit limit;
   unsigned long long* timers;  // a timed launch's accounts (Timer), else null
+  // Across ranks (kRanks; last, so that one rank's kernel reads its parameters where it did):
+  // each table row's source rank, and every rank's token rows (bf16 [T_max, H]) and output rows
+  // (bf16 [T_max * K, H]) by address. x_rows.rows is then no rank's rows (never read: only the
+  // address a zero-filled copy names).
+  const std::int32_t* row_src;    // [C]
+  const std::int64_t* x_ranks;    // [world_size]
+  const std::int64_t* out_ranks;  // [world_size]
+  int world_size;
 };
+
+// Across ranks: table row r's x row in its source rank's token rows, or null (a padding row, a
+// route out of range or a source rank outside [0, world_size): zeros, as one rank's gather).
+// (r < the table's rows: the route and the rank are loaded side by side, then the rank's base.)
+__device__ inline const std::uint16_t* rank_x_row(const Params& p, int r) {
+  const int route = p.row_route[r];
+  const int rank = p.row_src[r];
+  if (route < 0 || route >= p.x_rows.num_routes || rank < 0 || rank >= p.world_size) return nullptr;
+  return reinterpret_cast<const std::uint16_t*>(__ldg(p.x_ranks + rank)) +
+         static_cast<std::int64_t>(route / p.x_rows.divisor) * p.hidden;
+}
 
 // A timed launch (MoeForwardArgs::timers; kTimed, its own instantiation: the untimed kernel is
 // the same code as without timers) adds up clock64 cycles per CTA in three roles, the producer's
@@ -239,13 +258,16 @@ struct Pending {
   PackedBf16 words;
   Task task;
   int route[2];  // down tiles: the routes of the thread's two rows (-1: none)
+  // ... across ranks: their source ranks (16 bits each, row 0's low; the output rows' address
+  // is read from out_ranks in L1 as a piece is stored: two 64-bit addresses held here spilled)
+  unsigned int ranks;
   bool live;
 };
 
 // Piece kChunk of a pending tile (grouped_gemm.cuh's for_each_vector_in_chunk): 16-byte vectors
 // of a and b (gate/up: a's columns are n8 blocks j < 16, b's the rest) or of the routed rows of
 // rows_out (down).
-template <int kChunk>
+template <int kChunk, bool kRanks>
 __device__ inline void store_piece(const Params& p, const Pending& pend, int consumer) {
   const Task& task = pend.task;
   if (task.kind == kGateUp) {
@@ -260,11 +282,16 @@ __device__ inline void store_piece(const Params& p, const Pending& pend, int con
     });
   } else {
     gemm::for_each_vector_in_chunk<kChunk>(pend.words, [&](int half, int, int j, const uint4& v) {
-      const int route = half == 0 ? pend.route[0] : pend.route[1];
       const int col = task.col0 + 8 * j;
-      if (route >= 0 && col < p.hidden)
-        *reinterpret_cast<uint4*>(p.rows_out + static_cast<std::int64_t>(route) * p.hidden + col) =
-            v;
+      const int route = half == 0 ? pend.route[0] : pend.route[1];
+      if (route >= 0 && col < p.hidden) {
+        std::uint16_t* rows = p.rows_out;
+        if constexpr (kRanks) {
+          const unsigned int rank = half == 0 ? pend.ranks & 0xffffu : pend.ranks >> 16;
+          rows = reinterpret_cast<std::uint16_t*>(__ldg(p.out_ranks + rank));
+        }
+        *reinterpret_cast<uint4*>(rows + static_cast<std::int64_t>(route) * p.hidden + col) = v;
+      }
     });
   }
 }
@@ -298,7 +325,7 @@ __device__ inline void write_timers(const Params& p, unsigned long long (*acc)[k
   }
 }
 
-template <bool kTimed>
+template <bool kTimed, bool kRanks>
 __global__ void __launch_bounds__(kThreads, 1)
     moe_forward_kernel(const __grid_constant__ CUtensorMap map_wg,
                        const __grid_constant__ CUtensorMap map_wu,
@@ -313,6 +340,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   __shared__ alignas(8) std::uint64_t lag;  // consumer 0 has issued kLagBlocks k-blocks
   __shared__ unsigned int task_id[kTaskSlots];
   __shared__ int tile_token[kBlockM];  // a gate/up task's rows: their tokens (producer)
+  // ... across ranks their x rows, in their source ranks' token rows (null: zeros)
+  __shared__ const std::uint16_t* tile_from[kRanks ? kBlockM : 1];
   __shared__ RowTiles row_tiles;
   __shared__ unsigned long long timer_acc[kTimed ? kTimerRoles : 1][kTimerSlots];
 
@@ -375,7 +404,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         // The tile's rows: each one's token (whose x row it reads), or -1 (a padding row, or past
         // the segment: zeros).
         const int row = task.row0 + i;
-        tile_token[i] = row < task.row_end ? p.x_rows.source(row) : -1;
+        if constexpr (kRanks) {
+          tile_from[i] = row < task.row_end ? rank_x_row(p, row) : nullptr;
+        } else {
+          tile_token[i] = row < task.row_end ? p.x_rows.source(row) : -1;
+        }
         hopper::named_barrier(kProducerBarrier, 128);
         const int b_row = task.expert * p.inner + task.col0;
         for (int kb = 0; kb < task.k_blocks; ++kb) {
@@ -389,8 +422,13 @@ __global__ void __launch_bounds__(kThreads, 1)
             hopper::tma_load_2d(b + R::kBBytes / 2, &map_wu, &full[stage], kb * kBlockK, b_row);
           }
           // (The tokens re-read from shared memory: the registers are few.)
-          gemm::gather_box<kBlockM>(ring.a(stage), p.x_rows, kb * kBlockK, i,
-                                    [&](int j) { return tile_token[i / 8 + 16 * j]; });
+          if constexpr (kRanks) {
+            gemm::gather_box<kBlockM>(ring.a(stage), p.x_rows, kb * kBlockK, i,
+                                      [&](int j) { return tile_from[i / 8 + 16 * j]; });
+          } else {
+            gemm::gather_box<kBlockM>(ring.a(stage), p.x_rows, kb * kBlockK, i,
+                                      [&](int j) { return tile_token[i / 8 + 16 * j]; });
+          }
           // The stage's arrival of this thread, once its copies have landed (the barrier's
           // completion makes them visible to the consumers' wgmma, as for the copy engine).
           hopper::cp_async_arrive(&full[stage]);
@@ -466,7 +504,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Piece kChunk of the pending tile.
   const auto drain = [&](auto chunk) {
     if (!pend.live) return;
-    store_piece<chunk.value>(p, pend, consumer);
+    store_piece<chunk.value, kRanks>(p, pend, consumer);
     if constexpr (chunk.value == kDrainChunks - 1) pend.live = false;
   };
 
@@ -498,6 +536,21 @@ __global__ void __launch_bounds__(kThreads, 1)
     const bool copy_x = p.x_rows.copy_to != nullptr && task.kind == kGateUp && task.col0 == 0;
     x_first = copy_x ? task.row0 + 64 * consumer : -1;
     x_end = task.row_end;
+    // A down tile's rows (the thread's two): their routes, and across ranks their source ranks,
+    // loaded now, side by side, so that they have landed by the tile's end, where the pending
+    // tile takes them (a short task's pieces go out before the next task's first wgmma).
+    int route[2] = {-1, -1};
+    int src[2] = {-1, -1};
+    if (task.kind == kDown) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = task.row0 + 64 * consumer + frag_row(threadIdx.x % 128, 2 * half);
+        if (row < task.row_end) {
+          route[half] = p.row_route[row];
+          if constexpr (kRanks) src[half] = p.row_src[row];
+        }
+      }
+    }
     // The grouped GEMMs' tile loop (no pieces after it: a short task's went out above). At its
     // end consumer 1 is let go if the first task had fewer than kLagBlocks blocks.
     gemm::consume_tile<true, false>(pipe, acc, task.k_blocks, k_block, drain,
@@ -518,15 +571,20 @@ __global__ void __launch_bounds__(kThreads, 1)
       store_h(p, task, consumer, pend.words, sig);
       if (timer) account<kTimed>(timer_acc, role, kTimeSwiglu, clock() - t2);
     } else {
-      const int t128 = threadIdx.x % 128;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int row = task.row0 + 64 * consumer + frag_row(t128, 2 * half);
-        const int route = row < task.row_end ? p.row_route[row] : -1;
+        // A route outside [0, T * K) is stored nowhere, as its gather read zeros (RowGather).
+        int r = route[half] < p.x_rows.num_routes ? route[half] : -1;
+        if constexpr (kRanks) {  // the row's source rank (outside [0, R): stored nowhere)
+          const int rank = src[half];
+          r = rank >= 0 && rank < p.world_size ? r : -1;
+          const unsigned int bits = r >= 0 ? static_cast<unsigned int>(rank) : 0u;
+          pend.ranks = half == 0 ? bits : (pend.ranks & 0xffffu) | (bits << 16);
+        }
         if (half == 0)
-          pend.route[0] = route;
+          pend.route[0] = r;
         else
-          pend.route[1] = route;
+          pend.route[1] = r;
       }
     }
   }
@@ -581,9 +639,11 @@ void moe_forward_cuda(const MoeForwardArgs& args, std::uintptr_t stream_handle) 
   // for it, never used, when there is none).
   const CUtensorMap map_x =
       args.out_x != 0 ? hopper::make_tensor_map(ptr(args.out_x), C, H, 64) : map_h;
+  const bool ranks = args.world_size > 1;
   Params p{};
   p.row_route = reinterpret_cast<const std::int32_t*>(args.row_route);
-  p.x_rows = {reinterpret_cast<const std::uint16_t*>(args.x),
+  // (across ranks the gather's zero-filled copies name row_src's address: a valid one, never read)
+  p.x_rows = {reinterpret_cast<const std::uint16_t*>(ranks ? args.row_src : args.x),
               p.row_route,
               s.num_rows,
               static_cast<int>(args.num_tokens * args.topk),
@@ -607,14 +667,23 @@ void moe_forward_cuda(const MoeForwardArgs& args, std::uintptr_t stream_handle) 
   p.inner = static_cast<int>(s.inner);
   p.limit = args.limit;
   p.timers = reinterpret_cast<unsigned long long*>(args.timers);
+  p.row_src = reinterpret_cast<const std::int32_t*>(args.row_src);
+  p.x_ranks = reinterpret_cast<const std::int64_t*>(args.x_ranks);
+  p.out_ranks = reinterpret_cast<const std::int64_t*>(args.out_rows_ranks);
+  p.world_size = static_cast<int>(args.world_size);
   core::ensure_sigmoid_table(stream);
+  // (a timed launch is one rank's: the caller refuses timers across ranks)
   if (args.timers != 0) {
-    kernels::allow_shared_bytes<moe_forward_kernel<true>>(R::kSharedBytes);
-    moe_forward_kernel<true>
+    kernels::allow_shared_bytes<moe_forward_kernel<true, false>>(R::kSharedBytes);
+    moe_forward_kernel<true, false>
+        <<<sms, kThreads, R::kSharedBytes, stream>>>(map_wg, map_wu, map_h, map_wd, map_x, p);
+  } else if (ranks) {
+    kernels::allow_shared_bytes<moe_forward_kernel<false, true>>(R::kSharedBytes);
+    moe_forward_kernel<false, true>
         <<<sms, kThreads, R::kSharedBytes, stream>>>(map_wg, map_wu, map_h, map_wd, map_x, p);
   } else {
-    kernels::allow_shared_bytes<moe_forward_kernel<false>>(R::kSharedBytes);
-    moe_forward_kernel<false>
+    kernels::allow_shared_bytes<moe_forward_kernel<false, false>>(R::kSharedBytes);
+    moe_forward_kernel<false, false>
         <<<sms, kThreads, R::kSharedBytes, stream>>>(map_wg, map_wu, map_h, map_wd, map_x, p);
   }
   kernels::check(cudaGetLastError(), "launching the forward megakernel");

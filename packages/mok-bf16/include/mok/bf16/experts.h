@@ -195,11 +195,13 @@ struct GroupedBackwardArgs {
 //     [a, b] = x_r @ [Wg_e; Wu_e]^T,  h = bf16(silu(a_c) * b_c),  y_r = h @ Wd_e^T,
 //     rows_out[route] = y_r (padding rows go nowhere)
 //
-// with grouped_forward's arithmetic on the device (the same bits). Across ranks (world_size > 1,
-// "cpu" only so far) row r's source is rank row_src[r]: x_r is row route / K of that rank's token
-// rows and y_r goes to row `route` of that rank's output rows, read and written where they are
-// (x_ranks, out_rows_ranks: each rank's address, as the transport maps its peers' segments; the
-// caller's barriers order them: the sources' rows written before, the outputs read after). A
+// with grouped_forward's arithmetic on the device (the same bits). Across ranks (world_size > 1)
+// row r's source is rank row_src[r]: x_r is row route / K of that rank's token rows and y_r goes
+// to row `route` of that rank's output rows, read and written where they are (x_ranks,
+// out_rows_ranks: each rank's address, 16-byte aligned, as the transport maps its peers'
+// segments; on "cuda" the kernel's gather reads them and its down tiles store to them by that
+// address, so a row costs one more load, its source rank; the caller's barriers order them: the
+// sources' rows written before, the outputs read after). A
 // route outside [0, num_tokens * K) or a source outside [0, world_size) is a padding row (no
 // token row is read, nothing is stored), as a route of -1. a and b are written for every row
 // (rows outside the segments: zero); h is scratch. offsets: int32 [El + 1] and row_route: int32
@@ -238,8 +240,9 @@ struct MoeForwardArgs {
   std::uintptr_t timers = 0;
   // Across ranks (world_size > 1): int32 [C] each table row's source rank (the table's row_src),
   // int64 [world_size] the address of each rank's token rows (bf16 [>= num_tokens, H]) and of its
-  // output rows (bf16 [>= num_tokens * K, H]); x and out_rows are then not read. num_tokens is
-  // then the most tokens a rank brings (every rank's routes below num_tokens * K).
+  // output rows (bf16 [>= num_tokens * K, H]), 16-byte aligned (on "cuda" in device memory); x
+  // and out_rows are then not read, and timers must be 0. num_tokens is then the most tokens a
+  // rank brings (every rank's routes below num_tokens * K).
   std::int64_t world_size = 1;
   std::uintptr_t row_src = 0;
   std::uintptr_t x_ranks = 0;

@@ -244,6 +244,9 @@ def _expert_path(cfg: MoKConfig, ws: Workspace, inner: int) -> ExpertPath:
     if not gpu_forward_kernels(cfg, dev, H, inner, El):
         return ExpertPath("reference", "reference")
     backward = "tensor-cores" if gpu_backward_kernels(cfg) else "reference"
+    # Across ranks the kernel takes the per-rank arguments (each row read from its source's x_src
+    # and stored into its `rows` by peer address, tested on one GPU); it stays off until measured on
+    # two GPUs, as its gate/up tiles would read a peer's x row over NVLink once per column tile.
     fused = (
         cfg.megakernel
         and ws.world_size == 1
@@ -1150,9 +1153,9 @@ class NativeBackend:
         routed experts in one launch, each route's row into the transport's `rows` (route order) of
         its source rank, and (with `context`) the x rows it gathered in table order (the context's
         routed x, as the chain's) and the pre-activations. At one rank no barrier (there is no
-        peer); across ranks (`ranks`, the CPU only so far) the caller's barriers 3 and 4 stand
-        before and after it. On the CPU it runs the rows in use (read on the host, as the CPU's
-        ring plan does: the context holds those rows only)."""
+        peer); across ranks (`ranks`: on the CPU, as expert_path keeps the GPU's on the chain) the
+        caller's barriers 3 and 4 stand before and after it. On the CPU it runs the rows in use
+        (read on the host, as the CPU's ring plan does: the context holds those rows only)."""
         rows = int(offsets[-1]) if ws.device.type == "cpu" else None
         return megakernel.moe_forward(
             ws, row_route, offsets.data_ptr(), x_TH, routed, tr.view["rows"], tr.error, limit=cfg.swiglu_limit,

@@ -9,7 +9,9 @@ between the schedule and the combine; its bits are those of the chain of grouped
 On the CPU the same call is mok-bf16's CPU model of it (one C++ call, the bits of the CPU chain),
 at one rank and across ranks (`Ranks`: each table row read from its source rank's token rows and
 its output stored into that rank's rows, by address, between the transport's barriers 3 and 4).
-The GPU kernel takes one rank's arguments only, so far (docs/megakernel.md "Where it stands").
+The GPU kernel takes the same per-rank arguments (tested on one GPU with several ranks' rows); the
+cuda backend's `expert_path` still runs the chain across ranks until that is measured on two GPUs
+(docs/megakernel.md "Where it stands").
 
 Shape letters: docs/design.md §1.
 """
@@ -37,8 +39,8 @@ class Ranks(NamedTuple):
     """A call across ranks: where each table row's x comes from and its y goes, by address."""
 
     row_src_C: int  # the table's row_src_rank_C (int32 [C]): each row's source rank
-    x_R: torch.Tensor  # int64 [R]: each rank's token rows (bf16 [max_tokens, H], the transport's x_src)
-    rows_R: torch.Tensor  # int64 [R]: each rank's output rows (bf16 [max_tokens * K, H], its `rows`)
+    x_R: torch.Tensor  # int64 [R] on the device: each rank's token rows (bf16 [max_tokens, H], the transport's x_src)
+    rows_R: torch.Tensor  # int64 [R] on the device: each rank's output rows (bf16 [max_tokens * K, H], its `rows`)
 
 
 class Outputs(NamedTuple):
@@ -101,8 +103,9 @@ def moe_forward(
     timers: a probe's int64 [CTAs * 3 * 9] (zeroed by the kernel's roles as they finish): the
     timed kernel adds up clock64 cycles per CTA and role (TIMER_SLOTS; benchmarks/probes/
     megakernel_timers.py reads them); None runs the untimed kernel.
-    ranks (the CPU only, so far): a call across the workspace's ranks; x_TH and rows_out are then
-    not read (each rank's rows are `ranks`'), and every rank's routes are below max_tokens * K.
+    ranks: a call across the workspace's ranks; x_TH and rows_out are then not read (each rank's
+    rows are `ranks`': on the GPU device tensors of addresses, a peer's mapped segment or this
+    device's), and every rank's routes are below max_tokens * K.
     rows (the CPU only): the table rows it runs and the context holds, the capacity's first `rows`
     (the CPU's chain reads the end of the last segment on the host and keeps that many; None: the
     capacity, as the GPU's launch, which reads no device value on the host).
