@@ -16,7 +16,8 @@ bench name (default qwen3-30b-a3b and sonic-7b), balanced routing, the default c
 With --profile no step is wrapped: cProfile runs over the forwards alone (each from an idle device)
 and the functions that took the most host time by their own time are listed, per call (us), with
 the time spent inside them (cumulative): what the steps' inclusive times cannot split, as the
-allocations, the stream lookups and the extensions' argument parsing.
+allocations, the stream lookups and the extensions' argument parsing. Under each built-in of 5 us
+or more a call, its callers with their share of its time (which copy, which allocation).
 """
 
 from __future__ import annotations
@@ -239,17 +240,26 @@ def profile(shape_name: str, calls: int, top: int = 32) -> list[str]:
         host.append(time.perf_counter() - t)
     sync()
     stats = pstats.Stats(prof, stream=io.StringIO())
+    table = stats.stats  # type: ignore[attr-defined]
     rows = []
-    for (file, line, name), (_, ncalls, own, cum, _) in stats.stats.items():  # type: ignore[attr-defined]
-        where = name if file == "~" else f"{file.split('site-packages/')[-1]}:{line}({name})"
-        rows.append((own, cum, ncalls, where))
-    rows.sort(reverse=True)
+    for key, (_, ncalls, own, cum, callers) in table.items():
+        rows.append((own, cum, ncalls, _where(key), callers))
+    rows.sort(key=lambda r: r[:3], reverse=True)
     out = [f"== {shape.name} forward under cProfile: {calls} calls from an idle device "
            f"(host {statistics.median(host) * 1e6:.1f} us a call by the median, the profiler's cost included)",
            f"   {'own us/call':>11s} {'cum us/call':>11s} {'calls/call':>10s}  function"]  # fmt: skip
-    for own, cum, ncalls, where in rows[:top]:
+    for own, cum, ncalls, where, callers in rows[:top]:
         out.append(f"   {own / calls * 1e6:11.1f} {cum / calls * 1e6:11.1f} {ncalls / calls:10.1f}  {where}")
+        if "(" not in where and own / calls >= 5e-6:  # a built-in (torch's, an extension's): who calls it
+            for caller, (_, n, own_in, _) in sorted(callers.items(), key=lambda c: -c[1][2]):
+                out.append(f"   {'':11s} {own_in / calls * 1e6:11.1f} {n / calls:10.1f}    from {_where(caller)}")
     return out
+
+
+def _where(key: tuple[str, int, str]) -> str:
+    """A cProfile function key as file:line(name), or the built-in's name."""
+    file, line, name = key
+    return name if file == "~" else f"{file.split('site-packages/')[-1]}:{line}({name})"
 
 
 def main() -> None:
