@@ -377,11 +377,11 @@ void moe_forward(std::string_view device, const MoeForwardArgs& a, std::uintptr_
     moe_forward_cpu(a);
     return;
   }
-  if (a.world_size > 65536) {  // the down tiles hold a row's source rank in 16 bits
-    invalid(fn, "world_size must be <= 65536 on cuda" + got(a.world_size));
-  }
   if (ranks && a.timers != 0) {
     invalid(fn, "timers must be 0 when world_size > 1 (a timed launch is one rank's)");
+  }
+  if (a.world_size > 65536) {  // the down tiles hold a row's source rank in 16 bits
+    invalid(fn, "world_size must be <= 65536 on cuda" + got(a.world_size));
   }
   check_grouped_cuda_shape(fn, s);
   const bool rows = s.num_rows > 0;

@@ -101,16 +101,16 @@ __device__ inline void gather_box(unsigned char* box, const RowGather& g, int co
   for (int j = 0; j < kPieces / 16; ++j) {
     const int piece = i / 8 + 16 * j;
     const auto s = src(j);
+    bool valid;
+    const std::uint16_t* from;
     if constexpr (std::is_pointer_v<decltype(s)>) {
-      const bool valid = s != nullptr && in_cols;
-      const std::uint16_t* from = valid ? s + col + 8 * chunk : g.rows;
-      hopper::cp_async_16_zfill(box + piece * 128 + swizzled, from, valid ? 16 : 0);
+      valid = s != nullptr && in_cols;
+      from = valid ? s + col + 8 * chunk : g.rows;
     } else {
-      const bool valid = s >= 0 && in_cols;
-      const std::uint16_t* from =
-          g.rows + (valid ? static_cast<std::int64_t>(s) * g.cols + col + 8 * chunk : 0);
-      hopper::cp_async_16_zfill(box + piece * 128 + swizzled, from, valid ? 16 : 0);
+      valid = s >= 0 && in_cols;
+      from = g.rows + (valid ? static_cast<std::int64_t>(s) * g.cols + col + 8 * chunk : 0);
     }
+    hopper::cp_async_16_zfill(box + piece * 128 + swizzled, from, valid ? 16 : 0);
   }
 }
 

@@ -620,6 +620,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   tasks::reset_after_last_cta(p.queue, p.ready, p.num_counters, 128, 256, kConsumersBarrier);
 }
 
+// One instantiation's launch over `sms` CTAs, its shared memory allowed first.
+template <bool kTimed, bool kRanks>
+void launch_kernel(int sms, cudaStream_t stream, const CUtensorMap& map_wg,
+                   const CUtensorMap& map_wu, const CUtensorMap& map_h, const CUtensorMap& map_wd,
+                   const CUtensorMap& map_x, const Params& p) {
+  kernels::allow_shared_bytes<moe_forward_kernel<kTimed, kRanks>>(R::kSharedBytes);
+  moe_forward_kernel<kTimed, kRanks>
+      <<<sms, kThreads, R::kSharedBytes, stream>>>(map_wg, map_wu, map_h, map_wd, map_x, p);
+}
+
 }  // namespace
 
 void moe_forward_cuda(const MoeForwardArgs& args, std::uintptr_t stream_handle) {
@@ -673,19 +683,10 @@ void moe_forward_cuda(const MoeForwardArgs& args, std::uintptr_t stream_handle) 
   p.world_size = static_cast<int>(args.world_size);
   core::ensure_sigmoid_table(stream);
   // (a timed launch is one rank's: the caller refuses timers across ranks)
-  if (args.timers != 0) {
-    kernels::allow_shared_bytes<moe_forward_kernel<true, false>>(R::kSharedBytes);
-    moe_forward_kernel<true, false>
-        <<<sms, kThreads, R::kSharedBytes, stream>>>(map_wg, map_wu, map_h, map_wd, map_x, p);
-  } else if (ranks) {
-    kernels::allow_shared_bytes<moe_forward_kernel<false, true>>(R::kSharedBytes);
-    moe_forward_kernel<false, true>
-        <<<sms, kThreads, R::kSharedBytes, stream>>>(map_wg, map_wu, map_h, map_wd, map_x, p);
-  } else {
-    kernels::allow_shared_bytes<moe_forward_kernel<false, false>>(R::kSharedBytes);
-    moe_forward_kernel<false, false>
-        <<<sms, kThreads, R::kSharedBytes, stream>>>(map_wg, map_wu, map_h, map_wd, map_x, p);
-  }
+  const auto launch = args.timers != 0 ? launch_kernel<true, false>
+                      : ranks          ? launch_kernel<false, true>
+                                       : launch_kernel<false, false>;
+  launch(sms, stream, map_wg, map_wu, map_h, map_wd, map_x, p);
   kernels::check(cudaGetLastError(), "launching the forward megakernel");
 }
 
