@@ -501,6 +501,20 @@ def test_combine_matches_reference(device: str, with_base: bool, with_weights: b
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_combine_more_work_than_the_grid(device: str) -> None:
+    """More 16-byte groups than the launch has threads (on a GPU the grid is what the device holds
+    at once, so each thread takes several tokens' groups in turn): the reference's bits for every
+    token, T prime and K = 8 as in the fine-grained shapes."""
+    g = torch.Generator().manual_seed(17)
+    T, K, H = 2053, 8, 1536
+    rows = random_bf16(g, (T, K, H), scale=3.0)
+    base = random_bf16(g, (T, H))
+    weights = torch.rand(T, K, generator=g)
+    got = core_combine(base, rows, weights, device)
+    assert_bits_equal(got, combine_epilogue(base, rows, weights), f"T={T} K={K} H={H}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_combine_special_values(device: str) -> None:
     """Every bf16 bit pattern (subnormals, signed zeros, infinities, NaNs) and wild weights."""
     g = torch.Generator().manual_seed(5)

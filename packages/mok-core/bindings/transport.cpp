@@ -1,8 +1,9 @@
-// Python bindings of the transport: pull_rows, push_rows, barrier and ShmSegment.
+// Python bindings of the transport: pull_rows, push_rows, barrier, ErrorSnapshot and ShmSegment.
 #include <Python.h>
 
 #include <cstdint>
 #include <exception>
+#include <memory>
 #include <string>
 
 #include "register.h"
@@ -114,6 +115,36 @@ void register_transport(pybind11::module_& m) {
       "gives up; a set error is sticky: later calls still arrive but never wait. "
       "On 'cpu' it blocks (without the GIL) and returns False on error; on 'cuda' it enqueues one "
       "kernel on `stream` and returns True (the outcome lands in `error`).");
+
+  py::class_<ErrorSnapshot>(
+      m, "ErrorSnapshot",
+      "ErrorSnapshot(device): the transport's error words on their way to the host after a call, "
+      "for the next call to read without waiting (docs/core-runtime.md). On 'cuda' it holds four "
+      "words of pinned host memory and an event of the current device (made by the first take() "
+      "outside a CUDA graph capture); take() queues one "
+      "cudaMemcpyAsync of the words behind the stream's work and the event after it, read() "
+      "queries the event. On 'cpu' take() copies at once. RuntimeError for 'cuda' on a build "
+      "without CUDA.")
+      .def(py::init([](const std::string& device) {
+             return std::make_unique<ErrorSnapshot>(parse_transport_device(device));
+           }),
+           py::arg("device"))
+      .def("take", &ErrorSnapshot::take, py::arg("error"), py::arg("stream") = 0,
+           "Queue the copy of the error words at address `error` (int32 [4], 4-byte aligned) "
+           "behind `stream`'s work, replacing an unread one; False (nothing queued) while "
+           "`stream` is being captured into a CUDA graph. ValueError naming a bad address.")
+      .def(
+          "read",
+          [](const ErrorSnapshot& self, std::int64_t stream) -> py::object {
+            std::int32_t words[transport::kErrorWords];
+            if (!self.read(stream, words)) return py::none();
+            py::list out;
+            for (const std::int32_t w : words) out.append(w);
+            return out;
+          },
+          py::arg("stream") = 0,
+          "The words of the last take() as a list, once its copy has landed; None before (or "
+          "with nothing taken, or while `stream` is being captured: no event query then).");
 
   py::class_<ShmSegment>(
       m, "ShmSegment",

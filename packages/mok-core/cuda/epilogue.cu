@@ -3,6 +3,7 @@
 // them into an FMA) and the integer bf16 conversions of mok/core/bf16.h.
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -120,6 +121,34 @@ void check_cuda(cudaError_t status, const char* what) {
 
 bool aligned16(std::uintptr_t ptr) { return ptr % 16 == 0; }
 
+// How many CTAs of `kernel` the current device holds at once (SMs x CTAs per SM), read from the
+// driver once per device. The combine's grid is at most that: every CTA resident, the grid-stride
+// loop spreading the work evenly. A grid of several waves ended in a partial one (at sonic-7b 2,112
+// CTAs where 660 fit: a last wave of one CTA an SM, which moved a fifth of the bytes a full wave
+// moves in about the same time).
+constexpr int kTrackedDevices = 64;
+
+template <bool kAligned>
+int resident_ctas() {
+  static std::atomic<int> known[kTrackedDevices];
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  const bool tracked = device >= 0 && device < kTrackedDevices;
+  if (tracked) {
+    if (const int n = known[device].load(std::memory_order_relaxed); n > 0) return n;
+  }
+  int num_sms = 0;
+  int per_sm = 0;
+  check_cuda(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device),
+             "cudaDeviceGetAttribute(MultiProcessorCount)");
+  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, combine_bf16_kernel<kAligned>,
+                                                           kThreads, 0),
+             "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  const int n = num_sms * (per_sm > 0 ? per_sm : 1);
+  if (tracked) known[device].store(n, std::memory_order_relaxed);
+  return n;
+}
+
 }  // namespace
 
 void combine_cuda(const CombineArgs& a, std::uintptr_t stream_handle) {
@@ -134,19 +163,13 @@ void combine_cuda(const CombineArgs& a, std::uintptr_t stream_handle) {
   p.topk = a.topk;
   p.hidden = a.hidden;
 
-  int device = 0;
-  int num_sms = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  check_cuda(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device),
-             "cudaDeviceGetAttribute(MultiProcessorCount)");
-  const std::int64_t work = a.num_tokens * ((a.hidden + kVec - 1) / kVec);
-  const std::int64_t wanted = (work + kThreads - 1) / kThreads;
-  // Enough CTAs to fill every SM several times over; the grid-stride loop takes the rest.
-  const std::int64_t cap = static_cast<std::int64_t>(num_sms) * 16;
-  const unsigned blocks = static_cast<unsigned>(wanted < cap ? wanted : cap);
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
   const bool vec = a.hidden % kVec == 0 && aligned16(a.out) && aligned16(a.rows) &&
                    (a.base == 0 || aligned16(a.base));
+  const std::int64_t work = a.num_tokens * ((a.hidden + kVec - 1) / kVec);
+  const std::int64_t wanted = (work + kThreads - 1) / kThreads;
+  const std::int64_t cap = vec ? resident_ctas<true>() : resident_ctas<false>();
+  const unsigned blocks = static_cast<unsigned>(wanted < cap ? wanted : cap);
   if (vec) {
     combine_bf16_kernel<true><<<blocks, kThreads, 0, stream>>>(p);
   } else {

@@ -4,6 +4,7 @@
 // every launch can be captured in a CUDA graph.
 #include <cuda_runtime.h>
 
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -180,6 +181,63 @@ void barrier_cuda(std::uint64_t* epoch, const std::int64_t* signal_pad_ptrs, int
   epoch_barrier_kernel<<<1, threads, 0, as_stream(stream)>>>(epoch, signal_pad_ptrs, rank,
                                                              world_size, error, stage, timeout_ns);
   check_launch("barrier");
+}
+
+namespace {
+void check_snapshot(cudaError_t status, const char* what) {
+  if (status != cudaSuccess) {
+    cudaGetLastError();  // a non-sticky error is not left for a later call to find
+    throw std::runtime_error(std::string("ErrorSnapshot: ") + what + " failed: " +
+                             cudaGetErrorName(status) + ": " + cudaGetErrorString(status));
+  }
+}
+}  // namespace
+
+void snapshot_create_cuda(std::int32_t** host, void** event) {
+  void* words = nullptr;
+  check_snapshot(
+      cudaHostAlloc(&words, transport::kErrorWords * sizeof(std::int32_t), cudaHostAllocDefault),
+      "cudaHostAlloc");
+  cudaEvent_t done = nullptr;
+  const cudaError_t status = cudaEventCreateWithFlags(&done, cudaEventDisableTiming);
+  if (status != cudaSuccess) cudaFreeHost(words);
+  check_snapshot(status, "cudaEventCreateWithFlags");
+  std::memset(words, 0, transport::kErrorWords * sizeof(std::int32_t));
+  *host = static_cast<std::int32_t*>(words);
+  *event = done;
+}
+
+void snapshot_destroy_cuda(std::int32_t* host, void* event) noexcept {
+  // A copy still in flight lands before its memory goes (an event never recorded has passed).
+  auto done = static_cast<cudaEvent_t>(event);
+  if (done != nullptr) {
+    cudaEventSynchronize(done);
+    cudaEventDestroy(done);
+  }
+  if (host != nullptr) cudaFreeHost(host);
+  cudaGetLastError();  // (at exit the context may be gone: nothing to report from a destructor)
+}
+
+bool stream_capturing_cuda(std::int64_t stream) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  check_snapshot(cudaStreamIsCapturing(as_stream(stream), &capture), "cudaStreamIsCapturing");
+  return capture != cudaStreamCaptureStatusNone;
+}
+
+void snapshot_take_cuda(std::int32_t* host, void* event, const std::int32_t* error,
+                        std::int64_t stream) {
+  check_snapshot(cudaMemcpyAsync(host, error, transport::kErrorWords * sizeof(std::int32_t),
+                                 cudaMemcpyDeviceToHost, as_stream(stream)),
+                 "cudaMemcpyAsync");
+  check_snapshot(cudaEventRecord(static_cast<cudaEvent_t>(event), as_stream(stream)),
+                 "cudaEventRecord");
+}
+
+bool snapshot_landed_cuda(void* event) {
+  const cudaError_t status = cudaEventQuery(static_cast<cudaEvent_t>(event));
+  if (status == cudaErrorNotReady) return false;
+  check_snapshot(status, "cudaEventQuery");
+  return true;
 }
 
 }  // namespace mok::core

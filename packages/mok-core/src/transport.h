@@ -45,6 +45,34 @@ bool barrier(TransportDevice device, std::int64_t epoch, std::int64_t signal_pad
              std::int64_t rank, std::int64_t world_size, std::int64_t error, std::int64_t stage,
              std::int64_t timeout_ns, std::int64_t stream);
 
+// A GPU call's error words on their way to the host, for the next call to read without waiting
+// (docs/core-runtime.md, "Errors"): take() queues a copy of the words behind the stream's work
+// and an event after it; read() gives the words once the event has passed. On the GPU the host
+// words are pinned memory and the event one of the current device (made by the first take that
+// is not inside a capture); on the CPU the copy is made at once. One object holds one copy at a
+// time: taking it again before it is read replaces the copy (on the same stream the new one lands
+// after the old).
+class ErrorSnapshot {
+ public:
+  explicit ErrorSnapshot(TransportDevice device);
+  ~ErrorSnapshot();
+  ErrorSnapshot(const ErrorSnapshot&) = delete;
+  ErrorSnapshot& operator=(const ErrorSnapshot&) = delete;
+
+  // The words at `error` (int32 [kErrorWords], 4-byte aligned) behind `stream`'s work; false,
+  // with nothing queued, while `stream` is being captured into a CUDA graph.
+  bool take(std::int64_t error, std::int64_t stream);
+  // Whether the last take's copy has landed (false while `stream` is being captured: an event
+  // query would end the capture), then the words in `out`.
+  bool read(std::int64_t stream, std::int32_t* out) const;
+
+ private:
+  TransportDevice device_;
+  std::int32_t* host_ = nullptr;  // kErrorWords words (pinned on the GPU)
+  void* event_ = nullptr;         // cudaEvent_t on the GPU
+  bool taken_ = false;
+};
+
 // Kernel launchers of cuda/transport.cu: arguments already validated; they never synchronize
 // and throw std::runtime_error when the launch fails (on a build without CUDA: always, and the
 // entry points above never call them).
@@ -54,5 +82,12 @@ void zero_rows_cuda(const transport::ZeroRows& rows, int num_workers, std::int64
 void barrier_cuda(std::uint64_t* epoch, const std::int64_t* signal_pad_ptrs, int rank,
                   int world_size, std::int32_t* error, int stage, std::int64_t timeout_ns,
                   std::int64_t stream);
+// ErrorSnapshot's CUDA calls (stream_capturing: whether `stream` is being captured).
+void snapshot_create_cuda(std::int32_t** host, void** event);
+void snapshot_destroy_cuda(std::int32_t* host, void* event) noexcept;
+bool stream_capturing_cuda(std::int64_t stream);
+void snapshot_take_cuda(std::int32_t* host, void* event, const std::int32_t* error,
+                        std::int64_t stream);
+bool snapshot_landed_cuda(void* event);
 
 }  // namespace mok::core

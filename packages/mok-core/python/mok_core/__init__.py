@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ._C import (
+    ErrorSnapshot,
     ShmSegment,
     barrier,
     build_info,
@@ -31,6 +32,7 @@ from ._C import (
 __version__: str = version()
 
 __all__ = [
+    "ErrorSnapshot",
     "ShmSegment",
     "__version__",
     "backend_info",

@@ -89,7 +89,7 @@ from .mxfp8_grouped import (
     mxfp8_grouped_wgrad,
     mxfp8_swiglu_backward,
 )
-from .transport import Transport
+from .transport import Transport, current_stream_handle
 
 Weights3 = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 SharedContext = tuple[torch.Tensor | None, torch.Tensor | None]  # the shared expert's a, b (None: none)
@@ -546,14 +546,14 @@ class NativeBackend:
             return
         if tr.dev == "cuda":
             torch.cuda.synchronize(ws.device)
-        tr.pending = None  # read now, in full
+        if tr.pending is not None:  # read now, in full (its copy has landed)
+            tr.spare.append(tr.pending)
+            tr.pending = None
         tr.raise_error(tr.error.tolist())
 
     def _check_errors(self, tr: Transport) -> None:
         """Raise a transport error a previous GPU call recorded (read without waiting)."""
-        if tr.pending is None or torch.cuda.is_current_stream_capturing():
-            return  # nothing to read, or no event queries inside a capture
-        words = tr.read_pending()
+        words = tr.read_pending()  # (None inside a capture: no event query there)
         if words is not None:
             tr.raise_error(words)
 
@@ -793,7 +793,7 @@ class NativeBackend:
             offsets = buf[sum(sizes[:4]) : sum(sizes[:5])]  # the experts' launch reads it first
 
             def tensors() -> _Table:
-                parts = buf.split(sizes)
+                parts = torch.split_with_sizes(buf, sizes)  # (Tensor.split's wrapper: ~10 us more)
                 route_row, routes = (parts[6], parts[7].view(T, K)) if local else (None, None)
                 recv, tokens = parts[0].view(torch.int64), parts[1].view(torch.int64)
                 return _Table(parts[2], parts[3], parts[4], parts[5], recv, tokens, route_row, routes)
@@ -857,8 +857,8 @@ class NativeBackend:
             assert R == 1 and top is table.routes, "a deferred send side is one rank's (its barrier is collective)"
             unissued: dict[str, Any] = dict.fromkeys(SEND_SIDE)
             sched: Schedule = LazySendSide(**fields, **unissued)
-            stream = torch.cuda.current_stream(dev) if dev.type == "cuda" else None
-            sched.aux[PENDING_SEND_SIDE] = functools.partial(self._deferred_send_side, ws, tr, stream)
+            # (the call's stream by its handle: torch's current_stream object took ~30 us of host)
+            sched.aux[PENDING_SEND_SIDE] = functools.partial(self._deferred_send_side, ws, tr, tr.stream)
             return sched
         sched = Schedule(**fields, **self._send_side_tensors(ws, T * K))
         self._issue_source_side(ws, tr, sched)
@@ -874,14 +874,14 @@ class NativeBackend:
             route_rank_TK=torch.empty(routes, dtype=torch.int32, device=dev),
         )
 
-    def _deferred_send_side(
-        self, ws: Workspace, tr: Transport, stream: torch.cuda.Stream | None, sched: Schedule
-    ) -> None:
+    def _deferred_send_side(self, ws: Workspace, tr: Transport, stream: int, sched: Schedule) -> None:
         """LazySendSide's issue, at the first read: on the reader's stream, after everything the
-        call's stream had issued (the routes' copy among it) when the reader's is another."""
+        call's stream (`stream`, its handle; 0 on the CPU) had issued (the routes' copy among it)
+        when the reader's is another."""
         with _on(ws):
-            if stream is not None and torch.cuda.current_stream(ws.device) != stream:
-                torch.cuda.current_stream(ws.device).wait_stream(stream)
+            if stream and current_stream_handle(ws.device) != stream:
+                call_stream = torch.cuda.ExternalStream(stream, device=ws.device)
+                torch.cuda.current_stream(ws.device).wait_stream(call_stream)
             for name, tensor in self._send_side_tensors(ws, sched.top_experts_TK.numel()).items():
                 object.__setattr__(sched, name, tensor)
             self._issue_source_side(ws, tr, sched)
