@@ -177,7 +177,7 @@ def test_group_without_distributed():
 
 
 def test_moe_rejects():
-    inp = make_inputs(T, H, I, E, K, 0, seed=1)
+    inp = make_inputs(T, H, I, E, K, 0, seed=1).to(DEVICE)  # (the cuda backend refuses CPU tensors first)
     cfg = config(expert_alignment=8)
     with pytest.raises(TypeError, match="x must have dtype"):
         mok.moe(inp.x_TH.long(), inp.top_experts_TK, inp.router_weights_TK, inp.routed, config=cfg)
@@ -189,7 +189,8 @@ def test_moe_rejects():
         mok.moe(inp.x_TH, inp.top_experts_TK, inp.router_weights_TK, inp.routed[:2], config=cfg)
     with pytest.raises(TypeError, match="config must be a MoKConfig"):
         mok.moe(inp.x_TH, inp.top_experts_TK, inp.router_weights_TK, inp.routed, config="bf16")
-    with pytest.raises(ValueError, match="x is on meta, top_experts on cpu"):  # x is the one misplaced
+    where = inp.top_experts_TK.device
+    with pytest.raises(ValueError, match=f"x is on meta, top_experts on {where}"):  # x is the one misplaced
         mok.moe(inp.x_TH.to("meta"), inp.top_experts_TK, inp.router_weights_TK, inp.routed, config=cfg)
     with pytest.raises(ValueError, match="top_experts holds expert id"):
         mok.moe(inp.x_TH, inp.top_experts_TK + E, inp.router_weights_TK, inp.routed, config=cfg)
