@@ -467,6 +467,35 @@ def test_cuda_bad_expert_id_is_raised_across_streams():
 
 
 @gpu
+def test_cuda_calls_on_alternating_streams_never_wait():
+    """Calls that alternate between two streams while the device is far behind (each stream first
+    sleeps ~0.1 s on the device) all return before the device has done any of them: a snapshot of
+    the error words left unread when the stream changes is kept until its copy lands, never freed
+    (freeing pinned memory under a copy in flight would wait for it). Their y are a fresh call's."""
+    inp, call, _, _ = _gpu_layer_call("kernels", seed=8)
+    good = call(inp.top_experts_TK)
+    mok.check_errors()
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    outs, ends = [], []
+    for i in range(6):
+        s = streams[i % 2]
+        s.wait_stream(streams[(i + 1) % 2])
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(200_000_000)
+            outs.append(call(inp.top_experts_TK))
+            end = torch.cuda.Event()
+            end.record(s)
+            ends.append(end)
+    assert not ends[0].query(), "the host waited for the device while it issued the calls"
+    torch.cuda.synchronize()
+    for y in outs:
+        assert torch.equal(y, good)
+    mok.check_errors()
+
+
+@gpu
 @pytest.mark.parametrize("dims", ["small", "kernels"])
 def test_cuda_call_never_waits_for_the_device(dims):
     """A layer call's forward and backward on a GPU issue no synchronizing CUDA call (torch's sync

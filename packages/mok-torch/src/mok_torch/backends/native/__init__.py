@@ -546,9 +546,9 @@ class NativeBackend:
             return
         if tr.dev == "cuda":
             torch.cuda.synchronize(ws.device)
-        if tr.pending is not None:  # read now, in full (its copy has landed)
-            tr.spare.append(tr.pending)
-            tr.pending = None
+        # read now, in full: every snapshot's copy has landed
+        tr.spare += tr.in_flight + ([] if tr.pending is None else [tr.pending])
+        tr.pending, tr.in_flight = None, []
         tr.raise_error(tr.error.tolist())
 
     def _check_errors(self, tr: Transport) -> None:

@@ -133,10 +133,12 @@ class Transport:
         self.epoch = torch.zeros(1, dtype=torch.int64, device=self.device)
         # The error words' snapshot of the last GPU call (mok_core.ErrorSnapshot), read by the
         # next one, and the stream it was taken on; the snapshots read already, for reuse (no
-        # pinned buffer or event made per call)
+        # pinned buffer or event made per call); those left unread when the stream changed, whose
+        # copies may still be in flight (kept until they land: dropping one would wait for it)
         self.pending: Any = None
         self.pending_stream = 0
         self.spare: list[Any] = []
+        self.in_flight: list[Any] = []
         # The stream of the call in progress (begin_call), 0 on the CPU
         self.stream = 0
         self.error = torch.zeros(4, dtype=torch.int32, device=self.device)
@@ -236,14 +238,25 @@ class Transport:
             # Not read yet (the device is behind the host, as it usually is in training): the same
             # snapshot again; on the same stream the new copy lands after the old one.
             snap = self.pending
-        elif self.spare:
-            snap = self.spare.pop()
         else:
-            snap = self.core.ErrorSnapshot("cuda")
+            if self.pending is not None:  # another stream's, unread: its copy may be in flight
+                self.in_flight.append(self.pending)
+                self.pending = None
+            snap = self._free_snapshot()
         if snap.take(self._error_ptr, self.stream):
             self.pending, self.pending_stream = snap, self.stream
         elif snap is not self.pending:  # capturing: nothing taken
             self.spare.append(snap)
+
+    def _free_snapshot(self) -> Any:
+        """A snapshot whose copy is not in flight: a spare, one left unread by a change of stream
+        whose copy has landed, or a new one."""
+        if self.spare:
+            return self.spare.pop()
+        for i, snap in enumerate(self.in_flight):
+            if snap.read(self.stream) is not None:
+                return self.in_flight.pop(i)
+        return self.core.ErrorSnapshot("cuda")
 
     def read_pending(self) -> list[int] | None:
         """The error words of the last snapshot once its copy has landed (else None, and the
