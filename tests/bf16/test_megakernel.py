@@ -198,14 +198,22 @@ def test_megakernel_call_issues_no_send_side(T, H, I, E, K, Is, routing, limit, 
 
 @needs_gpu
 @pytest.mark.parametrize(
-    "T,H,I,E,K,routing",
-    [(300, 256, 192, 8, 4, "skewed"), (1, 128, 64, 4, 1, "worst"), (150, 128, 256, 16, 2, "sparse")],
+    "T,H,I,E,K,routing,alignment",
+    [
+        (300, 256, 192, 8, 4, "skewed", 128),
+        (1, 128, 64, 4, 1, "worst", 128),
+        (150, 128, 256, 16, 2, "sparse", 128),
+        # Several column tiles (the column-0 tile of each row tile stores the x rows with context),
+        # and segments cut inside a 64-row half (alignment 16: x rows stored by the threads).
+        (333, 256, 384, 8, 4, "skewed", 16),
+        (300, 192, 640, 8, 4, "balanced", 128),
+    ],
 )
-def test_megakernel_launch_without_context_writes_the_same_rows(T, H, I, E, K, routing):
+def test_megakernel_launch_without_context_writes_the_same_rows(T, H, I, E, K, routing, alignment):
     """megakernel.moe_forward(context=False): no a, b or x rows (null pointers: a store through one
     would fault), every route's output row the full launch's, bit for bit; the state left zero."""
     inp = make_inputs(T, H, I, E, K, 0, routing, seed=5).to("cuda")
-    cfg = cuda_config()
+    cfg = cuda_config(expert_alignment=alignment)
     ws = mok.create_workspace(cfg, None, device="cuda", max_tokens=T, hidden_size=H, topk=K, num_experts=E)
     sched = mok.build_schedule(ws, cfg, inp.top_experts_TK)
 

@@ -501,12 +501,14 @@ def test_combine_matches_reference(device: str, with_base: bool, with_weights: b
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_combine_more_work_than_the_grid(device: str) -> None:
+@pytest.mark.parametrize("K", [2, 8])
+def test_combine_more_work_than_the_grid(device: str, K: int) -> None:
     """More 16-byte groups than the launch has threads (on a GPU the grid is what the device holds
-    at once, so each thread takes several tokens' groups in turn): the reference's bits for every
-    token, T prime and K = 8 as in the fine-grained shapes."""
+    at once, twice that at K = 2, so each thread takes several tokens' groups in turn): the
+    reference's bits for every token, T prime, K = 8 as in the fine-grained shapes and 2 as in the
+    coarse ones."""
     g = torch.Generator().manual_seed(17)
-    T, K, H = 2053, 8, 1536
+    T, H = 2053, 1536
     rows = random_bf16(g, (T, K, H), scale=3.0)
     base = random_bf16(g, (T, H))
     weights = torch.rand(T, K, generator=g)
