@@ -504,7 +504,7 @@ def test_combine_matches_reference(device: str, with_base: bool, with_weights: b
 @pytest.mark.parametrize("K", [2, 8])
 def test_combine_more_work_than_the_grid(device: str, K: int) -> None:
     """More 16-byte groups than the launch has threads (on a GPU the grid is what the device holds
-    at once, twice that at K = 2, so each thread takes several tokens' groups in turn): the
+    at once, so each thread takes several tokens' groups in turn): the
     reference's bits for every token, T prime, K = 8 as in the fine-grained shapes and 2 as in the
     coarse ones."""
     g = torch.Generator().manual_seed(17)
