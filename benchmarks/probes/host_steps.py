@@ -10,7 +10,9 @@ inclusive host time (us) and of when it was first entered after the call began (
 mok.moe is 0). Device side: a CUDA event recorded just before the call and one recorded on the
 stream just before the forward's expert kernel is issued (the megakernel, or the chain's first
 grouped GEMM) give the device's start of the experts ("experts start"); with an idle device that is
-the host's issue time up to there plus the few small kernels before it (the schedule's). Shapes by
+the host's issue time up to there plus the few small kernels before it (the schedule's). Three
+passes: the forward through autograd (the context kept), forward + backward, and the forward under
+torch.no_grad (a forward that no backward follows, as in evaluation and RL's rollouts). Shapes by
 bench name (default qwen3-30b-a3b and sonic-7b), balanced routing, the default config.
 
 With --profile no step is wrapped: cProfile runs over the forwards alone (each from an idle device)
@@ -46,6 +48,7 @@ from mok_torch.bench.timing import Ranks
 STEPS = (
     ("mok_torch.autograd", "moe"),
     ("mok_torch.autograd", "Layer.forward"),
+    ("mok_torch.ops", "run_forward_only"),
     ("mok_torch.functional", "schedule_and_forward"),
     ("mok_torch.functional", "_checked_routes"),
     ("mok_torch.functional", "_check_layer_args"),
@@ -186,10 +189,15 @@ def run(shape_name: str, calls: int) -> list[str]:
         call.drop_grads()
         forward().backward(call.dy_TH)
 
+    def forward_alone() -> None:  # no gradient can be asked for: ops.run_forward_only, no context
+        with torch.no_grad():
+            forward()
+
     rec = Recorder()
     instrument(rec)
     out = []
-    for label, fn in (("forward", forward), ("forward+backward", forward_backward)):
+    modes = (("forward", forward), ("forward+backward", forward_backward), ("forward, no_grad", forward_alone))
+    for label, fn in modes:
         for _ in range(3):
             fn()
         per_step: dict[str, list[float]] = defaultdict(list)

@@ -3,7 +3,9 @@
 
 #include <cstdint>
 #include <optional>
+#include <stdexcept>
 #include <string>
+#include <string_view>
 
 #include "mok/bf16/experts.h"
 #include "mok/core/pybind/swiglu_limit.h"
@@ -287,6 +289,89 @@ void register_experts(pybind11::module_& m) {
       "zero); error: int32 [4], the transport's error words (a task that waits more than "
       "timeout_ns records a timeout with `stage` and `rank`). H and I multiples of 64, El <= "
       "1024. Raises ValueError naming a bad argument.");
+  m.def(
+      "moe_forward_call",
+      [](const py::capsule& entry_points, const std::string& device, std::uintptr_t routes,
+         bool routes_int64, std::int64_t num_tokens, std::int64_t max_tokens, std::int64_t topk,
+         std::int64_t alignment, std::int64_t capacity, std::uintptr_t row_src_rank,
+         std::uintptr_t row_route, std::uintptr_t expert_offsets, std::uintptr_t expert_counts,
+         std::uintptr_t recv_counts, std::uintptr_t tokens_per_rank, std::uintptr_t route_row,
+         std::uintptr_t routes_copy, std::uintptr_t table_scratch, std::uintptr_t x,
+         std::uintptr_t w_gate, std::uintptr_t w_up, std::uintptr_t w_down, std::uintptr_t out_a,
+         std::uintptr_t out_b, std::uintptr_t out_x, std::uintptr_t scratch_h, std::uintptr_t rows,
+         std::uintptr_t task_state, std::uintptr_t error, std::int64_t hidden, std::int64_t inner,
+         std::int64_t num_experts, std::optional<double> limit, std::int64_t timeout_ns,
+         std::int64_t stage, std::int64_t num_threads, std::uintptr_t out, std::uintptr_t weights,
+         std::uintptr_t stream) {
+        const char* name = entry_points.name();
+        if (name == nullptr || std::string_view(name) != core::kEntryPointsCapsule) {
+          throw std::invalid_argument(
+              "moe_forward_call: entry_points must be mok_core.entry_points()");
+        }
+        const core::EntryPoints& entries = core::checked_entry_points(entry_points.get_pointer());
+        MoeForwardCallArgs a;
+        core::TableArgs& t = a.table;
+        t.world_size = 1;
+        t.max_tokens = max_tokens;
+        t.topk = topk;
+        t.num_local_experts = num_experts;
+        t.alignment = alignment;
+        t.capacity = capacity;
+        t.row_src_rank = row_src_rank;
+        t.row_route = row_route;
+        t.expert_offsets = expert_offsets;
+        t.expert_counts = expert_counts;
+        t.recv_counts = recv_counts;
+        t.tokens_per_rank = tokens_per_rank;
+        t.scratch = table_scratch;
+        t.error = error;
+        t.local_routes = true;
+        t.routes = routes;
+        t.routes_int64 = routes_int64;
+        t.num_tokens = num_tokens;
+        t.route_row = route_row;
+        t.routes_copy = routes_copy;
+        MoeForwardArgs& e = a.experts;
+        e.x = x;
+        e.row_route = row_route;
+        e.offsets = expert_offsets;
+        e.w_gate = w_gate;
+        e.w_up = w_up;
+        e.w_down = w_down;
+        e.out_a = out_a;
+        e.out_b = out_b;
+        e.out_x = out_x;
+        e.scratch_h = scratch_h;
+        e.out_rows = rows;
+        e.task_state = task_state;
+        e.error = error;
+        e.shape = {capacity, hidden, inner, num_experts};
+        e.num_tokens = num_tokens;
+        e.topk = topk;
+        e.limit = core::swiglu_limit("moe_forward_call", limit);
+        e.timeout_ns = timeout_ns;
+        e.stage = stage;
+        e.num_threads = num_threads;
+        core::CombineArgs& c = a.combine;
+        c.out = out;
+        c.rows = rows;
+        c.weights = weights;
+        c.num_tokens = num_tokens;
+        c.topk = topk;
+        c.hidden = hidden;
+        py::gil_scoped_release release;
+        moe_forward_call(entries, device, a, stream);
+      },
+      "One rank's forward in one call (docs/megakernel.md, \"The host\"), all arguments "
+      "positional: entry_points (mok_core.entry_points()), device, then the schedule table as "
+      "mok_core.build_table takes it with local_routes (routes, routes_int64, num_tokens, "
+      "max_tokens, topk, alignment, capacity, row_src_rank, row_route, expert_offsets, "
+      "expert_counts, recv_counts, tokens_per_rank, route_row, routes_copy, and its scratch), then "
+      "moe_forward on that table (x, w_gate, w_up, w_down, out_a, out_b, out_x, scratch_h, rows: "
+      "its out_rows, task_state, error, hidden, inner, num_experts, limit, timeout_ns, stage, "
+      "num_threads), then mok_core.combine of `rows` into out (bf16 [num_tokens, hidden]) with "
+      "weights (fp32 [num_tokens * topk]), and the stream. The bits of the three calls; on "
+      "\"cpu\" out_a, out_b and out_x must be 0. Raises ValueError naming a bad argument.");
   m.def("moe_forward_state_bytes", &moe_forward_state_bytes, py::arg("capacity"),
         py::arg("num_experts"),
         "Bytes of moe_forward's task state (ticket queue and per-row-tile counters).");

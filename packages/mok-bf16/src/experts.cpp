@@ -327,6 +327,40 @@ void grouped_backward(std::string_view device, const GroupedBackwardArgs& a,
   if (weights || rows) grouped_backward_cpu(a);
 }
 
+void moe_forward_call(const core::EntryPoints& core, std::string_view device, MoeForwardCallArgs a,
+                      std::uintptr_t stream) {
+  constexpr std::string_view fn = "moe_forward_call";
+  const Device kind = parse_device(device, fn);
+  if (!a.table.local_routes || a.table.world_size != 1) {
+    invalid(fn,
+            "the table must be one rank's, from its routes in place (local_routes, world_size 1)");
+  }
+  if (a.experts.world_size != 1) invalid(fn, "world_size must be 1" + got(a.experts.world_size));
+  if (a.experts.row_route != a.table.row_route || a.experts.offsets != a.table.expert_offsets ||
+      a.combine.rows != a.experts.out_rows || a.combine.row_index != 0) {
+    invalid(fn,
+            "the experts must read the table's row_route and offsets, and the combine their rows");
+  }
+  const bool cpu = kind != Device::kCuda;
+  if (cpu && (a.experts.out_a != 0 || a.experts.out_b != 0 || a.experts.out_x != 0)) {
+    invalid(fn,
+            "out_a, out_b and out_x must be 0 on \"cpu\" (the context's rows are the table's, "
+            "read on the host)");
+  }
+  const std::string dev(device);
+  char message[512] = {};
+  core::raise_entry_status(core.build_table(dev.c_str(), &a.table, stream, message, sizeof message),
+                           message);
+  if (cpu) {  // the rows in use: the table's end, which the CPU build has written
+    const auto* offsets = reinterpret_cast<const std::int32_t*>(a.table.expert_offsets);
+    const std::int64_t end = offsets[a.table.num_local_experts];
+    a.experts.shape.num_rows = std::clamp<std::int64_t>(end, 0, a.experts.shape.num_rows);
+  }
+  moe_forward(device, a.experts, stream);
+  core::raise_entry_status(core.combine(dev.c_str(), &a.combine, stream, message, sizeof message),
+                           message);
+}
+
 void moe_forward(std::string_view device, const MoeForwardArgs& a, std::uintptr_t stream) {
   constexpr std::string_view fn = "moe_forward";
   const Device kind = parse_device(device, fn);

@@ -7,6 +7,7 @@ PYBIND11_MODULE(_C, m) {
   mok::core::bindings::register_device_query(m);
   mok::core::bindings::register_schedule(m);
   mok::core::bindings::register_epilogue(m);
+  mok::core::bindings::register_entry_points(m);
   mok::core::bindings::register_ring(m);
   mok::core::bindings::register_transport(m);
 }

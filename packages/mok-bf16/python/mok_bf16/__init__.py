@@ -24,6 +24,8 @@ They run on the CPU (``device="cpu"``); ``"cuda"`` raises RuntimeError.
   persistent launch (``cuda/sm90/moe_forward.cu``), on ``"cpu"`` the same rows through the CPU
   kernels, at one rank or across ranks (each row read from and stored to its source rank's rows
   by address); the bits of ``grouped_forward`` on the same device.
+- ``moe_forward_call``: one rank's schedule table, ``moe_forward`` on it and mok-core's combine in
+  one call (mok-core's two through ``mok_core.entry_points()``): the host's one crossing per forward.
 ``exp_f64`` and ``sigmoid`` expose the element functions they share, for tests.
 """
 
@@ -37,6 +39,7 @@ from ._C import (
     grouped_backward,
     grouped_forward,
     moe_forward,
+    moe_forward_call,
     moe_forward_state_bytes,
     sigmoid,
     swiglu_backward,
@@ -54,6 +57,7 @@ __all__ = [
     "grouped_backward",
     "grouped_forward",
     "moe_forward",
+    "moe_forward_call",
     "moe_forward_state_bytes",
     "sigmoid",
     "swiglu_backward",

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from . import ops
 from .agreement import bounded
-from .config import MoKConfig
+from .config import MoKConfig, default_config
 from .structs import ForwardContext
 from .validation import FLOAT_DTYPES, INDEX_DTYPES, CheckedCalls, call_signature, check_tensor, describe
 from .workspace import Workspace, cache_generation, get_workspace, group_rank_and_size
@@ -66,7 +66,7 @@ def moe(
     With R > 1 ranks, every rank must call this (and run its backward) the same number of
     times, as with any collective.
     """
-    cfg = MoKConfig() if config is None else config
+    cfg = default_config() if config is None else config
     given_max_tokens = max_tokens
     eager = not torch.compiler.is_compiling()
     signature = call_signature(top_experts, x, router_weights, routed, shared) if eager else None

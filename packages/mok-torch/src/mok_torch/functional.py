@@ -281,17 +281,18 @@ def _schedule_and_forward(
 def _schedule_and_forward(
     cfg: MoKConfig, ws: Workspace, top_experts: torch.Tensor, x: torch.Tensor, router_weights: torch.Tensor,
     routed: Weights3, shared: Weights3 | None, signature: tuple | None, *, context: bool,
-) -> tuple[Schedule, torch.Tensor, ForwardContext | None]: ...  # fmt: skip
+) -> tuple[Schedule | None, torch.Tensor, ForwardContext | None]: ...  # fmt: skip
 
 
 def _schedule_and_forward(
     cfg: MoKConfig, ws: Workspace, top_experts: torch.Tensor, x: torch.Tensor, router_weights: torch.Tensor,
     routed: Weights3, shared: Weights3 | None, signature: tuple | None, *, context: bool = True,
-) -> tuple[Schedule, torch.Tensor, ForwardContext | None]:  # fmt: skip
+) -> tuple[Schedule | None, torch.Tensor, ForwardContext | None]:  # fmt: skip
     """schedule_and_forward with the caller's signature: of these arguments, or of those they were
     made from without a change of any signature's outcome (mok.moe's, before x becomes bf16).
     Without `context` (a forward that no backward follows: mok.moe without autograd) the context
-    is None, and a backend that can skips storing what only the backward reads."""
+    is None, and a backend that can skips storing what only the backward reads, and may skip
+    making the schedule too (None then: the native backend's megakernel at one rank)."""
     te, backend = _checked_forward_call(cfg, ws, top_experts, x, router_weights, routed, shared, signature)
     routed_t, shared_t = tuple(routed), None if shared is None else tuple(shared)
     fused = getattr(backend, "schedule_and_forward", None)

@@ -24,6 +24,7 @@
 #include <string_view>
 
 #include "mok/bf16/expert_math.h"
+#include "mok/core/entry_points.h"  // EntryPoints, TableArgs, CombineArgs
 
 namespace mok::bf16 {
 
@@ -278,6 +279,23 @@ void grouped_backward(std::string_view device, const GroupedBackwardArgs& args,
                       std::uintptr_t stream);
 
 void moe_forward(std::string_view device, const MoeForwardArgs& args, std::uintptr_t stream);
+
+// One rank's forward in one call from Python (docs/megakernel.md, "The host"): mok-core's schedule
+// table from the routes in place (`table`: local_routes, world_size 1), then moe_forward on it
+// (`experts`: its row_route and offsets the table's, its rows the combine's), then mok-core's
+// combine of the routes' rows (`combine`: its rows `experts.out_rows`, no row index), all on
+// `stream`, the table and the combine through mok-core's entry points (`core`, checked:
+// core/entry_points.h). On "cpu" the experts run the table's rows in use, read on the host after
+// its build (nothing of a context: out_a, out_b and out_x must be 0 there); on "cuda" nothing is
+// read on the host. Each step's checks are its own call's (std::invalid_argument naming the bad
+// argument, before that step writes anything).
+struct MoeForwardCallArgs {
+  core::TableArgs table;
+  MoeForwardArgs experts;
+  core::CombineArgs combine;
+};
+void moe_forward_call(const core::EntryPoints& core, std::string_view device,
+                      MoeForwardCallArgs args, std::uintptr_t stream);
 
 // The CPU implementations, for arguments already checked.
 void swiglu_forward_cpu(const SwigluForwardArgs& args);

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..autograd import moe
-from ..config import MoKConfig
+from ..config import MoKConfig, default_config
 from ..layer import route
 from ..workspace import group_rank_and_size
 
@@ -80,7 +80,7 @@ def _is_silu(act: object) -> bool:
 
 
 def _check_config(config: MoKConfig | None) -> MoKConfig:
-    cfg = MoKConfig() if config is None else config
+    cfg = default_config() if config is None else config
     if not isinstance(cfg, MoKConfig):
         raise TypeError(f"config must be a MoKConfig, got {type(cfg).__name__}")
     if cfg.swiglu_limit is not None:

@@ -448,6 +448,45 @@ class _IssuedTable(NamedTuple):
     tensors: Callable[[], _Table]
 
 
+def _table_arrays(
+    ws: Workspace, T: int, K: int, *, one_buffer: bool
+) -> tuple[list[int], torch.Tensor, Callable[[], _Table]]:
+    """The arrays a table launch writes, uninitialised: their addresses in mok-core's order (recv,
+    tokens, row_src, row_route, offsets, counts, and at one rank the route rows and the routes'
+    int32 copy), the offsets as a tensor (what the experts' launch reads first), and the call that
+    makes the _Table of their tensors. With `one_buffer` they are views of one allocation, made
+    only by that call (mok.moe's eager call, whose schedule never leaves the layer; a custom op
+    would have to clone such views)."""
+    R, El, C = ws.world_size, ws.num_local_experts, ws.capacity
+    local = R == 1
+    # int32 words: recv and tokens (int64 [R] each, first: 8-byte offsets), row_src, row_route,
+    # offsets, counts, and at one rank the route rows and the routes' int32 copy.
+    sizes = [2 * R, 2 * R, C, C, El + 1, El] + ([T * K, T * K] if local else [])
+    if one_buffer:
+        buf = torch.empty(sum(sizes), dtype=torch.int32, device=ws.device)
+        addr, at = [], buf.data_ptr()
+        for n in sizes:
+            addr.append(at)
+            at += 4 * n
+        offsets = buf[sum(sizes[:4]) : sum(sizes[:5])]  # the experts' launch reads it first
+
+        def tensors() -> _Table:
+            parts = torch.split_with_sizes(buf, sizes)  # (Tensor.split's wrapper: ~10 us more)
+            route_row, routes = (parts[6], parts[7].view(T, K)) if local else (None, None)
+            recv, tokens = parts[0].view(torch.int64), parts[1].view(torch.int64)
+            return _Table(parts[2], parts[3], parts[4], parts[5], recv, tokens, route_row, routes)
+
+        return addr, offsets, tensors
+    new = lambda n, dt=torch.int32: torch.empty(n, dtype=dt, device=ws.device)  # noqa: E731
+    table = _Table(new(C), new(C), new(El + 1), new(El), new(R, torch.int64), new(R, torch.int64),
+                   new(T * K) if local else None, new(T * K).view(T, K) if local else None)  # fmt: skip
+    parts = [table.recv, table.tokens, *table[:4]]
+    if local:
+        assert table.route_row is not None and table.routes is not None
+        parts += [table.route_row, table.routes]
+    return [t.data_ptr() for t in parts], table.offsets, lambda: table
+
+
 class _Rows:
     """Expert math on table rows [lo, hi) held as flat tensors [hi - lo, ...]."""
 
@@ -701,7 +740,7 @@ class NativeBackend:
     def schedule_and_forward(
         self, cfg: MoKConfig, ws: Workspace, top_experts_TK: torch.Tensor, x_TH: torch.Tensor,
         router_weights_TK: torch.Tensor, routed: Weights3, shared: Weights3 | None, *, context: bool = True,
-    ) -> tuple[Schedule, torch.Tensor, ForwardContext | None]:  # fmt: skip
+    ) -> tuple[Schedule | None, torch.Tensor, ForwardContext | None]:  # fmt: skip
         """build_schedule then forward, the same bits, with the routed experts issued as soon as
         the schedule's table is: right after it, and the Schedule's tensors after them, on the
         megakernel's path and at one rank on the chain when its token rows are scattered and the
@@ -709,13 +748,31 @@ class NativeBackend:
         earlier in a call from an idle GPU. At one rank the send side is issued at its first read
         (structs.LazySendSide), which mok.moe's forward, its direct backward and a forward that no
         backward follows never make. Without `context` (a forward that no backward follows) the
-        context is None, and the megakernel stores no x rows, a or b."""
+        context is None, and the megakernel stores no x rows, a or b; at one rank on the
+        megakernel's path nothing then reads the schedule either, and none is made (the
+        schedule returned is None: the table's launch, the megakernel and the combine are all
+        the call issues)."""
         with _on(ws):
             path = expert_path(cfg, ws, routed[2].shape[2])
             tr = self._transport(ws, cfg)
             scatter = scatters_token_rows(cfg, ws, routed[2].shape[2], path)  # only at one rank
             defer = ws.world_size == 1  # the send side at its first read: nothing before the experts reads it
             # (across ranks the megakernel waits for every rank's x: _forward_on, after the send side)
+            if defer and path.forward == "megakernel" and shared is None and (ws.device.type == "cuda" or not context):
+                # The table, the megakernel and the combine in one extension call (megakernel.forward_call).
+                _log_path(cfg, ws, path, "forward")
+                T, K = top_experts_TK.shape
+                addr, _, tensors = _table_arrays(ws, T, K, one_buffer=True)
+                outputs, y = megakernel.forward_call(
+                    ws, addr, top_experts_TK, x_TH, router_weights_TK, routed, tr.view["rows"], tr.error,
+                    self._schedule_scratch(ws), limit=cfg.swiglu_limit, timeout_ns=tr.timeout_ns, context=context,
+                    stream=tr._stream(),
+                )  # fmt: skip
+                self._after_call(tr)
+                if outputs is None:  # a forward that no backward follows: nothing reads the schedule
+                    return None, y, None
+                sched = self._source_side(ws, tr, top_experts_TK, tensors(), defer=defer)
+                return sched, y, self._context(sched, outputs, (None, None))
             if defer and (path.forward == "megakernel" or (scatter and cfg.combine == "push")):
                 _log_path(cfg, ws, path, "forward")
                 table = self._table(ws, tr, top_experts_TK, one_buffer=True)
@@ -724,6 +781,9 @@ class NativeBackend:
                 if path.forward == "megakernel":
                     out = self._megakernel_launch(cfg, ws, tr, table.row_route, table.offsets, x_TH, routed,
                                                   context=context)  # fmt: skip
+                    if not context:  # the combine reads the rows in route order: no schedule is read
+                        y = self._forward_rest(cfg, ws, None, tr, x_TH, router_weights_TK, shared, None)[0]
+                        return None, y, None
                 else:  # the GEMMs': in table order
                     y_rows = torch.empty(ws.capacity, ws.hidden_size, dtype=BF16, device=ws.device)
                     out = self._scattered_experts(cfg, ws, tr, table.route_row, table.row_src, table.offsets, x_TH,
@@ -781,34 +841,7 @@ class NativeBackend:
             tr.view["routes"][:T].copy_(_int32_routes(top_experts_TK))  # int32 in the field
             tr.view["tokens"].fill_(T)
             tr.barrier(1)
-        # int32 words: recv and tokens (int64 [R] each, first: 8-byte offsets), row_src, row_route,
-        # offsets, counts, and at one rank the route rows and the routes' int32 copy.
-        sizes = [2 * R, 2 * R, C, C, El + 1, El] + ([T * K, T * K] if local else [])
-        if one_buffer:
-            buf = torch.empty(sum(sizes), dtype=torch.int32, device=ws.device)
-            addr, at = [], buf.data_ptr()
-            for n in sizes:
-                addr.append(at)
-                at += 4 * n
-            offsets = buf[sum(sizes[:4]) : sum(sizes[:5])]  # the experts' launch reads it first
-
-            def tensors() -> _Table:
-                parts = torch.split_with_sizes(buf, sizes)  # (Tensor.split's wrapper: ~10 us more)
-                route_row, routes = (parts[6], parts[7].view(T, K)) if local else (None, None)
-                recv, tokens = parts[0].view(torch.int64), parts[1].view(torch.int64)
-                return _Table(parts[2], parts[3], parts[4], parts[5], recv, tokens, route_row, routes)
-
-        else:
-            new = lambda n, dt=torch.int32: torch.empty(n, dtype=dt, device=ws.device)  # noqa: E731
-            table = _Table(new(C), new(C), new(El + 1), new(El), new(R, torch.int64), new(R, torch.int64),
-                           new(T * K) if local else None, new(T * K).view(T, K) if local else None)  # fmt: skip
-            parts = [table.recv, table.tokens, *table[:4]]
-            if local:
-                assert table.route_row is not None and table.routes is not None
-                parts += [table.route_row, table.routes]
-            addr = [t.data_ptr() for t in parts]
-            tensors = lambda: table  # noqa: E731
-            offsets = table.offsets
+        addr, offsets, tensors = _table_arrays(ws, T, K, one_buffer=one_buffer)
         if local:
             int64 = top_experts_TK.dtype == torch.int64
             routes = dict(local_routes=True, routes=top_experts_TK.data_ptr(), routes_int64=int64, num_tokens=T,
@@ -1163,7 +1196,7 @@ class NativeBackend:
         )  # fmt: skip
 
     def _forward_rest(
-        self, cfg: MoKConfig, ws: Workspace, sched: Schedule, tr: Transport, x_TH: torch.Tensor,
+        self, cfg: MoKConfig, ws: Workspace, sched: Schedule | None, tr: Transport, x_TH: torch.Tensor,
         router_weights_TK: torch.Tensor, shared: Weights3 | None, y_rows: torch.Tensor | None,
         *, moved: bool = False,
     ) -> tuple[torch.Tensor, SharedContext]:  # fmt: skip
@@ -1172,14 +1205,17 @@ class NativeBackend:
         each route's output row from the table-ordered `y_rows` through the route's row (one
         rank: where the GEMMs left them), else from the transport's `rows` in route order: where
         the megakernel wrote them, or with `moved` where they land once every rank is past the
-        barrier after the outputs (and a pull combine collected them)."""
-        T, K, H = sched.num_tokens, sched.topk, ws.hidden_size
+        barrier after the outputs (and a pull combine collected them). `sched` may be None where
+        neither is asked (one rank's megakernel, no context: the routes' shape is the weights')."""
+        (T, K), H = router_weights_TK.shape, ws.hidden_size
         ys, shared_a, shared_b = self._shared_forward(cfg, x_TH, shared, outputs=True)
         w = router_weights_TK.float().reshape(-1).contiguous()
         if y_rows is not None:
+            assert sched is not None, "the route rows of table-ordered outputs are the schedule's"
             y = self._combine(tr, ys, y_rows, w, T, K, H, row_index=sched.route_row_TK.reshape(-1))
         else:
             if moved:
+                assert sched is not None, "a move across ranks follows the schedule"
                 tr.barrier(4)  # every push has landed (or every output row is there to pull)
                 self._collect(cfg, ws, tr, sched, d_w=False)
             y = self._combine(tr, ys, tr.view["rows"][: T * K], w, T, K, H)

@@ -148,6 +148,71 @@ def moe_forward(
     return out
 
 
+@functools.cache
+def _core_entry_points() -> Any:
+    """mok-core's table build and combine for mok_bf16.moe_forward_call (a PyCapsule, made once)."""
+    import mok_core
+
+    return mok_core.entry_points()
+
+
+def forward_call(
+    ws: Workspace,
+    table: list[int],
+    top_experts_TK: torch.Tensor,
+    x_TH: torch.Tensor,
+    router_weights_TK: torch.Tensor,
+    routed: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    rows: torch.Tensor,
+    error: torch.Tensor,
+    scratch: int,
+    *,
+    limit: float | None,
+    timeout_ns: int,
+    context: bool,
+    stream: int,
+) -> tuple[Outputs | None, torch.Tensor]:
+    """One rank's forward in one extension call (mok_bf16.moe_forward_call): the schedule table from
+    the routes in place, moe_forward on it (its route rows into `rows`, the transport's), and the
+    combine of those rows weighted by the router weights; (the context's Outputs or None, y bf16
+    [T, H]). The bits of the three calls one after another (mok_core.build_table, moe_forward,
+    mok_core.combine), and one crossing from Python instead of three, with no argument passed
+    by name: the host before and after the megakernel (docs/megakernel.md, "The host").
+
+    table: the addresses of the table's arrays in mok-core's order (backends.native._table_arrays);
+    top_experts_TK int32 or int64 [T, K] contiguous; x_TH bf16 [T, H], routed bf16 contiguous and
+    router_weights_TK [T, K] as moe_forward and the combine take them; error the transport's words;
+    scratch the workspace's schedule scratch (0 on the CPU). On the CPU only without `context`
+    (there the context's rows are the table's in use, read on the host before they are allocated:
+    moe_forward's `rows`)."""
+    import mok_bf16
+
+    wg, wu, wd = routed
+    T, H = x_TH.shape
+    El, inner = wg.shape[:2]
+    dev = x_TH.device
+    cpu = dev.type == "cpu"
+    C = ws.capacity
+    out = None
+    if context:
+        out = Outputs(
+            torch.empty(C, inner, dtype=BF16, device=dev),
+            torch.empty(C, inner, dtype=BF16, device=dev),
+            torch.empty(C, H, dtype=BF16, device=dev),
+        )
+    a, b, x_rows = (0, 0, 0) if out is None else (t.data_ptr() for t in out)
+    y = torch.empty(T, H, dtype=BF16, device=dev)
+    w = router_weights_TK.float().reshape(-1).contiguous()
+    mok_bf16.moe_forward_call(
+        _core_entry_points(), dev.type, top_experts_TK.data_ptr(), top_experts_TK.dtype == torch.int64, T,
+        ws.max_tokens, ws.topk, ws.expert_alignment, C, table[2], table[3], table[4], table[5], table[0], table[1],
+        table[6], table[7], scratch, x_TH.data_ptr(), wg.data_ptr(), wu.data_ptr(), wd.data_ptr(), a, b, x_rows,
+        _scratch_h(ws, inner).data_ptr(), rows.data_ptr(), 0 if cpu else task_state(ws).data_ptr(), error.data_ptr(),
+        H, inner, El, limit, timeout_ns, STAGE, max(1, torch.get_num_threads()), y.data_ptr(), w.data_ptr(), stream,
+    )  # fmt: skip
+    return out, y
+
+
 def _check_timers(timers: torch.Tensor, device: torch.device, num_sms: int) -> None:
     """A timed launch writes [CTAs][roles][slots] int64 accounts: the tensor must hold them all."""
     if not isinstance(timers, torch.Tensor) or timers.dtype != torch.int64:
