@@ -142,24 +142,33 @@ def test_megakernel_takes_a_and_b_together():
 @pytest.mark.parametrize("T,H,I,E,K,Is,routing,limit", CASES)
 def test_megakernel_without_autograd_keeps_no_context(T, H, I, E, K, Is, routing, limit, monkeypatch):
     """mok.moe under torch.no_grad on the megakernel's path launches it without a context (no a, b or
-    x rows stored: megakernel.moe_forward returns None) and gives the autograd call's y bit for bit."""
+    x rows stored: megakernel.moe_forward, or without a shared expert megakernel.forward_call, gives
+    no Outputs) and gives the autograd call's y bit for bit."""
     inp = make_inputs(T, H, I, E, K, Is, routing, seed=T + 4).to("cuda")
     cfg = cuda_config(swiglu_limit=limit)
     args = (inp.x_TH, inp.top_experts_TK, inp.router_weights_TK, inp.routed, inp.shared)
     x = inp.x_TH.clone().requires_grad_()
     want = mok.moe(x, *args[1:], config=cfg)
     launches = []
-    real = megakernel.moe_forward
+    real_launch, real_call = megakernel.moe_forward, megakernel.forward_call
 
-    def spy(*a, **kw):
-        out = real(*a, **kw)
-        launches.append((kw.get("context", True), out))
+    def launch(*a, **kw):
+        out = real_launch(*a, **kw)
+        launches.append(("moe_forward", kw.get("context", True), out))
         return out
 
-    monkeypatch.setattr(megakernel, "moe_forward", spy)
+    def call(*a, **kw):
+        out = real_call(*a, **kw)
+        launches.append(("forward_call", kw["context"], out[0]))
+        return out
+
+    monkeypatch.setattr(megakernel, "moe_forward", launch)
+    monkeypatch.setattr(megakernel, "forward_call", call)
     with torch.no_grad():
         got = mok.moe(*args, config=cfg)
-    assert launches == [(False, None)]
+    # One launch, without a context: with a shared expert the megakernel's own call (the shared
+    # expert's y is the combine's base), else the one call of the table, megakernel and combine.
+    assert launches == [("moe_forward" if Is else "forward_call", False, None)]
     assert torch.equal(got, want.detach())
 
 
