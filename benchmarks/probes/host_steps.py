@@ -2,7 +2,7 @@
 starts the expert kernels because of it.
 
     python3 benchmarks/probes/host_steps.py [shape ...] [--calls N] [--out FILE]
-    python3 benchmarks/probes/host_steps.py [shape ...] --profile [--calls N] [--out FILE]
+    python3 benchmarks/probes/host_steps.py [shape ...] --profile [--profile-pass PASS] [--calls N] [--out FILE]
 
 Each call starts from an idle device (synchronized before it), as the bench's timed iterations do.
 Every step listed in STEPS is wrapped with a timer: per step the median over the calls of its
@@ -15,11 +15,12 @@ passes: the forward through autograd (the context kept), forward + backward, and
 torch.no_grad (a forward that no backward follows, as in evaluation and RL's rollouts). Shapes by
 bench name (default qwen3-30b-a3b and sonic-7b), balanced routing, the default config.
 
-With --profile no step is wrapped: cProfile runs over the forwards alone (each from an idle device)
-and the functions that took the most host time by their own time are listed, per call (us), with
-the time spent inside them (cumulative): what the steps' inclusive times cannot split, as the
-allocations, the stream lookups and the extensions' argument parsing. Under each built-in of 5 us
-or more a call, its callers with their share of its time (which copy, which allocation).
+With --profile no step is wrapped: cProfile runs over one pass alone (--profile-pass: "forward",
+the default, "forward+backward" or "forward, no_grad"; each call from an idle device) and the
+functions that took the most host time by their own time are listed, per call (us), with the time
+spent inside them (cumulative): what the steps' inclusive times cannot split, as the allocations,
+the stream lookups and the extensions' argument parsing. Under each built-in of 5 us or more a
+call, its callers with their share of its time (which copy, which allocation).
 """
 
 from __future__ import annotations
@@ -188,20 +189,10 @@ def _setup(shape_name: str) -> tuple[Any, Any, Any, Any]:
 def run(shape_name: str, calls: int) -> list[str]:
     cuda = torch.cuda.is_available()
     shape, call, forward, sync = _setup(shape_name)
-
-    def forward_backward() -> None:
-        call.drop_grads()
-        forward().backward(call.dy_TH)
-
-    def forward_alone() -> None:  # no gradient can be asked for: ops.run_forward_only, no context
-        with torch.no_grad():
-            forward()
-
     rec = Recorder()
     instrument(rec)
     out = []
-    modes = (("forward", forward), ("forward+backward", forward_backward), ("forward, no_grad", forward_alone))
-    for label, fn in modes:
+    for label, fn in _passes(call, forward).items():
         for _ in range(3):
             fn()
         per_step: dict[str, list[float]] = defaultdict(list)
@@ -236,18 +227,35 @@ def run(shape_name: str, calls: int) -> list[str]:
     return out
 
 
-def profile(shape_name: str, calls: int, top: int = 32) -> list[str]:
-    """cProfile over `calls` forwards, each from an idle device: the top functions by own time."""
-    shape, _, forward, sync = _setup(shape_name)
+def _passes(call: Any, forward: Any) -> dict[str, Any]:
+    """The passes a call is timed in: the forward through autograd (the context kept), forward +
+    backward, and the forward under torch.no_grad (no context: ops.run_forward_only)."""
+
+    def forward_backward() -> None:
+        call.drop_grads()
+        forward().backward(call.dy_TH)
+
+    def forward_alone() -> None:
+        with torch.no_grad():
+            forward()
+
+    return {"forward": forward, "forward+backward": forward_backward, "forward, no_grad": forward_alone}
+
+
+def profile(shape_name: str, calls: int, top: int = 32, pass_: str = "forward") -> list[str]:
+    """cProfile over `calls` passes (`pass_`: one of _passes'), each from an idle device: the top
+    functions by own time."""
+    shape, call, forward, sync = _setup(shape_name)
+    fn = _passes(call, forward)[pass_]
     for _ in range(3):
-        forward()
+        fn()
     prof = cProfile.Profile()
     host = []
     for _ in range(calls):
         sync()
         t = time.perf_counter()
         prof.enable()
-        forward()
+        fn()
         prof.disable()
         host.append(time.perf_counter() - t)
     sync()
@@ -257,7 +265,7 @@ def profile(shape_name: str, calls: int, top: int = 32) -> list[str]:
     for key, (_, ncalls, own, cum, callers) in table.items():
         rows.append((own, cum, ncalls, _where(key), callers))
     rows.sort(key=lambda r: r[:3], reverse=True)
-    out = [f"== {shape.name} forward under cProfile: {calls} calls from an idle device "
+    out = [f"== {shape.name} {pass_} under cProfile: {calls} calls from an idle device "
            f"(host {statistics.median(host) * 1e6:.1f} us a call by the median, the profiler's cost included)",
            f"   {'own us/call':>11s} {'cum us/call':>11s} {'calls/call':>10s}  function"]  # fmt: skip
     for own, cum, ncalls, where, callers in rows[:top]:
@@ -279,11 +287,17 @@ def main() -> None:
     p.add_argument("shapes", nargs="*", default=["qwen3-30b-a3b", "sonic-7b"])
     p.add_argument("--calls", type=int, default=30)
     p.add_argument("--out", default=None)
-    p.add_argument("--profile", action="store_true", help="cProfile the forwards instead of timing the steps")
+    p.add_argument("--profile", action="store_true", help="cProfile the passes instead of timing the steps")
+    p.add_argument(
+        "--profile-pass",
+        default="forward",
+        choices=["forward", "forward+backward", "forward, no_grad"],
+        help="with --profile: which pass",
+    )
     ns = p.parse_args()
     lines = []
     for name in ns.shapes:
-        lines.extend(profile(name, ns.calls) if ns.profile else run(name, ns.calls))
+        lines.extend(profile(name, ns.calls, pass_=ns.profile_pass) if ns.profile else run(name, ns.calls))
     text = "\n".join(lines) + "\n"
     if ns.out:
         with open(ns.out, "w") as f:
