@@ -71,6 +71,15 @@ def _scratch_h(ws: Workspace, inner: int) -> torch.Tensor:
     return h
 
 
+def _outputs(C: int, H: int, inner: int, device: torch.device) -> Outputs:
+    """A launch's context arrays for C table rows, uninitialised (the launch writes every row)."""
+    return Outputs(
+        torch.empty(C, inner, dtype=BF16, device=device),
+        torch.empty(C, inner, dtype=BF16, device=device),
+        torch.empty(C, H, dtype=BF16, device=device),
+    )
+
+
 def moe_forward(
     ws: Workspace,
     row_route_C: int,
@@ -122,13 +131,7 @@ def moe_forward(
     if rows is not None and not (cpu and 0 <= rows <= ws.capacity):
         raise ValueError(f"rows must be in [0, capacity = {ws.capacity}] and given on the CPU only, got {rows}")
     C = ws.capacity if rows is None else rows
-    out = None
-    if context:
-        out = Outputs(
-            torch.empty(C, inner, dtype=BF16, device=dev),
-            torch.empty(C, inner, dtype=BF16, device=dev),
-            torch.empty(C, H, dtype=BF16, device=dev),
-        )
+    out = _outputs(C, H, inner, dev) if context else None
     a, b, x_rows = (0, 0, 0) if out is None else (t.data_ptr() for t in out)
     h = _scratch_h(ws, inner)  # (the capacity's rows: C of them are used)
     across: dict[str, int] = {}
@@ -193,13 +196,7 @@ def forward_call(
     dev = x_TH.device
     cpu = dev.type == "cpu"
     C = ws.capacity
-    out = None
-    if context:
-        out = Outputs(
-            torch.empty(C, inner, dtype=BF16, device=dev),
-            torch.empty(C, inner, dtype=BF16, device=dev),
-            torch.empty(C, H, dtype=BF16, device=dev),
-        )
+    out = _outputs(C, H, inner, dev) if context else None
     a, b, x_rows = (0, 0, 0) if out is None else (t.data_ptr() for t in out)
     y = torch.empty(T, H, dtype=BF16, device=dev)
     w = router_weights_TK.float().reshape(-1).contiguous()
