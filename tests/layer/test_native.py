@@ -576,6 +576,10 @@ def test_cuda_backend_with_gpu_gemms(T, H, I, E, K, Is, routing, backward, monke
     # for a macrobatch without rows.
     monkeypatch.setattr(native, "grouped_backward", counted(native.grouped_backward))
     monkeypatch.setattr(native, "launch_backward", counted(native.launch_backward))
+    # ... or, one rank's direct backward, in one extension call (backward_call).
+    real_call = native.backward_call
+    monkeypatch.setattr(native, "backward_call", lambda *a, **k: calls.update(backward=calls["backward"] + 1)
+                        or real_call(*a, **k))  # fmt: skip
     inp = make_inputs(T, H, I, E, K, Is, routing, seed=T + H)
     ref = run_functional(inp, config(backend="reference", expert_alignment=8), device="cpu")
     configs = GPU_BACKWARD_CONFIGS if backward == "gpu-backward" else CONFIGS
@@ -595,6 +599,29 @@ def test_cuda_backend_with_gpu_gemms(T, H, I, E, K, Is, routing, backward, monke
         want, have = ref[key].double(), first[key].double()
         rel = ((have - want).norm() / want.norm().clamp_min(1e-30)).item()
         assert rel <= 1e-2, f"{key}: relative L2 error {rel:.2e} against the reference backend"
+
+
+@gpu
+@pytest.mark.parametrize("T,H,I,E,K,Is,routing", KERNEL_SHAPES)
+@pytest.mark.parametrize("wgrad_dtype", [torch.bfloat16, torch.float32], ids=["bf16-wgrads", "fp32-wgrads"])
+def test_cuda_one_rank_backward_in_one_call(T, H, I, E, K, Is, routing, wgrad_dtype, monkeypatch):
+    """One rank's direct backward (one macrobatch, a push combine, dy gathered by the g GEMM) is
+    issued as one extension call (grouped.backward_call: the offsets widened, the routed kernels, d_router
+    by route, the combine onto the shared expert's dx), with the bits of the backend's walk over
+    the same kernels (the lane switched off): dx, d_router and every weight gradient."""
+    if not native.gpu_forward_kernels(config(backend="cuda"), torch.device("cuda"), H, I, 1):
+        pytest.skip("mok-bf16's grouped kernels need an sm_90 GPU and a CUDA build of mok-bf16")
+    calls: list[int] = []
+    real = native.backward_call
+    monkeypatch.setattr(native, "backward_call", lambda *a, **k: calls.append(1) or real(*a, **k))
+    inp = make_inputs(T, H, I, E, K, Is, routing, seed=T + 3)
+    got = run_functional(inp, config(backend="cuda", expert_alignment=64), device="cuda", wgrad_dtype=wgrad_dtype)
+    assert calls == [1], "the direct backward was not one call"
+    monkeypatch.setattr(native.NativeBackend, "_backward_lane", staticmethod(lambda *a: False))
+    want = run_functional(inp, config(backend="cuda", expert_alignment=64), device="cuda", wgrad_dtype=wgrad_dtype)
+    assert calls == [1]
+    assert got["dWg"].dtype == wgrad_dtype
+    assert_bitwise(want, got, _keys(Is), what="one call vs the walk: ")
 
 
 @gpu

@@ -153,7 +153,8 @@ void register_experts(pybind11::module_& m) {
          std::int64_t num_rows, std::int64_t hidden, std::int64_t inner, std::int64_t num_experts,
          std::optional<double> limit, std::int64_t num_sms, std::int64_t num_threads,
          std::uintptr_t stream, bool zero_outside, std::uintptr_t weight_route,
-         std::int64_t num_routes, std::uintptr_t dy_tokens, std::int64_t topk) {
+         std::int64_t num_routes, std::uintptr_t dy_tokens, std::int64_t topk,
+         std::uintptr_t out_d_w_routes) {
         GroupedBackwardArgs a;
         a.x = x;
         a.offsets = offsets;
@@ -185,6 +186,7 @@ void register_experts(pybind11::module_& m) {
         a.num_routes = num_routes;
         a.dy_tokens = dy_tokens;
         a.topk = topk;
+        a.out_d_w_routes = out_d_w_routes;
         grouped_backward(device, a, stream);
       },
       py::arg("device"), py::arg("x"), py::arg("offsets"), py::arg("a"), py::arg("b"),
@@ -196,7 +198,7 @@ void register_experts(pybind11::module_& m) {
       py::arg("num_experts"), py::arg("limit") = py::none(), py::arg("num_sms") = 0,
       py::arg("num_threads") = 1, py::arg("stream") = 0, py::arg("zero_outside") = false,
       py::arg("weight_route") = 0, py::arg("num_routes") = 0, py::arg("dy_tokens") = 0,
-      py::arg("topk") = 1, py::call_guard<py::gil_scoped_release>(),
+      py::arg("topk") = 1, py::arg("out_d_w_routes") = 0, py::call_guard<py::gil_scoped_release>(),
       "SwiGLU expert backward over segments of consecutive rows (grouped_forward's layout). "
       "Writes out_dx (bf16 [M, H]: [d_a, d_b] @ [Wg; Wu]) and out_d_w (fp32 [M]: <g, h>, g = dy "
       "@ Wd unweighted) for the rows of the segments (other rows not written; zero_outside=True: "
@@ -217,7 +219,9 @@ void register_experts(pybind11::module_& m) {
       "weight_route): bf16 [num_routes / topk, H], the token rows; given, row r's dy is "
       "dy_tokens[weight_route[r] / topk] (zeros outside [0, num_routes)), gathered by the g "
       "GEMM, and dy is written: those rows in table order (the weight gradient's operand). "
-      "Raises ValueError naming a bad argument.");
+      "out_d_w_routes (optional, 'cuda', with weight_route): fp32 [num_routes]; given, each row's "
+      "d_w is also stored at its route (a route no row lists is not written), and out_d_w may be "
+      "0 unless zero_outside. Raises ValueError naming a bad argument.");
 
   m.def(
       "moe_forward",
@@ -372,6 +376,82 @@ void register_experts(pybind11::module_& m) {
       "num_threads), then mok_core.combine of `rows` into out (bf16 [num_tokens, hidden]) with "
       "weights (fp32 [num_tokens * topk]), and the stream. The bits of the three calls; on "
       "\"cpu\" out_a, out_b and out_x must be 0. Raises ValueError naming a bad argument.");
+  m.def(
+      "moe_backward_call",
+      [](const py::capsule& entry_points, const std::string& device, std::uintptr_t offsets32,
+         std::uintptr_t offsets, std::uintptr_t x, std::uintptr_t a_, std::uintptr_t b_,
+         std::uintptr_t dy, std::uintptr_t router_weights, std::uintptr_t weight_route,
+         std::uintptr_t dy_tokens, std::int64_t num_tokens, std::int64_t topk,
+         std::uintptr_t w_gate, std::uintptr_t w_up, std::uintptr_t w_down,
+         std::uintptr_t out_d_router, std::uintptr_t acc_gate, std::uintptr_t acc_up,
+         std::uintptr_t acc_down, std::uintptr_t out_gate, std::uintptr_t out_up,
+         std::uintptr_t out_down, std::uintptr_t scratch_g, std::uintptr_t scratch_hw,
+         std::uintptr_t scratch_d_ab, std::int64_t num_rows, std::int64_t hidden,
+         std::int64_t inner, std::int64_t num_experts, std::optional<double> limit,
+         std::uintptr_t out, std::uintptr_t base, std::uintptr_t route_row,
+         std::uintptr_t stream) {
+        const char* name = entry_points.name();
+        if (name == nullptr || std::string_view(name) != core::kEntryPointsCapsule) {
+          throw std::invalid_argument(
+              "moe_backward_call: entry_points must be mok_core.entry_points()");
+        }
+        const core::EntryPoints& entries = core::checked_entry_points(entry_points.get_pointer());
+        MoeBackwardCallArgs c;
+        c.offsets32 = offsets32;
+        GroupedBackwardArgs& e = c.experts;
+        e.x = x;
+        e.offsets = offsets;
+        e.a = a_;
+        e.b = b_;
+        e.dy = dy;
+        e.router_weights = router_weights;
+        e.w_gate = w_gate;
+        e.w_up = w_up;
+        e.w_down = w_down;
+        e.out_dx = dy;
+        e.out_d_w_routes = out_d_router;
+        e.acc_gate = acc_gate;
+        e.acc_up = acc_up;
+        e.acc_down = acc_down;
+        e.out_gate = out_gate;
+        e.out_up = out_up;
+        e.out_down = out_down;
+        e.carry_in = false;
+        e.scratch_g = scratch_g;
+        e.scratch_hw = scratch_hw;
+        e.scratch_d_ab = scratch_d_ab;
+        e.shape = {num_rows, hidden, inner, num_experts};
+        e.limit = core::swiglu_limit("moe_backward_call", limit);
+        e.weight_route = weight_route;
+        e.num_routes = num_tokens * topk;
+        e.dy_tokens = dy_tokens;
+        e.topk = topk;
+        core::CombineArgs& m_ = c.combine;
+        m_.out = out;
+        m_.base = base;
+        m_.rows = dy;
+        m_.num_tokens = num_tokens;
+        m_.topk = topk;
+        m_.hidden = hidden;
+        m_.row_index = route_row;
+        m_.num_rows = num_rows;
+        py::gil_scoped_release release;
+        moe_backward_call(entries, device, c, stream);
+      },
+      "One rank's direct backward in one call (docs/megakernel.md, \"The host\"), \"cuda\" only, "
+      "all arguments positional: entry_points (mok_core.entry_points()), device, offsets32 (the "
+      "table's int32 [El + 1]) and offsets (int64 [El + 1], written: offsets32 widened), then "
+      "grouped_backward's arrays over the table's rows (x, a, b; dy: bf16 [num_rows, hidden], "
+      "written: dy's rows gathered into table order, then dx's rows), router_weights (fp32 "
+      "[num_tokens * topk]) and dy_tokens (bf16 [num_tokens, hidden]) read by each row's route "
+      "(weight_route: the table's row_route), num_tokens, topk, the weights, out_d_router (fp32 "
+      "[num_tokens * topk], written: each route's d_w, 0 for a route no row lists), the weight "
+      "gradients (acc_* fp32 and/or out_* bf16, nothing carried in), the scratch (scratch_g, "
+      "scratch_hw, scratch_d_ab), num_rows, hidden, inner, num_experts, limit, then "
+      "mok_core.combine of the dx rows into out (bf16 [num_tokens, hidden]) over base (bf16 or 0) "
+      "through route_row (int32 [num_tokens * topk], each route's row), and the stream. The bits "
+      "of grouped_backward then mok_core.combine (d_router: grouped_backward's d_w gathered by "
+      "route). Raises ValueError naming a bad argument.");
   m.def("moe_forward_state_bytes", &moe_forward_state_bytes, py::arg("capacity"),
         py::arg("num_experts"),
         "Bytes of moe_forward's task state (ticket queue and per-row-tile counters).");

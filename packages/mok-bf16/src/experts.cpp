@@ -266,7 +266,8 @@ void grouped_backward(std::string_view device, const GroupedBackwardArgs& a,
   check_pointer(fn, "w_up", a.w_up, al, gemm);
   check_pointer(fn, "w_down", a.w_down, al, gemm);
   check_pointer(fn, "out_dx", a.out_dx, al, rows && s.hidden > 0);
-  check_pointer(fn, "out_d_w", a.out_d_w, 4, rows);
+  check_pointer(fn, "out_d_w", a.out_d_w, 4, rows && (a.out_d_w_routes == 0 || a.zero_outside));
+  check_pointer(fn, "out_d_w_routes", a.out_d_w_routes, 4, false);
   // Each weight gradient goes to its fp32 accumulator, its bf16 output, or both.
   const struct {
     const char* acc_name;
@@ -303,6 +304,9 @@ void grouped_backward(std::string_view device, const GroupedBackwardArgs& a,
   if (a.weight_route != 0 &&
       (a.num_routes < 0 || a.num_routes > std::numeric_limits<std::int32_t>::max())) {
     invalid(fn, "num_routes must be in [0, 2^31) with weight_route" + got(a.num_routes));
+  }
+  if (a.out_d_w_routes != 0 && a.weight_route == 0) {
+    invalid(fn, "out_d_w_routes needs weight_route (each row's route)");
   }
   check_pointer(fn, "dy_tokens", a.dy_tokens, 16, false);
   if (a.dy_tokens != 0) {
@@ -357,6 +361,57 @@ void moe_forward_call(const core::EntryPoints& core, std::string_view device, Mo
     a.experts.shape.num_rows = std::clamp<std::int64_t>(end, 0, a.experts.shape.num_rows);
   }
   moe_forward(device, a.experts, stream);
+  core::raise_entry_status(core.combine(dev.c_str(), &a.combine, stream, message, sizeof message),
+                           message);
+}
+
+void moe_backward_call(const core::EntryPoints& core, std::string_view device,
+                       const MoeBackwardCallArgs& a, std::uintptr_t stream) {
+  constexpr std::string_view fn = "moe_backward_call";
+  if (parse_device(device, fn) != Device::kCuda) {
+    invalid(fn, "device must be \"cuda\" (the kernels read dy and the weights by route), got \"" +
+                    std::string(device) + "\"");
+  }
+  const GroupedBackwardArgs& e = a.experts;
+  if (e.weight_route == 0 || e.dy_tokens == 0 || e.out_d_w_routes == 0 || e.out_dx != e.dy ||
+      e.zero_outside) {
+    invalid(fn,
+            "the experts must read dy and the weights by route (weight_route, dy_tokens), store "
+            "d_w by route (out_d_w_routes) and dx into dy's rows (out_dx = dy), with nothing "
+            "zeroed outside the segments");
+  }
+  if (a.combine.rows != e.out_dx || a.combine.row_index == 0 ||
+      a.combine.num_rows != e.shape.num_rows || a.combine.weights != 0 ||
+      a.combine.num_tokens * a.combine.topk != e.num_routes || a.combine.topk != e.topk) {
+    invalid(fn,
+            "the combine must sum the experts' dx rows through the routes' rows (rows = out_dx, "
+            "row_index, num_rows = the experts' rows), unweighted, over their routes");
+  }
+  check_pointer(fn, "offsets32", a.offsets32, 4, true);
+  check_pointer(fn, "offsets", e.offsets, 8, true);
+  if (e.shape.num_rows < 1 || a.combine.num_tokens < 1) {
+    invalid(fn, "num_rows and num_tokens must be >= 1 (with no rows or tokens the kernels would "
+                "not write the weight gradients)");
+  }
+  if (e.shape.num_experts < 1 || e.shape.num_experts > kMaxGroupedExperts) {
+    invalid(fn, "num_experts must be in [1, " + std::to_string(kMaxGroupedExperts) + "]" +
+                    got(e.shape.num_experts));
+  }
+  check_pointer(fn, "out_d_w_routes", e.out_d_w_routes, 4, true);
+  if (e.num_routes < 1 || e.num_routes > std::numeric_limits<std::int32_t>::max()) {
+    invalid(fn, "num_routes must be in [1, 2^31)" + got(e.num_routes));
+  }
+#if MOK_WITH_CUDA
+  moe_backward_prepare_cuda(a.offsets32, e.offsets, e.shape.num_experts, e.out_d_w_routes,
+                            e.num_routes, stream);
+#else
+  throw std::runtime_error(std::string(fn) +
+                           ": device=\"cuda\" but mok-bf16 was built without CUDA (MOK_CUDA=OFF, "
+                           "or no nvcc when it was built)");
+#endif
+  grouped_backward(device, e, stream);
+  const std::string dev(device);
+  char message[512] = {};
   core::raise_entry_status(core.combine(dev.c_str(), &a.combine, stream, message, sizeof message),
                            message);
 }

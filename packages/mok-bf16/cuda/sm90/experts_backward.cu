@@ -19,6 +19,7 @@
 // made the GEMM 2-3x slower (NOTES.md, session 8).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "grouped_gemm.cuh"
@@ -49,7 +50,8 @@ struct SwigluBackwardRows {
   int num_routes;                    // routes outside [0, num_routes) weigh 0 (padding)
   std::uint16_t* hw;                 // [M, I]: bf16(w h) (h itself for unweighted rows)
   std::uint16_t* d_ab;               // [M, 2I]
-  float* d_w;                        // [M]
+  float* d_w;                        // [M] or null
+  float* d_w_routes;                 // [num_routes] or null (with weight_route): d_w by route
   const std::int64_t* offsets;
   int num_experts;
   std::int64_t num_rows;
@@ -76,11 +78,12 @@ __device__ inline void swiglu_backward_rows(const SwigluBackwardRows& r, std::in
            lo + (blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x) / 32;
        row < hi; row += warps) {
     float w = 1.0f;
+    const int route = r.weight_route != nullptr ? r.weight_route[row] : -1;
+    const bool routed = route >= 0 && route < r.num_routes;
     if (r.router_weights != nullptr && r.weight_route == nullptr) {
       w = r.router_weights[row];
     } else if (r.router_weights != nullptr) {
-      const int route = r.weight_route[row];
-      w = route >= 0 && route < r.num_routes ? r.router_weights[route] : 0.0f;
+      w = routed ? r.router_weights[route] : 0.0f;
     }
     float part = 0.0f;
     for (int i = 8 * lane; i < I; i += 8 * 32) {
@@ -114,7 +117,21 @@ __device__ inline void swiglu_backward_rows(const SwigluBackwardRows& r, std::in
 #pragma unroll
     for (int d = 16; d >= 1; d /= 2)
       part = core::add_rn(part, __shfl_xor_sync(0xFFFFFFFFu, part, d));
-    if (lane == 0) r.d_w[row] = part;
+    if (lane == 0 && r.d_w != nullptr) r.d_w[row] = part;
+    if (lane == 0 && r.d_w_routes != nullptr && routed) r.d_w_routes[route] = part;
+  }
+}
+
+// moe_backward_call's preparation (one launch): the table's offsets widened to int64, and the
+// route-ordered d_w zeroed (a route no row lists keeps 0).
+__global__ void moe_backward_prepare_kernel(const std::int32_t* offsets32, std::int64_t* offsets64,
+                                            int num_experts, float* d_w_routes,
+                                            std::int64_t num_routes) {
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+       i < num_routes || i <= num_experts; i += stride) {
+    if (i <= num_experts) offsets64[i] = offsets32[i];
+    if (i < num_routes) d_w_routes[i] = 0.0f;
   }
 }
 
@@ -193,6 +210,17 @@ void launch_wgrad(const CUtensorMap& map_a, const CUtensorMap& map_b, const gemm
 
 }  // namespace
 
+void moe_backward_prepare_cuda(std::uintptr_t offsets32, std::uintptr_t offsets64,
+                               std::int64_t num_experts, std::uintptr_t d_w_routes,
+                               std::int64_t num_routes, std::uintptr_t stream) {
+  const std::int64_t n = std::max<std::int64_t>(num_routes, num_experts + 1);
+  const int grid = static_cast<int>(std::min<std::int64_t>((n + 255) / 256, 4 * kernels::device_sms()));
+  moe_backward_prepare_kernel<<<grid, 256, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+      reinterpret_cast<const std::int32_t*>(offsets32), reinterpret_cast<std::int64_t*>(offsets64),
+      static_cast<int>(num_experts), reinterpret_cast<float*>(d_w_routes), num_routes);
+  check(cudaGetLastError(), "launching the backward's preparation kernel");
+}
+
 void grouped_backward_cuda(const GroupedBackwardArgs& args, std::uintptr_t stream_handle) {
   const ExpertShape& s = args.shape;
   auto* stream = reinterpret_cast<cudaStream_t>(stream_handle);
@@ -240,6 +268,7 @@ void grouped_backward_cuda(const GroupedBackwardArgs& args, std::uintptr_t strea
                                 reinterpret_cast<std::uint16_t*>(args.scratch_hw),
                                 reinterpret_cast<std::uint16_t*>(args.scratch_d_ab),
                                 reinterpret_cast<float*>(args.out_d_w),
+                                reinterpret_cast<float*>(args.out_d_w_routes),
                                 offsets,
                                 Ei,
                                 s.num_rows,

@@ -26,6 +26,9 @@ They run on the CPU (``device="cpu"``); ``"cuda"`` raises RuntimeError.
   by address); the bits of ``grouped_forward`` on the same device.
 - ``moe_forward_call``: one rank's schedule table, ``moe_forward`` on it and mok-core's combine in
   one call (mok-core's two through ``mok_core.entry_points()``): the host's one crossing per forward.
+- ``moe_backward_call``: one rank's direct backward in one call on ``"cuda"``: the table's offsets
+  widened, ``grouped_backward`` reading dy and the router weights by route and storing d_w by route,
+  and mok-core's combine of dx: the host's one crossing per backward.
 ``exp_f64`` and ``sigmoid`` expose the element functions they share, for tests.
 """
 
@@ -38,6 +41,7 @@ from ._C import (
     exp_f64,
     grouped_backward,
     grouped_forward,
+    moe_backward_call,
     moe_forward,
     moe_forward_call,
     moe_forward_state_bytes,
@@ -56,6 +60,7 @@ __all__ = [
     "exp_f64",
     "grouped_backward",
     "grouped_forward",
+    "moe_backward_call",
     "moe_forward",
     "moe_forward_call",
     "moe_forward_state_bytes",

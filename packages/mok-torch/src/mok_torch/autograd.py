@@ -179,7 +179,7 @@ class Layer(torch.autograd.Function):
     ) -> torch.Tensor:  # fmt: skip
         routed, shared = weights[:3], weights[3:]
         sched, y, fctx = ops.run_schedule_forward(cfg, ws, top_experts, x, router_weights, routed, shared, signature)  # type: ignore[arg-type]
-        ctx.meta = (cfg, ws, sched, fctx.backend, fctx.shared_a_TIs is not None)
+        ctx.meta = (cfg, ws, sched, fctx.backend, fctx.shared_a_TIs is not None, signature)
         # What the context keeps as a view is copied: a view of a workspace buffer would be
         # rewritten by the next call before this backward runs, one of a larger tensor would keep
         # all of it. Fresh tensors (the usual case) are kept as they are, with no copy.
@@ -194,10 +194,13 @@ class Layer(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         x, router_weights, *rest = ctx.saved_tensors
         weights, (x_routed, a, b, shared_a, shared_b) = rest[:6], rest[6:]
-        cfg, ws, sched, backend, has_shared = ctx.meta
+        cfg, ws, sched, backend, has_shared, signature = ctx.meta
         if not has_shared:
             shared_a = shared_b = None
         fctx = ForwardContext(sched, backend, x_routed, a, b, shared_a, shared_b)
-        g = ops.run_backward(cfg, ws, sched, fctx, dy, x, router_weights, tuple(weights[:3]), tuple(weights[3:]))
+        # The forward's signature decides the backward's metadata checks too: the saved tensors are
+        # the ones it checked, and autograd gives dy the shape, dtype and device of y.
+        key = None if signature is None else ("autograd.Layer", signature)
+        g = ops.run_backward(cfg, ws, sched, fctx, dy, x, router_weights, tuple(weights[:3]), tuple(weights[3:]), key)
         shared = (None, None, None) if g.d_shared is None else g.d_shared
         return None, None, None, None, g.dx, g.d_router_weights, *g.d_routed, *shared

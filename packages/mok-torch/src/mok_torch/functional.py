@@ -365,10 +365,22 @@ def backward(
     d_router_weights has the dtype of router_weights. As in schedule_and_forward, a call like one
     that passed its checks skips those that read only its arguments' metadata.
     """
+    signature = call_signature(x, router_weights, routed, shared, dy)
+    return _backward(cfg, ws, sched, ctx, dy, x, router_weights, routed, shared, wgrad_dtype, signature)
+
+
+def _backward(
+    cfg: MoKConfig, ws: Workspace, sched: Schedule, ctx: ForwardContext, dy: torch.Tensor, x: torch.Tensor,
+    router_weights: torch.Tensor, routed: Weights3, shared: Weights3 | None, wgrad_dtype: torch.dtype,
+    signature: tuple | None,
+) -> Grads:  # fmt: skip
+    """backward with the caller's signature: of these arguments (validation.call_signature of x,
+    router_weights, routed, shared and dy), or one that decides every metadata check's outcome as
+    well (autograd.Layer's: its forward's, tagged, as autograd gives dy the shape, dtype and device
+    of the forward's y)."""
     _check_config(cfg, ws)
     sched = _check_schedule(sched, ws)
     # Metadata checks once per signature, as in schedule_and_forward (T is the schedule's).
-    signature = call_signature(x, router_weights, routed, shared, dy)
     key = None if signature is None else (signature, sched.num_tokens)
     calls = _checked_calls(ws, "backward")
     if calls.get(cfg, key) is None:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from . import functional
 from .config import MoKConfig
 from .structs import ForwardContext, Grads, Schedule
+from .validation import call_signature
 from .workspace import Workspace, get_workspace, schedule_capacity
 
 BF16 = torch.bfloat16
@@ -151,12 +152,15 @@ def _forward_args(
 def run_backward(
     cfg: MoKConfig, ws: Workspace, sched: Schedule, ctx: ForwardContext, dy: torch.Tensor, x: torch.Tensor,
     router_weights: torch.Tensor, routed: tuple[torch.Tensor, ...], shared: tuple[torch.Tensor | None, ...],
+    signature: tuple | None = None,
 ) -> Grads:  # fmt: skip
-    """The gradients with dx in x's dtype (`mok::backward`'s and autograd.Layer's)."""
-    grads = functional.backward(
-        cfg, ws, sched, ctx, _bf16(dy), _bf16(x), router_weights.contiguous(), _three(*routed), _three(*shared),
-        wgrad_dtype=_wgrad_dtype(routed[0]),
-    )  # fmt: skip
+    """The gradients with dx in x's dtype (`mok::backward`'s and autograd.Layer's). `signature`:
+    one that decides the functional API's metadata checks (functional._backward; autograd.Layer
+    passes its forward's), else None: that of these arguments."""
+    args = (_bf16(dy), _bf16(x), router_weights.contiguous(), _three(*routed), _three(*shared))
+    if signature is None:
+        signature = call_signature(*args[1:], args[0])
+    grads = functional._backward(cfg, ws, sched, ctx, *args, _wgrad_dtype(routed[0]), signature)
     return grads if grads.dx.dtype == x.dtype else grads._replace(dx=grads.dx.to(x.dtype))
 
 

@@ -158,7 +158,7 @@ struct GroupedBackwardArgs {
   std::uintptr_t w_down = 0;          // bf16 [El, H, I]
   std::uintptr_t out_dx = 0;          // bf16 [M, H]; may be dy itself (on "cuda" dWd, dy's
                                       // last reader, runs before dx's GEMM)
-  std::uintptr_t out_d_w = 0;         // fp32 [M]
+  std::uintptr_t out_d_w = 0;         // fp32 [M] (may be 0 with out_d_w_routes)
   std::uintptr_t acc_gate = 0;        // fp32 [El, I, H], or 0 (then out_gate)
   std::uintptr_t acc_up = 0;          // fp32 [El, I, H], or 0 (then out_up)
   std::uintptr_t acc_down = 0;        // fp32 [El, H, I], or 0 (then out_down)
@@ -185,6 +185,11 @@ struct GroupedBackwardArgs {
   // segment left as they are), written for the weight gradient.
   std::uintptr_t dy_tokens = 0;
   std::int64_t topk = 1;
+  // Optional (cuda), with weight_route: fp32 [num_routes]. Given, each row's d_w is also stored
+  // at its route (route order: the router weights' gradient, no gather from table order); a
+  // route no row lists is not written. out_d_w may then be 0 (no table-ordered d_w), unless
+  // zero_outside.
+  std::uintptr_t out_d_w_routes = 0;
 };
 
 // moe_forward: the routed experts of a whole layer call in one call, from the token rows to one
@@ -297,6 +302,21 @@ struct MoeForwardCallArgs {
 void moe_forward_call(const core::EntryPoints& core, std::string_view device,
                       MoeForwardCallArgs args, std::uintptr_t stream);
 
+// One rank's direct backward in one call from Python (docs/megakernel.md, "The host"), on "cuda":
+// the table's int32 offsets (`offsets32`, [El + 1]) widened into `experts.offsets` (int64, the
+// GEMMs'), then grouped_backward (`experts`: dy gathered by route from dy_tokens, each row's
+// weight read by route, d_w stored by route into out_d_w_routes, which is zeroed first so that a
+// route no row lists reads 0; out_dx the table-ordered dy rows themselves), then mok-core's
+// combine of dx (`combine`: its rows experts.out_dx through the routes' rows, row_index, with no
+// weights), all on `stream`. Each step's checks are its own call's.
+struct MoeBackwardCallArgs {
+  std::uintptr_t offsets32 = 0;
+  GroupedBackwardArgs experts;
+  core::CombineArgs combine;
+};
+void moe_backward_call(const core::EntryPoints& core, std::string_view device,
+                       const MoeBackwardCallArgs& args, std::uintptr_t stream);
+
 // The CPU implementations, for arguments already checked.
 void swiglu_forward_cpu(const SwigluForwardArgs& args);
 void swiglu_backward_cpu(const SwigluBackwardArgs& args);
@@ -306,6 +326,11 @@ void moe_forward_cpu(const MoeForwardArgs& args);
 // The CUDA implementations (built with CUDA only), for checked arguments.
 void grouped_forward_cuda(const GroupedForwardArgs& args, std::uintptr_t stream);
 void grouped_backward_cuda(const GroupedBackwardArgs& args, std::uintptr_t stream);
+// moe_backward_call's preparation: offsets64[e] = offsets32[e] for e in [0, num_experts], and
+// d_w_routes (fp32 [num_routes]) zeroed.
+void moe_backward_prepare_cuda(std::uintptr_t offsets32, std::uintptr_t offsets64,
+                               std::int64_t num_experts, std::uintptr_t d_w_routes,
+                               std::int64_t num_routes, std::uintptr_t stream);
 namespace sm90 {
 void moe_forward_cuda(const MoeForwardArgs& args, std::uintptr_t stream);
 }

@@ -75,6 +75,7 @@ from . import megakernel
 from .grouped import (
     GroupedBackward,
     GroupedForward,
+    backward_call,
     backward_scratch,
     grouped_backward,
     grouped_forward,
@@ -1311,6 +1312,55 @@ class NativeBackend:
         dWg, dWu, dWd = routed_wgrads(d_gate_up, d_down, wgrad_dtype)
         return dx, (dWg[0], dWu[0], dWd[0])
 
+    @staticmethod
+    def _backward_lane(cfg: MoKConfig, ws: Workspace, inner: int) -> bool:
+        """Whether a backward on `ws` with `cfg` (routed inner size `inner`) is one rank's direct one
+        with dy gathered by the g GEMM, which `_backward_call` issues in one extension call: BF16 on
+        the tensor cores, one macrobatch (no replay), a push combine, H below
+        GATHER_DY_MAX_HIDDEN. Decided once per workspace, config and I, as expert_path."""
+        last = ws.state.get("backward lane")
+        if last is not None and last[0] is cfg and last[1] == inner:
+            return last[2]  # type: ignore[no-any-return]
+        plan = static_ring_plan(cfg, ws, inner) if ws.device.type == "cuda" else None
+        lane = (
+            plan is not None
+            and ws.world_size == 1
+            and cfg.combine == "push"
+            and plan.macrobatch >= plan.num_rows
+            and ws.hidden_size < GATHER_DY_MAX_HIDDEN
+            and gpu_forward_kernels(cfg, ws.device, ws.hidden_size, inner, ws.num_local_experts)
+            and expert_path(cfg, ws, inner).backward == "tensor-cores"
+            and not replays_in_backward(cfg, ws)
+        )
+        ws.state["backward lane"] = (cfg, inner, lane)
+        return lane
+
+    def _backward_call(
+        self, cfg: MoKConfig, ws: Workspace, tr: Transport, sched: Schedule, ctx: ForwardContext, dy_TH: torch.Tensor,
+        x_TH: torch.Tensor, router_weights_TK: torch.Tensor, routed: Weights3, shared: Weights3 | None,
+        wgrad_dtype: torch.dtype,
+    ) -> Grads:  # fmt: skip
+        """The direct backward (see _backward) in one extension call (grouped.backward_call): the
+        shared expert's first (its dx is the combine's base), then the table's offsets widened, the
+        routed kernels reading dy and the router weights by route, d_router stored by route and the
+        combine of dx, with the bits of _backward's walk."""
+        _log_path(cfg, ws, expert_path(cfg, ws, routed[2].shape[2]), "backward")
+        C, H, El = ws.capacity, ws.hidden_size, ws.num_local_experts
+        dxs, d_shared = self._shared_backward(cfg, x_TH, dy_TH, ctx.shared_a_TIs, ctx.shared_b_TIs, shared, wgrad_dtype)
+        weights = tuple(w.contiguous() for w in routed)
+        inner = weights[0].shape[1]
+        grads = _wgrad_tensors(El, H, inner, torch.float32 if wgrad_dtype == torch.float32 else BF16, ws.device)
+        w = router_weights_TK
+        if w.dtype != torch.float32 or not w.is_contiguous():
+            w = w.float().contiguous()
+        dx, d_router = backward_call(
+            sched.expert_offsets_El1, sched.row_route_C, sched.route_row_TK, ctx.x_routed_MH[:C], ctx.a_MI[:C],
+            ctx.b_MI[:C], dy_TH.contiguous(), w, weights, grads, dxs, limit=cfg.swiglu_limit, stream=tr._stream(),
+        )  # fmt: skip
+        self._after_call(tr)
+        return Grads(dx, d_router if d_router.dtype == router_weights_TK.dtype else d_router.to(router_weights_TK.dtype),
+                     grads, d_shared)  # fmt: skip
+
     def _backward(
         self, cfg: MoKConfig, ws: Workspace, sched: Schedule, ctx: ForwardContext, dy_TH: torch.Tensor,
         x_TH: torch.Tensor, router_weights_TK: torch.Tensor, routed: Weights3, shared: Weights3 | None,
@@ -1319,6 +1369,9 @@ class NativeBackend:
         tr = self._transport(ws, cfg)
         T, K, H, El = sched.num_tokens, sched.topk, ws.hidden_size, ws.num_local_experts
         inner = routed[2].shape[2]
+        if T > 0 and self._backward_lane(cfg, ws, inner):
+            return self._backward_call(cfg, ws, tr, sched, ctx, dy_TH, x_TH, router_weights_TK, routed, shared,
+                                       wgrad_dtype)  # fmt: skip
         replay = replays_in_backward(cfg, ws)
         w_TK = router_weights_TK.float().reshape(-1).contiguous()
         plan = self._rows_plan(cfg, ws, sched, inner)

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 
 from ...validation import check_tensor
-from .transport import current_stream_handle
+from .transport import core_entry_points, current_stream_handle
 
 BF16 = torch.bfloat16
 
@@ -385,3 +385,61 @@ def launch_backward(
         dy_tokens=0 if dy_tokens is None else dy_tokens.data_ptr(),
         topk=topk,
     )
+
+
+def backward_call(
+    offsets32_El1: torch.Tensor,
+    row_route_C: torch.Tensor,
+    route_row_TK: torch.Tensor,
+    x_CH: torch.Tensor,
+    a_CI: torch.Tensor,
+    b_CI: torch.Tensor,
+    dy_TH: torch.Tensor,
+    router_weights_TK: torch.Tensor,
+    weights: Wgrads,
+    wgrads: Wgrads,
+    base_TH: torch.Tensor | None,
+    *,
+    limit: float | None,
+    stream: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One rank's direct backward in one extension call (mok_bf16.moe_backward_call, CUDA only):
+    the table's offsets widened to int64, launch_backward's kernels with dy and the router weights
+    read by each row's route (dy_tokens, weight_route) and d_w stored by route, then mok-core's
+    combine of the dx rows through the routes' rows onto `base_TH` (the shared expert's dx, or
+    None); (dx bf16 [T, H], d_router fp32 [T, K]). The bits of launch_backward then the combine
+    and d_w gathered by route, with one crossing from Python and no Python-level kernel launch
+    (docs/megakernel.md, "The host").
+
+    Every tensor made to shape by the caller on the current device: the table's arrays
+    (offsets32_El1 int32 [El + 1], row_route_C int32 [C], route_row_TK int32 [T, K]), the context's
+    rows (x_CH, a_CI, b_CI bf16, C rows), dy_TH bf16 [T, H] and router_weights_TK fp32 [T, K]
+    contiguous, the routed weights bf16 contiguous, and `wgrads` the weight gradients written
+    whole (bf16, or fp32 for fp32 parameters). T >= 1."""
+    import mok_bf16
+
+    C, H = x_CH.shape
+    T, K = router_weights_TK.shape
+    wg, wu, wd = weights
+    El, inner = wg.shape[:2]
+    dev = x_CH.device
+    # One scratch allocation: dy's rows in table order (then dx's), g (fp32), bf16(w h), [d_a, d_b]
+    # and the int64 offsets; every part 16-byte aligned (H and I are multiples of 64).
+    parts = (C * H * 2, C * inner * 4, C * inner * 2, C * inner * 4, 8 * (El + 1))
+    scratch = torch.empty(sum(parts), dtype=torch.uint8, device=dev)
+    at = [scratch.data_ptr()]
+    for n in parts[:-1]:
+        at.append(at[-1] + n)
+    dys, g, hw, d_ab, offsets64 = at
+    d_router = torch.empty(T, K, dtype=torch.float32, device=dev)
+    dx = torch.empty(T, H, dtype=BF16, device=dev)
+    fp32 = wgrads[0].dtype == torch.float32
+    acc = tuple(t.data_ptr() for t in wgrads) if fp32 else (0, 0, 0)
+    out = (0, 0, 0) if fp32 else tuple(t.data_ptr() for t in wgrads)
+    mok_bf16.moe_backward_call(
+        core_entry_points(), "cuda", offsets32_El1.data_ptr(), offsets64, x_CH.data_ptr(), a_CI.data_ptr(),
+        b_CI.data_ptr(), dys, router_weights_TK.data_ptr(), row_route_C.data_ptr(), dy_TH.data_ptr(), T, K,
+        wg.data_ptr(), wu.data_ptr(), wd.data_ptr(), d_router.data_ptr(), *acc, *out, g, hw, d_ab, C, H, inner, El,
+        limit, dx.data_ptr(), 0 if base_TH is None else base_TH.data_ptr(), route_row_TK.data_ptr(), stream,
+    )  # fmt: skip
+    return dx, d_router

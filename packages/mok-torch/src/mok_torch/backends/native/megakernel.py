@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ...workspace import Workspace
-from .transport import current_stream_handle
+from .transport import core_entry_points, current_stream_handle
 
 BF16 = torch.bfloat16
 # The transport's stage number a timed-out dependency reports (transport.STAGES names it).
@@ -151,14 +151,6 @@ def moe_forward(
     return out
 
 
-@functools.cache
-def _core_entry_points() -> Any:
-    """mok-core's table build and combine for mok_bf16.moe_forward_call (a PyCapsule, made once)."""
-    import mok_core
-
-    return mok_core.entry_points()
-
-
 def forward_call(
     ws: Workspace,
     table: list[int],
@@ -201,7 +193,7 @@ def forward_call(
     y = torch.empty(T, H, dtype=BF16, device=dev)
     w = router_weights_TK.float().reshape(-1).contiguous()
     mok_bf16.moe_forward_call(
-        _core_entry_points(), dev.type, top_experts_TK.data_ptr(), top_experts_TK.dtype == torch.int64, T,
+        core_entry_points(), dev.type, top_experts_TK.data_ptr(), top_experts_TK.dtype == torch.int64, T,
         ws.max_tokens, ws.topk, ws.expert_alignment, C, table[2], table[3], table[4], table[5], table[0], table[1],
         table[6], table[7], scratch, x_TH.data_ptr(), wg.data_ptr(), wu.data_ptr(), wd.data_ptr(), a, b, x_rows,
         _scratch_h(ws, inner).data_ptr(), rows.data_ptr(), 0 if cpu else task_state(ws).data_ptr(), error.data_ptr(),

@@ -33,6 +33,7 @@ synchronisation.
 from __future__ import annotations
 
 import ctypes
+import functools
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -397,6 +398,17 @@ def current_stream_handle(device: torch.device) -> int:
     if raw is not None and device.index is not None:
         return int(raw(device.index))
     return int(torch.cuda.current_stream(device).cuda_stream)
+
+
+@functools.cache
+def core_entry_points() -> Any:
+    """mok-core's table build and combine as plain function pointers (a PyCapsule, made once), for
+    mok-bf16's calls that issue them with their own kernels in one crossing from Python
+    (moe_forward_call, moe_backward_call; docs/core-runtime.md "Entry points for other
+    extensions")."""
+    import mok_core
+
+    return mok_core.entry_points()
 
 
 def barrier_tag(call: int, stage: int) -> int:
