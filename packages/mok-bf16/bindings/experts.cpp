@@ -388,8 +388,7 @@ void register_experts(pybind11::module_& m) {
          std::uintptr_t out_down, std::uintptr_t scratch_g, std::uintptr_t scratch_hw,
          std::uintptr_t scratch_d_ab, std::int64_t num_rows, std::int64_t hidden,
          std::int64_t inner, std::int64_t num_experts, std::optional<double> limit,
-         std::uintptr_t out, std::uintptr_t base, std::uintptr_t route_row,
-         std::uintptr_t stream) {
+         std::uintptr_t out, std::uintptr_t base, std::uintptr_t route_row, std::uintptr_t stream) {
         const char* name = entry_points.name();
         if (name == nullptr || std::string_view(name) != core::kEntryPointsCapsule) {
           throw std::invalid_argument(

@@ -390,8 +390,9 @@ void moe_backward_call(const core::EntryPoints& core, std::string_view device,
   check_pointer(fn, "offsets32", a.offsets32, 4, true);
   check_pointer(fn, "offsets", e.offsets, 8, true);
   if (e.shape.num_rows < 1 || a.combine.num_tokens < 1) {
-    invalid(fn, "num_rows and num_tokens must be >= 1 (with no rows or tokens the kernels would "
-                "not write the weight gradients)");
+    invalid(fn,
+            "num_rows and num_tokens must be >= 1 (with no rows or tokens the kernels would "
+            "not write the weight gradients)");
   }
   if (e.shape.num_experts < 1 || e.shape.num_experts > kMaxGroupedExperts) {
     invalid(fn, "num_experts must be in [1, " + std::to_string(kMaxGroupedExperts) + "]" +

@@ -214,7 +214,8 @@ void moe_backward_prepare_cuda(std::uintptr_t offsets32, std::uintptr_t offsets6
                                std::int64_t num_experts, std::uintptr_t d_w_routes,
                                std::int64_t num_routes, std::uintptr_t stream) {
   const std::int64_t n = std::max<std::int64_t>(num_routes, num_experts + 1);
-  const int grid = static_cast<int>(std::min<std::int64_t>((n + 255) / 256, 4 * kernels::device_sms()));
+  const int grid =
+      static_cast<int>(std::min<std::int64_t>((n + 255) / 256, 4 * kernels::device_sms()));
   moe_backward_prepare_kernel<<<grid, 256, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
       reinterpret_cast<const std::int32_t*>(offsets32), reinterpret_cast<std::int64_t*>(offsets64),
       static_cast<int>(num_experts), reinterpret_cast<float*>(d_w_routes), num_routes);

@@ -1347,8 +1347,9 @@ class NativeBackend:
         _log_path(cfg, ws, expert_path(cfg, ws, routed[2].shape[2]), "backward")
         C, H, El = ws.capacity, ws.hidden_size, ws.num_local_experts
         dxs, d_shared = self._shared_backward(cfg, x_TH, dy_TH, ctx.shared_a_TIs, ctx.shared_b_TIs, shared, wgrad_dtype)
-        weights = tuple(w.contiguous() for w in routed)
-        inner = weights[0].shape[1]
+        wg, wu, wd = (w.contiguous() for w in routed)
+        weights = (wg, wu, wd)
+        inner = wg.shape[1]
         grads = _wgrad_tensors(El, H, inner, torch.float32 if wgrad_dtype == torch.float32 else BF16, ws.device)
         w = router_weights_TK
         if w.dtype != torch.float32 or not w.is_contiguous():
@@ -1358,8 +1359,8 @@ class NativeBackend:
             ctx.b_MI[:C], dy_TH.contiguous(), w, weights, grads, dxs, limit=cfg.swiglu_limit, stream=tr._stream(),
         )  # fmt: skip
         self._after_call(tr)
-        return Grads(dx, d_router if d_router.dtype == router_weights_TK.dtype else d_router.to(router_weights_TK.dtype),
-                     grads, d_shared)  # fmt: skip
+        dtype = router_weights_TK.dtype
+        return Grads(dx, d_router if d_router.dtype == dtype else d_router.to(dtype), grads, d_shared)
 
     def _backward(
         self, cfg: MoKConfig, ws: Workspace, sched: Schedule, ctx: ForwardContext, dy_TH: torch.Tensor,
