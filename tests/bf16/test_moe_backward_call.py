@@ -152,6 +152,20 @@ def test_gpu_a_route_no_row_holds_reads_zero():
     assert torch.equal(bits(dx), bits(want[0])) and torch.equal(bits(d_router), bits(want[1]))
 
 
+@needs_gpu
+def test_gpu_moe_backward_call_publishes_the_error_words():
+    """Given the error words and an ErrorMirror's address, the call's combine copies the words to
+    the mirror behind its work (the words as they are: set here by hand)."""
+    c = Case(64, 128, 64, 8, 2, 128, "balanced", seed=6)
+    mirror = mok_core.ErrorMirror("cuda")
+    error = torch.tensor([3, 1, 2, 0], dtype=torch.int32, device="cuda")
+    grads = c.wgrads(BF16)
+    backward_call(c.offsets, c.row_route, c.route_row, c.x, c.a, c.b, c.dy, c.w, c.weights, grads, None, limit=None,
+                  error=error.data_ptr(), mirror=mirror.device_address, stream=c.stream())  # fmt: skip
+    torch.cuda.synchronize()
+    assert mirror.read() == [3, 1, 2, 0]
+
+
 def raw_args(**change):
     """moe_backward_call's arguments on the CPU (addresses of small tensors; nothing runs there)."""
     t = torch.zeros(4096, dtype=torch.float32)
@@ -161,7 +175,7 @@ def raw_args(**change):
         router_weights=p, weight_route=p, dy_tokens=p, num_tokens=4, topk=2, w_gate=p, w_up=p, w_down=p,
         out_d_router=p, acc_gate=0, acc_up=0, acc_down=0, out_gate=p, out_up=p, out_down=p, scratch_g=p,
         scratch_hw=p, scratch_d_ab=p, num_rows=64, hidden=64, inner=64, num_experts=2, limit=None, out=p, base=0,
-        route_row=p, stream=0,
+        route_row=p, error=0, error_mirror=0, stream=0,
     )  # fmt: skip
     args.update(change)
     return list(args.values()), t
@@ -191,6 +205,7 @@ def test_moe_backward_call_refuses_another_object_as_entry_points():
         (dict(offsets32=0), "offsets32 must not be 0"),
         (dict(offsets=2), "offsets must be aligned to 8"),
         (dict(num_experts=2000), "num_experts must be in"),
+        (dict(error_mirror=4096), "error and error_mirror must both be given"),
     ],
 )
 def test_moe_backward_call_raises_naming_the_argument(change, match):

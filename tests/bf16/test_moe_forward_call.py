@@ -124,7 +124,7 @@ def one_call(c: Case, **change):
         w_down=wd.data_ptr(), out_a=ptr(o["a"]), out_b=ptr(o["b"]), out_x=ptr(o["x_rows"]), scratch_h=o["h"].data_ptr(),
         rows=o["rows"].data_ptr(), task_state=ptr(o.get("state")), error=o["error"].data_ptr(), hidden=c.H,
         inner=c.I, num_experts=c.El, limit=c.limit, timeout_ns=int(30e9), stage=STAGE,
-        num_threads=1, out=o["y"].data_ptr(), weights=w.data_ptr(), stream=c.stream(),
+        num_threads=1, out=o["y"].data_ptr(), weights=w.data_ptr(), error_mirror=0, stream=c.stream(),
     )  # fmt: skip
     args.update(change)
     mok_bf16.moe_forward_call(*args.values())
@@ -201,3 +201,26 @@ def test_moe_forward_call_raises_each_steps_value_error():
         one_call(c, out_a=o.data_ptr(), out_b=o.data_ptr())
     with pytest.raises(ValueError, match="topk"):
         one_call(c, topk=0)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_gpu)])
+@pytest.mark.parametrize("T", [23, 0], ids=["tokens", "no-tokens"])
+def test_moe_forward_call_publishes_the_error_words(device, T):
+    """Given an ErrorMirror's address, the call's combine copies the error words there behind its
+    work (with no tokens too, where no combine kernel runs): a bad expert id's words as the table
+    recorded them, then a clean call's zeros once the device's words are cleared."""
+    H, I, align = (64, 32, 8) if device == "cpu" else (128, 64, 64)
+    c = Case(device, T, H, I, 4, 2, align, "balanced", False, seed=2, context=False)
+    mirror = mok_core.ErrorMirror(device)
+    if T:
+        c.routes[T // 2, 1] = c.El + 5
+    o = one_call(c, error_mirror=mirror.device_address)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert mirror.read() == o["error"].tolist()
+    assert (mirror.read()[0] != 0) == (T > 0), "a bad id's route is recorded and published"
+    c.routes[:] = 0
+    o = one_call(c, error_mirror=mirror.device_address)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert mirror.read() == [0, 0, 0, 0] == o["error"].tolist()

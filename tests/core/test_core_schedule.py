@@ -594,6 +594,36 @@ def test_combine_in_place(device: str) -> None:
     assert torch.equal(base.cpu().view(torch.int16), want.view(torch.int16))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("T", [6, 0], ids=["rows", "no-rows"])
+def test_combine_publishes_the_error_words(device: str, T: int) -> None:
+    """Given the error words and an ErrorMirror's device address, the combine copies the words to
+    the mirror behind the stream's work, with rows or without (no kernel to run then), and the
+    same bits of out; one of the two alone is a ValueError naming the other."""
+    g = torch.Generator().manual_seed(4)
+    K, H = 2, 16
+    rows = random_bf16(g, (max(T, 1) * K, H)).to(device)
+    error = torch.tensor([2, 1, 0x305, 1], dtype=torch.int32, device=device)
+    mirror = mok_core.ErrorMirror(device)
+    assert mirror.read() == [0, 0, 0, 0]
+    out = torch.full((max(T, 1), H), float("nan"), dtype=torch.bfloat16, device=device)
+    mok_core.combine(device, out.data_ptr(), 0, rows.data_ptr(), 0, T, K, H, stream=_stream(device),
+                     error=error.data_ptr(), error_mirror=mirror.device_address)  # fmt: skip
+    _sync(device)
+    assert mirror.read() == [2, 1, 0x305, 1]
+    if T:
+        want = combine_epilogue(None, rows.cpu().reshape(T, K, H), None)
+        assert torch.equal(out.cpu().view(torch.int16), want.view(torch.int16))
+    mirror.clear()
+    assert mirror.read() == [0, 0, 0, 0]
+    for kw, name in (
+        (dict(error=error.data_ptr()), "error_mirror"),
+        (dict(error_mirror=mirror.device_address), "error"),
+    ):
+        with pytest.raises(ValueError, match=f"{name} must not be 0"):
+            mok_core.combine(device, out.data_ptr(), 0, rows.data_ptr(), 0, T, K, H, stream=_stream(device), **kw)
+
+
 def test_float_to_bf16_rounding_matches_torch() -> None:
     """The rounding of bf16.h against torch's, on values that sit on and near the ties."""
     g = torch.Generator().manual_seed(2)

@@ -602,27 +602,29 @@ def test_barrier_rejects_misaligned_words_and_null_pads():
         core.barrier("cpu", pads.epoch.data_ptr(), holed.data_ptr(), error=pads.error.data_ptr(), **call)
 
 
-def test_cpu_error_snapshot():
-    """The four error words as the next call reads them: None before a take, then the words as
-    they were at the take (a later change of the words is the next take's); bad addresses are
-    ValueErrors naming them."""
-    snap = mok_core.ErrorSnapshot("cpu")  # (the package's name: the transport's)
-    assert snap.read() is None
+def test_cpu_error_mirror():
+    """The four error words as the host reads them: zeros, then the words as they were at the last
+    publish (a later change of the words is the next publish's), zeros again after clear(); the
+    device address is the host's on the CPU; bad addresses are ValueErrors naming them."""
+    mirror = mok_core.ErrorMirror("cpu")  # (the package's name: the transport's)
+    assert mirror.read() == [0, 0, 0, 0]
     error = torch.tensor([ERROR_TIMEOUT, 2, 7, 1], dtype=torch.int32)
-    assert snap.take(error.data_ptr()) is True
+    mirror.publish(error.data_ptr())
     error[1] = 9
-    assert snap.read() == [ERROR_TIMEOUT, 2, 7, 1]
-    assert snap.read() == [ERROR_TIMEOUT, 2, 7, 1]  # read again: the same copy
-    assert snap.take(error.data_ptr()) is True
-    assert snap.read() == [ERROR_TIMEOUT, 9, 7, 1]
+    assert mirror.read() == [ERROR_TIMEOUT, 2, 7, 1]
+    mirror.publish(error.data_ptr())
+    assert mirror.read() == [ERROR_TIMEOUT, 9, 7, 1]
+    mirror.clear()
+    assert mirror.read() == [0, 0, 0, 0]
+    assert mirror.device_address != 0
     with pytest.raises(ValueError, match="error must be 4-byte aligned"):
-        snap.take(error.data_ptr() + 2)
+        mirror.publish(error.data_ptr() + 2)
     with pytest.raises(ValueError, match="error must not be 0"):
-        snap.take(0)
+        mirror.publish(0)
     with pytest.raises(ValueError, match="stream must be an address"):
-        snap.take(error.data_ptr(), -1)
+        mirror.publish(error.data_ptr(), -1)
     with pytest.raises(ValueError, match="device"):
-        core.ErrorSnapshot("tpu")
+        core.ErrorMirror("tpu")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1051,41 +1053,36 @@ def test_cuda_every_access_width(row_bytes, dst_offset, src_offset):
 
 
 @pytest.mark.gpu
-def test_cuda_error_snapshot_follows_the_stream():
-    """Into pinned host memory behind the stream's work: read() gives None until the copy has
-    landed, then the words a kernel wrote just before the take; inside a capture take() queues
-    nothing and read() makes no event query (the capture stays valid)."""
+def test_cuda_error_mirror_follows_the_stream():
+    """publish() queues the words' copy behind the stream's work, never waiting: the mirror shows
+    the old words while a sleep runs before it, then the words a kernel wrote just before the
+    publish; inside a capture the copy is recorded and lands at each replay."""
     require_cuda()
     stream = torch.cuda.Stream()
     error = torch.zeros(4, dtype=torch.int32, device="cuda")
     words = torch.tensor([ERROR_OUT_OF_STEP, 1, 3, 0], dtype=torch.int32, device="cuda")  # (its copy waits)
-    snap = core.ErrorSnapshot("cuda")
+    mirror = core.ErrorMirror("cuda")
     handle = stream.cuda_stream
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         torch.cuda._sleep(200_000_000)  # ~0.1 s or more: the copy waits for this and the fill behind it
         error.copy_(words)
-        assert snap.take(error.data_ptr(), handle) is True
-    assert snap.read(handle) is None  # the sleep is still running
+        mirror.publish(error.data_ptr(), handle)
+    assert mirror.read() == [0, 0, 0, 0]  # the sleep is still running
     stream.synchronize()
-    assert snap.read(handle) == [ERROR_OUT_OF_STEP, 1, 3, 0]
+    assert mirror.read() == [ERROR_OUT_OF_STEP, 1, 3, 0]
+    mirror.clear()
     graph = torch.cuda.CUDAGraph()
-    fresh = core.ErrorSnapshot("cuda")
     with torch.cuda.graph(graph, stream=stream):
         error.add_(1)
-        assert snap.take(error.data_ptr(), handle) is False
-        assert snap.read(handle) is None
-        assert fresh.take(error.data_ptr(), handle) is False  # (its first take: no pinned memory made here)
-        assert fresh.read(handle) is None
+        mirror.publish(error.data_ptr(), handle)
+    assert mirror.read() == [0, 0, 0, 0]  # captured, not run
     graph.replay()
     stream.synchronize()
-    assert snap.read(handle) == [ERROR_OUT_OF_STEP, 1, 3, 0]  # the snapshot taken before the capture
-    assert snap.take(error.data_ptr(), handle) is True
+    assert mirror.read() == [ERROR_OUT_OF_STEP + 1, 2, 4, 1]
+    graph.replay()
     stream.synchronize()
-    assert snap.read(handle) == [ERROR_OUT_OF_STEP + 1, 2, 4, 1]  # the fill, then the replay's add
-    assert fresh.take(error.data_ptr(), handle) is True
-    stream.synchronize()
-    assert fresh.read(handle) == [ERROR_OUT_OF_STEP + 1, 2, 4, 1]
+    assert mirror.read() == [ERROR_OUT_OF_STEP + 2, 3, 5, 2]
 
 
 @pytest.mark.gpu

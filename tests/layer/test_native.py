@@ -405,6 +405,15 @@ def test_cuda_bad_expert_id_is_raised_by_the_next_call(dims):
     graph.replay()
     mok.check_errors()
     assert torch.equal(replayed, good)
+    # A replay's error words reach the next eager call too: the copy to the host's mirror is part
+    # of the captured call.
+    static.copy_(bad)
+    graph.replay()
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match=first):
+        call(inp.top_experts_TK)
+    assert torch.equal(call(inp.top_experts_TK), good)
+    mok.check_errors()
 
 
 @gpu
@@ -438,7 +447,7 @@ def test_cuda_bad_expert_id_in_forward_and_backward(dims):
 
 @gpu
 def test_cuda_bad_expert_id_is_raised_across_streams():
-    """A call's error snapshot is read by a later call whichever streams they run on: calls that
+    """A call's published error words are read by a later call whichever streams they run on: calls that
     alternate between two streams (each stream waiting for the other's last call: a workspace's
     buffers serve one call at a time), the device behind the host, the bad one among them, raise
     its ValueError by a later call, and the calls that are not bad keep the bits of a fresh call."""
@@ -469,9 +478,9 @@ def test_cuda_bad_expert_id_is_raised_across_streams():
 @gpu
 def test_cuda_calls_on_alternating_streams_never_wait():
     """Calls that alternate between two streams while the device is far behind (each stream first
-    sleeps ~0.1 s on the device) all return before the device has done any of them: a snapshot of
-    the error words left unread when the stream changes is kept until its copy lands, never freed
-    (freeing pinned memory under a copy in flight would wait for it). Their y are a fresh call's."""
+    sleeps ~0.1 s on the device) all return before the device has done any of them: the error
+    words' copies to the host's mirror are queued behind each call's work, and reading the mirror
+    never waits while it shows no error. Their y are a fresh call's."""
     inp, call, _, _ = _gpu_layer_call("kernels", seed=8)
     good = call(inp.top_experts_TK)
     mok.check_errors()

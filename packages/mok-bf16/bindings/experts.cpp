@@ -306,7 +306,7 @@ void register_experts(pybind11::module_& m) {
          std::uintptr_t task_state, std::uintptr_t error, std::int64_t hidden, std::int64_t inner,
          std::int64_t num_experts, std::optional<double> limit, std::int64_t timeout_ns,
          std::int64_t stage, std::int64_t num_threads, std::uintptr_t out, std::uintptr_t weights,
-         std::uintptr_t stream) {
+         std::uintptr_t error_mirror, std::uintptr_t stream) {
         const char* name = entry_points.name();
         if (name == nullptr || std::string_view(name) != core::kEntryPointsCapsule) {
           throw std::invalid_argument(
@@ -363,6 +363,8 @@ void register_experts(pybind11::module_& m) {
         c.num_tokens = num_tokens;
         c.topk = topk;
         c.hidden = hidden;
+        c.error = error_mirror != 0 ? error : 0;
+        c.error_mirror = error_mirror;
         py::gil_scoped_release release;
         moe_forward_call(entries, device, a, stream);
       },
@@ -374,7 +376,8 @@ void register_experts(pybind11::module_& m) {
       "moe_forward on that table (x, w_gate, w_up, w_down, out_a, out_b, out_x, scratch_h, rows: "
       "its out_rows, task_state, error, hidden, inner, num_experts, limit, timeout_ns, stage, "
       "num_threads), then mok_core.combine of `rows` into out (bf16 [num_tokens, hidden]) with "
-      "weights (fp32 [num_tokens * topk]), and the stream. The bits of the three calls; on "
+      "weights (fp32 [num_tokens * topk]), publishing the error words to error_mirror (an "
+      "ErrorMirror's device_address, or 0: none), and the stream. The bits of the three calls; on "
       "\"cpu\" out_a, out_b and out_x must be 0. Raises ValueError naming a bad argument.");
   m.def(
       "moe_backward_call",
@@ -388,7 +391,8 @@ void register_experts(pybind11::module_& m) {
          std::uintptr_t out_down, std::uintptr_t scratch_g, std::uintptr_t scratch_hw,
          std::uintptr_t scratch_d_ab, std::int64_t num_rows, std::int64_t hidden,
          std::int64_t inner, std::int64_t num_experts, std::optional<double> limit,
-         std::uintptr_t out, std::uintptr_t base, std::uintptr_t route_row, std::uintptr_t stream) {
+         std::uintptr_t out, std::uintptr_t base, std::uintptr_t route_row, std::uintptr_t error,
+         std::uintptr_t error_mirror, std::uintptr_t stream) {
         const char* name = entry_points.name();
         if (name == nullptr || std::string_view(name) != core::kEntryPointsCapsule) {
           throw std::invalid_argument(
@@ -434,6 +438,8 @@ void register_experts(pybind11::module_& m) {
         m_.hidden = hidden;
         m_.row_index = route_row;
         m_.num_rows = num_rows;
+        m_.error = error;
+        m_.error_mirror = error_mirror;
         py::gil_scoped_release release;
         moe_backward_call(entries, device, c, stream);
       },
@@ -448,7 +454,9 @@ void register_experts(pybind11::module_& m) {
       "gradients (acc_* fp32 and/or out_* bf16, nothing carried in), the scratch (scratch_g, "
       "scratch_hw, scratch_d_ab), num_rows, hidden, inner, num_experts, limit, then "
       "mok_core.combine of the dx rows into out (bf16 [num_tokens, hidden]) over base (bf16 or 0) "
-      "through route_row (int32 [num_tokens * topk], each route's row), and the stream. The bits "
+      "through route_row (int32 [num_tokens * topk], each route's row), publishing the error words "
+      "(error: int32 [4], or 0) to error_mirror (an ErrorMirror's device_address, or 0), and the "
+      "stream. The bits "
       "of grouped_backward then mok_core.combine (d_router: grouped_backward's d_w gathered by "
       "route). Raises ValueError naming a bad argument.");
   m.def("moe_forward_state_bytes", &moe_forward_state_bytes, py::arg("capacity"),

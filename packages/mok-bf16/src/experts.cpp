@@ -387,6 +387,9 @@ void moe_backward_call(const core::EntryPoints& core, std::string_view device,
             "the combine must sum the experts' dx rows through the routes' rows (rows = out_dx, "
             "row_index, num_rows = the experts' rows), unweighted, over their routes");
   }
+  if ((a.combine.error == 0) != (a.combine.error_mirror == 0)) {
+    invalid(fn, "error and error_mirror must both be given or both be 0");
+  }
   check_pointer(fn, "offsets32", a.offsets32, 4, true);
   check_pointer(fn, "offsets", e.offsets, 8, true);
   if (e.shape.num_rows < 1 || a.combine.num_tokens < 1) {

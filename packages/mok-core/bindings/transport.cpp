@@ -1,4 +1,4 @@
-// Python bindings of the transport: pull_rows, push_rows, barrier, ErrorSnapshot and ShmSegment.
+// Python bindings of the transport: pull_rows, push_rows, barrier, ErrorMirror and ShmSegment.
 #include <Python.h>
 
 #include <cstdint>
@@ -116,35 +116,39 @@ void register_transport(pybind11::module_& m) {
       "On 'cpu' it blocks (without the GIL) and returns False on error; on 'cuda' it enqueues one "
       "kernel on `stream` and returns True (the outcome lands in `error`).");
 
-  py::class_<ErrorSnapshot>(
-      m, "ErrorSnapshot",
-      "ErrorSnapshot(device): the transport's error words on their way to the host after a call, "
-      "for the next call to read without waiting (docs/core-runtime.md). On 'cuda' it holds four "
-      "words of pinned host memory and an event of the current device (made by the first take() "
-      "outside a CUDA graph capture); take() queues one "
-      "cudaMemcpyAsync of the words behind the stream's work and the event after it, read() "
-      "queries the event. On 'cpu' take() copies at once. RuntimeError for 'cuda' on a build "
-      "without CUDA.")
+  py::class_<ErrorMirror>(
+      m, "ErrorMirror",
+      "ErrorMirror(device): the transport's error words as the host sees them "
+      "(docs/core-runtime.md): "
+      "four words of host memory that a call's last step copies the device's words into, behind "
+      "its work, for the host to read at any time with no copy or event of its own. On 'cuda' "
+      "pinned memory mapped into the device's address space (made here: not inside a CUDA graph "
+      "capture); publish() queues a 16-byte cudaMemcpyAsync on the stream (a capture records it), "
+      "and mok_core.combine writes the words itself given error and error_mirror=device_address. "
+      "On 'cpu' publish() copies at once. A read while a copy lands may mix two publishes: a "
+      "nonzero first word says that some call recorded an error, and the words are then read "
+      "from the device after a synchronize. RuntimeError for 'cuda' on a build without CUDA.")
       .def(py::init([](const std::string& device) {
-             return std::make_unique<ErrorSnapshot>(parse_transport_device(device));
+             return std::make_unique<ErrorMirror>(parse_transport_device(device));
            }),
            py::arg("device"))
-      .def("take", &ErrorSnapshot::take, py::arg("error"), py::arg("stream") = 0,
+      .def_property_readonly("device_address", &ErrorMirror::device_address,
+                             "The words' address for the device's kernels and copies (an int).")
+      .def("publish", &ErrorMirror::publish, py::arg("error"), py::arg("stream") = 0,
            "Queue the copy of the error words at address `error` (int32 [4], 4-byte aligned) "
-           "behind `stream`'s work, replacing an unread one; False (nothing queued) while "
-           "`stream` is being captured into a CUDA graph. ValueError naming a bad address.")
+           "behind `stream`'s work ('cpu': copy now). ValueError naming a bad address.")
       .def(
           "read",
-          [](const ErrorSnapshot& self, std::int64_t stream) -> py::object {
+          [](const ErrorMirror& self) {
             std::int32_t words[transport::kErrorWords];
-            if (!self.read(stream, words)) return py::none();
+            self.read(words);
             py::list out;
             for (const std::int32_t w : words) out.append(w);
             return out;
           },
-          py::arg("stream") = 0,
-          "The words of the last take() as a list, once its copy has landed; None before (or "
-          "with nothing taken, or while `stream` is being captured: no event query then).");
+          "The four words as they are now (a list; no wait).")
+      .def("clear", &ErrorMirror::clear,
+           "Zero the words (once no publish is in flight: after a synchronize).");
 
   py::class_<ShmSegment>(
       m, "ShmSegment",

@@ -28,6 +28,8 @@ struct CombineParams {
   std::int64_t num_tokens;
   std::int64_t topk;
   std::int64_t hidden;
+  const std::int32_t* error;  // or null (then error_mirror is null too)
+  std::int32_t* error_mirror;
 };
 
 __device__ __forceinline__ void unpack(const uint4& v, std::uint16_t (&x)[kVec]) {
@@ -47,6 +49,12 @@ __device__ __forceinline__ void unpack(const uint4& v, std::uint16_t (&x)[kVec])
 // thread that then writes it.
 template <bool kAligned>
 __global__ void __launch_bounds__(kThreads) combine_bf16_kernel(CombineParams p) {
+  if (p.error_mirror != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
+    // The error words as every earlier kernel of the stream left them, to the host's mirror.
+    for (int i = 0; i < static_cast<int>(kErrorMirrorBytes / 4); ++i) {
+      static_cast<volatile std::int32_t*>(p.error_mirror)[i] = p.error[i];
+    }
+  }
   const std::int64_t groups = (p.hidden + kVec - 1) / kVec;
   const std::int64_t total = p.num_tokens * groups;
   const bool weighted = p.weights != nullptr;
@@ -162,6 +170,8 @@ void combine_cuda(const CombineArgs& a, std::uintptr_t stream_handle) {
   p.num_tokens = a.num_tokens;
   p.topk = a.topk;
   p.hidden = a.hidden;
+  p.error = reinterpret_cast<const std::int32_t*>(a.error);
+  p.error_mirror = reinterpret_cast<std::int32_t*>(a.error_mirror);
 
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
   const bool vec = a.hidden % kVec == 0 && aligned16(a.out) && aligned16(a.rows) &&
@@ -176,6 +186,13 @@ void combine_cuda(const CombineArgs& a, std::uintptr_t stream_handle) {
     combine_bf16_kernel<false><<<blocks, kThreads, 0, stream>>>(p);
   }
   check_cuda(cudaGetLastError(), "combine_bf16_kernel launch");
+}
+
+void publish_error_cuda(const CombineArgs& a, std::uintptr_t stream_handle) {
+  check_cuda(cudaMemcpyAsync(reinterpret_cast<void*>(a.error_mirror),
+                             reinterpret_cast<const void*>(a.error), kErrorMirrorBytes,
+                             cudaMemcpyDefault, reinterpret_cast<cudaStream_t>(stream_handle)),
+             "cudaMemcpyAsync of the error words");
 }
 
 }  // namespace mok::core

@@ -184,60 +184,41 @@ void barrier_cuda(std::uint64_t* epoch, const std::int64_t* signal_pad_ptrs, int
 }
 
 namespace {
-void check_snapshot(cudaError_t status, const char* what) {
+void check_mirror(cudaError_t status, const char* what) {
   if (status != cudaSuccess) {
     cudaGetLastError();  // a non-sticky error is not left for a later call to find
-    throw std::runtime_error(std::string("ErrorSnapshot: ") + what + " failed: " +
+    throw std::runtime_error(std::string("ErrorMirror: ") + what + " failed: " +
                              cudaGetErrorName(status) + ": " + cudaGetErrorString(status));
   }
 }
 }  // namespace
 
-void snapshot_create_cuda(std::int32_t** host, void** event) {
+void mirror_create_cuda(std::int32_t** host, std::int64_t* device_address) {
   void* words = nullptr;
-  check_snapshot(
-      cudaHostAlloc(&words, transport::kErrorWords * sizeof(std::int32_t), cudaHostAllocDefault),
-      "cudaHostAlloc");
-  cudaEvent_t done = nullptr;
-  const cudaError_t status = cudaEventCreateWithFlags(&done, cudaEventDisableTiming);
+  check_mirror(cudaHostAlloc(&words, transport::kErrorWords * sizeof(std::int32_t),
+                             cudaHostAllocMapped | cudaHostAllocPortable),
+               "cudaHostAlloc");
+  void* on_device = nullptr;
+  const cudaError_t status = cudaHostGetDevicePointer(&on_device, words, 0);
   if (status != cudaSuccess) cudaFreeHost(words);
-  check_snapshot(status, "cudaEventCreateWithFlags");
+  check_mirror(status, "cudaHostGetDevicePointer");
   std::memset(words, 0, transport::kErrorWords * sizeof(std::int32_t));
   *host = static_cast<std::int32_t*>(words);
-  *event = done;
+  *device_address = static_cast<std::int64_t>(reinterpret_cast<std::uintptr_t>(on_device));
 }
 
-void snapshot_destroy_cuda(std::int32_t* host, void* event) noexcept {
-  // A copy still in flight lands before its memory goes (an event never recorded has passed).
-  auto done = static_cast<cudaEvent_t>(event);
-  if (done != nullptr) {
-    cudaEventSynchronize(done);
-    cudaEventDestroy(done);
-  }
+void mirror_destroy_cuda(std::int32_t* host) noexcept {
+  // (cudaFreeHost waits for the device's work, so no copy lands in freed memory)
   if (host != nullptr) cudaFreeHost(host);
   cudaGetLastError();  // (at exit the context may be gone: nothing to report from a destructor)
 }
 
-bool stream_capturing_cuda(std::int64_t stream) {
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  check_snapshot(cudaStreamIsCapturing(as_stream(stream), &capture), "cudaStreamIsCapturing");
-  return capture != cudaStreamCaptureStatusNone;
-}
-
-void snapshot_take_cuda(std::int32_t* host, void* event, const std::int32_t* error,
-                        std::int64_t stream) {
-  check_snapshot(cudaMemcpyAsync(host, error, transport::kErrorWords * sizeof(std::int32_t),
-                                 cudaMemcpyDeviceToHost, as_stream(stream)),
-                 "cudaMemcpyAsync");
-  check_snapshot(cudaEventRecord(static_cast<cudaEvent_t>(event), as_stream(stream)),
-                 "cudaEventRecord");
-}
-
-bool snapshot_landed_cuda(void* event) {
-  const cudaError_t status = cudaEventQuery(static_cast<cudaEvent_t>(event));
-  if (status == cudaErrorNotReady) return false;
-  check_snapshot(status, "cudaEventQuery");
-  return true;
+void mirror_publish_cuda(std::int64_t device_address, const std::int32_t* error,
+                         std::int64_t stream) {
+  check_mirror(cudaMemcpyAsync(reinterpret_cast<void*>(static_cast<std::uintptr_t>(device_address)),
+                               error, transport::kErrorWords * sizeof(std::int32_t),
+                               cudaMemcpyDefault, as_stream(stream)),
+               "cudaMemcpyAsync");
 }
 
 }  // namespace mok::core

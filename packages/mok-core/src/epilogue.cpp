@@ -2,6 +2,7 @@
 #include "mok/core/epilogue.h"
 
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -57,13 +58,22 @@ void combine(std::string_view device, const CombineArgs& a, std::uintptr_t strea
     if (a.hidden > 0 && a.num_rows > INT64_MAX / 4 / a.hidden)
       invalid_argument(fn, "num_rows * hidden is too large");
   }
-  if (!any) return;
+  check_pointer(fn, "error", a.error, 4, a.error_mirror != 0);
+  check_pointer(fn, "error_mirror", a.error_mirror, 4, a.error != 0);
   if (kind == DeviceKind::kCpu) {
-    combine_cpu(a);
+    if (any) combine_cpu(a);
+    if (a.error_mirror != 0) {
+      std::memcpy(reinterpret_cast<void*>(a.error_mirror), reinterpret_cast<const void*>(a.error),
+                  kErrorMirrorBytes);
+    }
     return;
   }
 #if MOK_WITH_CUDA
-  combine_cuda(a, stream);
+  if (any) {
+    combine_cuda(a, stream);
+  } else if (a.error_mirror != 0) {
+    publish_error_cuda(a, stream);
+  }
 #else
   (void)stream;
 #endif

@@ -16,6 +16,8 @@ void combine(std::string_view device, const CombineArgs& args, std::uintptr_t st
 void combine_cpu(const CombineArgs& args);
 #if MOK_WITH_CUDA
 void combine_cuda(const CombineArgs& args, std::uintptr_t stream);
+// The error words' 16-byte copy to the mirror (CombineArgs::error_mirror) where no kernel runs.
+void publish_error_cuda(const CombineArgs& args, std::uintptr_t stream);
 #endif
 
 }  // namespace mok::core

@@ -350,55 +350,52 @@ bool barrier(TransportDevice device, std::int64_t epoch, std::int64_t signal_pad
                      static_cast<std::int32_t>(stage), timeout_ns);
 }
 
-ErrorSnapshot::ErrorSnapshot(TransportDevice device) : device_(device) {
+ErrorMirror::ErrorMirror(TransportDevice device) : device_(device) {
   if (device_ == TransportDevice::kCuda) {
-#if !MOK_WITH_CUDA
-    no_cuda("ErrorSnapshot");
+#if MOK_WITH_CUDA
+    mirror_create_cuda(&host_, &device_address_);
+#else
+    no_cuda("ErrorMirror");
 #endif
   } else {
     host_ = new std::int32_t[transport::kErrorWords]();
+    device_address_ = static_cast<std::int64_t>(reinterpret_cast<std::uintptr_t>(host_));
   }
 }
 
-ErrorSnapshot::~ErrorSnapshot() {
+ErrorMirror::~ErrorMirror() {
   if (device_ == TransportDevice::kCuda) {
 #if MOK_WITH_CUDA
-    snapshot_destroy_cuda(host_, event_);
+    mirror_destroy_cuda(host_);
 #endif
   } else {
     delete[] host_;
   }
 }
 
-bool ErrorSnapshot::take(std::int64_t error, std::int64_t stream) {
-  constexpr const char* fn = "ErrorSnapshot.take";
+void ErrorMirror::publish(std::int64_t error, std::int64_t stream) {
+  constexpr const char* fn = "ErrorMirror.publish";
   check_pointer(fn, "error", error, 4, false);
   check_pointer(fn, "stream", stream, 1, true);
   const auto* from = reinterpret_cast<const std::int32_t*>(error);
   if (device_ == TransportDevice::kCuda) {
 #if MOK_WITH_CUDA
-    if (stream_capturing_cuda(stream)) return false;
-    // (made at the first take outside a capture: a capture refuses the pinned allocation)
-    if (host_ == nullptr) snapshot_create_cuda(&host_, &event_);
-    snapshot_take_cuda(host_, event_, from, stream);
+    mirror_publish_cuda(device_address_, from, stream);
 #endif
   } else {
     std::memcpy(host_, from, transport::kErrorWords * sizeof(std::int32_t));
   }
-  taken_ = true;
-  return true;
 }
 
-bool ErrorSnapshot::read(std::int64_t stream, std::int32_t* out) const {
-  check_pointer("ErrorSnapshot.read", "stream", stream, 1, true);
-  if (!taken_) return false;
-  if (device_ == TransportDevice::kCuda) {
-#if MOK_WITH_CUDA
-    if (stream_capturing_cuda(stream) || !snapshot_landed_cuda(event_)) return false;
-#endif
-  }
-  std::memcpy(out, host_, transport::kErrorWords * sizeof(std::int32_t));
-  return true;
+void ErrorMirror::read(std::int32_t* out) const {
+  // (volatile: the device writes these words behind the compiler's back)
+  const volatile std::int32_t* words = host_;
+  for (int i = 0; i < transport::kErrorWords; ++i) out[i] = words[i];
+}
+
+void ErrorMirror::clear() {
+  volatile std::int32_t* words = host_;
+  for (int i = 0; i < transport::kErrorWords; ++i) words[i] = 0;
 }
 
 }  // namespace mok::core

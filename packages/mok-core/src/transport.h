@@ -45,32 +45,36 @@ bool barrier(TransportDevice device, std::int64_t epoch, std::int64_t signal_pad
              std::int64_t rank, std::int64_t world_size, std::int64_t error, std::int64_t stage,
              std::int64_t timeout_ns, std::int64_t stream);
 
-// A GPU call's error words on their way to the host, for the next call to read without waiting
-// (docs/core-runtime.md, "Errors"): take() queues a copy of the words behind the stream's work
-// and an event after it; read() gives the words once the event has passed. On the GPU the host
-// words are pinned memory and the event one of the current device (made by the first take that
-// is not inside a capture); on the CPU the copy is made at once. One object holds one copy at a
-// time: taking it again before it is read replaces the copy (on the same stream the new one lands
-// after the old).
-class ErrorSnapshot {
+// The transport's error words as the host sees them (docs/core-runtime.md, "Ranks that agree"):
+// four words of host memory that a call's last step copies the device's words into, behind the
+// call's work, for the host to read at any time with no copy or event of its own. On the GPU they
+// are pinned memory mapped into the device's address space (made at construction, which must not
+// be inside a CUDA graph capture): publish() queues a 16-byte copy on the stream (a capture
+// records it, so a replayed graph publishes too), and mok-core's combine writes them itself where
+// CombineArgs::error_mirror is device_address(). On the CPU publish() copies at once. A word read
+// while a copy lands may mix two publishes: a nonzero first word tells the reader that some call
+// recorded an error, and the words themselves are to be read from the device after a synchronize.
+class ErrorMirror {
  public:
-  explicit ErrorSnapshot(TransportDevice device);
-  ~ErrorSnapshot();
-  ErrorSnapshot(const ErrorSnapshot&) = delete;
-  ErrorSnapshot& operator=(const ErrorSnapshot&) = delete;
+  explicit ErrorMirror(TransportDevice device);
+  ~ErrorMirror();
+  ErrorMirror(const ErrorMirror&) = delete;
+  ErrorMirror& operator=(const ErrorMirror&) = delete;
 
-  // The words at `error` (int32 [kErrorWords], 4-byte aligned) behind `stream`'s work; false,
-  // with nothing queued, while `stream` is being captured into a CUDA graph.
-  bool take(std::int64_t error, std::int64_t stream);
-  // Whether the last take's copy has landed (false while `stream` is being captured: an event
-  // query would end the capture), then the words in `out`.
-  bool read(std::int64_t stream, std::int32_t* out) const;
+  // The words' address for the device's kernels and copies (on the CPU the host's).
+  std::int64_t device_address() const { return device_address_; }
+  // Queue a copy of the words at `error` (int32 [kErrorWords], 4-byte aligned) behind `stream`'s
+  // work (on the CPU: copy now).
+  void publish(std::int64_t error, std::int64_t stream);
+  // The words as they are now (no wait, no CUDA call).
+  void read(std::int32_t* out) const;
+  // Zero the words (the caller has made sure that no publish is in flight).
+  void clear();
 
  private:
   TransportDevice device_;
-  std::int32_t* host_ = nullptr;  // kErrorWords words (pinned on the GPU)
-  void* event_ = nullptr;         // cudaEvent_t on the GPU
-  bool taken_ = false;
+  std::int32_t* host_ = nullptr;  // kErrorWords words (pinned and mapped on the GPU)
+  std::int64_t device_address_ = 0;
 };
 
 // Kernel launchers of cuda/transport.cu: arguments already validated; they never synchronize
@@ -82,12 +86,10 @@ void zero_rows_cuda(const transport::ZeroRows& rows, int num_workers, std::int64
 void barrier_cuda(std::uint64_t* epoch, const std::int64_t* signal_pad_ptrs, int rank,
                   int world_size, std::int32_t* error, int stage, std::int64_t timeout_ns,
                   std::int64_t stream);
-// ErrorSnapshot's CUDA calls (stream_capturing: whether `stream` is being captured).
-void snapshot_create_cuda(std::int32_t** host, void** event);
-void snapshot_destroy_cuda(std::int32_t* host, void* event) noexcept;
-bool stream_capturing_cuda(std::int64_t stream);
-void snapshot_take_cuda(std::int32_t* host, void* event, const std::int32_t* error,
-                        std::int64_t stream);
-bool snapshot_landed_cuda(void* event);
+// ErrorMirror's CUDA calls.
+void mirror_create_cuda(std::int32_t** host, std::int64_t* device_address);
+void mirror_destroy_cuda(std::int32_t* host) noexcept;
+void mirror_publish_cuda(std::int64_t device_address, const std::int32_t* error,
+                         std::int64_t stream);
 
 }  // namespace mok::core

@@ -179,6 +179,7 @@ def moe_forward_call(
     num_threads: int,
     out: int,
     weights: int,
+    error_mirror: int,
     stream: int,
     /,
 ) -> None: ...
@@ -217,6 +218,8 @@ def moe_backward_call(
     out: int,
     base: int,
     route_row: int,
+    error: int,
+    error_mirror: int,
     stream: int,
     /,
 ) -> None: ...

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ._C import (
-    ErrorSnapshot,
+    ErrorMirror,
     ShmSegment,
     barrier,
     build_info,
@@ -33,7 +33,7 @@ from ._C import (
 __version__: str = version()
 
 __all__ = [
-    "ErrorSnapshot",
+    "ErrorMirror",
     "ShmSegment",
     "__version__",
     "backend_info",

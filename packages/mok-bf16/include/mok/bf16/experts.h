@@ -308,7 +308,8 @@ void moe_forward_call(const core::EntryPoints& core, std::string_view device,
 // weight read by route, d_w stored by route into out_d_w_routes, which is zeroed first so that a
 // route no row lists reads 0; out_dx the table-ordered dy rows themselves), then mok-core's
 // combine of dx (`combine`: its rows experts.out_dx through the routes' rows, row_index, with no
-// weights), all on `stream`. Each step's checks are its own call's.
+// weights; with combine.error_mirror it publishes the error words), all on `stream`. Each step's
+// checks are its own call's.
 struct MoeBackwardCallArgs {
   std::uintptr_t offsets32 = 0;
   GroupedBackwardArgs experts;

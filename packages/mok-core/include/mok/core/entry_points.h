@@ -21,7 +21,7 @@
 namespace mok::core {
 
 inline constexpr const char* kEntryPointsCapsule = "mok_core.entry_points";
-inline constexpr std::uint32_t kEntryPointsVersion = 1;
+inline constexpr std::uint32_t kEntryPointsVersion = 2;
 
 // An entry point's result: kOk, or the kind of exception the checked call threw.
 enum EntryStatus : int { kEntryOk = 0, kEntryInvalidArgument = 1, kEntryRuntimeError = 2 };

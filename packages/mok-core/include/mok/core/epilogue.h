@@ -15,6 +15,7 @@
 // x86-64 without -march flags has no FMA to contract into anyway).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "mok/core/bf16.h"
@@ -62,6 +63,9 @@ MOK_HD inline std::uint16_t combine_element(const std::uint16_t* base, const std
 
 // The arguments of a combine (src/epilogue_impl.h's combine; mok_core.combine in Python;
 // mok-bf16's forward call through EntryPoints, entry_points.h). Pointers are addresses.
+// Bytes of the error words a combine publishes (transport.h's kErrorWords int32 words).
+inline constexpr std::size_t kErrorMirrorBytes = 16;
+
 struct CombineArgs {
   std::uintptr_t out = 0;      // bf16 [T, H]
   std::uintptr_t base = 0;     // bf16 [T, H], or 0: none
@@ -72,6 +76,12 @@ struct CombineArgs {
   std::int64_t hidden = 0;
   std::uintptr_t row_index = 0;  // int32 [T*K]: each route's row of `rows`, or 0: row t*K + k
   std::int64_t num_rows = 0;     // rows of `rows` (with a row index)
+  // Optional, both or neither: the transport's error words (int32 [4], device) and an
+  // ErrorMirror's device address; the combine copies the words there behind the stream's work
+  // (on the GPU its first thread, or a 16-byte copy where there is nothing to combine): the
+  // call's last step publishes them, with no copy of its own.
+  std::uintptr_t error = 0;
+  std::uintptr_t error_mirror = 0;
 };
 
 }  // namespace mok::core

@@ -586,20 +586,18 @@ class NativeBackend:
             return
         if tr.dev == "cuda":
             torch.cuda.synchronize(ws.device)
-        # read now, in full: every snapshot's copy has landed
-        tr.spare += tr.in_flight + ([] if tr.pending is None else [tr.pending])
-        tr.pending, tr.in_flight = None, []
         tr.raise_error(tr.error.tolist())
 
     def _check_errors(self, tr: Transport) -> None:
-        """Raise a transport error a previous GPU call recorded (read without waiting)."""
-        words = tr.read_pending()  # (None inside a capture: no event query there)
+        """Raise a transport error a previous GPU call recorded and published (the host's mirror
+        of the error words, read without waiting while it shows none)."""
+        words = tr.published_error()
         if words is not None:
             tr.raise_error(words)
 
     @staticmethod
     def _after_call(tr: Transport) -> None:
-        tr.snapshot_error()
+        tr.publish_error()
 
     def _routed_experts(self, cfg: MoKConfig, routed: tuple) -> _Experts | None:
         """The compiled routed experts for cfg's precision on this device, or None (PyTorch)."""
@@ -767,9 +765,9 @@ class NativeBackend:
                 outputs, y = megakernel.forward_call(
                     ws, addr, top_experts_TK, x_TH, router_weights_TK, routed, tr.view["rows"], tr.error,
                     self._schedule_scratch(ws), limit=cfg.swiglu_limit, timeout_ns=tr.timeout_ns, context=context,
-                    stream=tr._stream(),
+                    mirror=tr.mirror_address, stream=tr._stream(),
                 )  # fmt: skip
-                self._after_call(tr)
+                # (its combine published the error words: no _after_call)
                 if outputs is None:  # a forward that no backward follows: nothing reads the schedule
                     return None, y, None
                 sched = self._source_side(ws, tr, top_experts_TK, tensors(), defer=defer)
@@ -1343,7 +1341,7 @@ class NativeBackend:
         """The direct backward (see _backward) in one extension call (grouped.backward_call): the
         shared expert's first (its dx is the combine's base), then the table's offsets widened, the
         routed kernels reading dy and the router weights by route, d_router stored by route and the
-        combine of dx, with the bits of _backward's walk."""
+        combine of dx, which publishes the error words, with the bits of _backward's walk."""
         _log_path(cfg, ws, expert_path(cfg, ws, routed[2].shape[2]), "backward")
         C, H, El = ws.capacity, ws.hidden_size, ws.num_local_experts
         dxs, d_shared = self._shared_backward(cfg, x_TH, dy_TH, ctx.shared_a_TIs, ctx.shared_b_TIs, shared, wgrad_dtype)
@@ -1356,9 +1354,10 @@ class NativeBackend:
             w = w.float().contiguous()
         dx, d_router = backward_call(
             sched.expert_offsets_El1, sched.row_route_C, sched.route_row_TK, ctx.x_routed_MH[:C], ctx.a_MI[:C],
-            ctx.b_MI[:C], dy_TH.contiguous(), w, weights, grads, dxs, limit=cfg.swiglu_limit, stream=tr._stream(),
+            ctx.b_MI[:C], dy_TH.contiguous(), w, weights, grads, dxs, limit=cfg.swiglu_limit, error=tr.error_ptr,
+            mirror=tr.mirror_address, stream=tr._stream(),
         )  # fmt: skip
-        self._after_call(tr)
+        # (its combine published the error words: no _after_call)
         dtype = router_weights_TK.dtype
         return Grads(dx, d_router if d_router.dtype == dtype else d_router.to(dtype), grads, d_shared)
 

@@ -401,6 +401,8 @@ def backward_call(
     base_TH: torch.Tensor | None,
     *,
     limit: float | None,
+    error: int = 0,
+    mirror: int = 0,
     stream: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One rank's direct backward in one extension call (mok_bf16.moe_backward_call, CUDA only):
@@ -415,7 +417,9 @@ def backward_call(
     (offsets32_El1 int32 [El + 1], row_route_C int32 [C], route_row_TK int32 [T, K]), the context's
     rows (x_CH, a_CI, b_CI bf16, C rows), dy_TH bf16 [T, H] and router_weights_TK fp32 [T, K]
     contiguous, the routed weights bf16 contiguous, and `wgrads` the weight gradients written
-    whole (bf16, or fp32 for fp32 parameters). T >= 1."""
+    whole (bf16, or fp32 for fp32 parameters). T >= 1. error and mirror: the transport's error
+    words' address and its ErrorMirror's device address, to which the combine publishes the words
+    (0 and 0: none)."""
     import mok_bf16
 
     C, H = x_CH.shape
@@ -440,6 +444,7 @@ def backward_call(
         core_entry_points(), "cuda", offsets32_El1.data_ptr(), offsets64, x_CH.data_ptr(), a_CI.data_ptr(),
         b_CI.data_ptr(), dys, router_weights_TK.data_ptr(), row_route_C.data_ptr(), dy_TH.data_ptr(), T, K,
         wg.data_ptr(), wu.data_ptr(), wd.data_ptr(), d_router.data_ptr(), *acc, *out, g, hw, d_ab, C, H, inner, El,
-        limit, dx.data_ptr(), 0 if base_TH is None else base_TH.data_ptr(), route_row_TK.data_ptr(), stream,
+        limit, dx.data_ptr(), 0 if base_TH is None else base_TH.data_ptr(), route_row_TK.data_ptr(), error, mirror,
+        stream,
     )  # fmt: skip
     return dx, d_router

@@ -165,6 +165,7 @@ def forward_call(
     limit: float | None,
     timeout_ns: int,
     context: bool,
+    mirror: int,
     stream: int,
 ) -> tuple[Outputs | None, torch.Tensor]:
     """One rank's forward in one extension call (mok_bf16.moe_forward_call): the schedule table from
@@ -177,7 +178,8 @@ def forward_call(
     table: the addresses of the table's arrays in mok-core's order (backends.native._table_arrays);
     top_experts_TK int32 or int64 [T, K] contiguous; x_TH bf16 [T, H], routed bf16 contiguous and
     router_weights_TK [T, K] as moe_forward and the combine take them; error the transport's words;
-    scratch the workspace's schedule scratch (0 on the CPU). On the CPU only without `context`
+    scratch the workspace's schedule scratch (0 on the CPU); mirror the transport's ErrorMirror's device
+    address, to which the combine publishes the error words (0: none). On the CPU only without `context`
     (there the context's rows are the table's in use, read on the host before they are allocated:
     moe_forward's `rows`)."""
     import mok_bf16
@@ -197,7 +199,8 @@ def forward_call(
         ws.max_tokens, ws.topk, ws.expert_alignment, C, table[2], table[3], table[4], table[5], table[0], table[1],
         table[6], table[7], scratch, x_TH.data_ptr(), wg.data_ptr(), wu.data_ptr(), wd.data_ptr(), a, b, x_rows,
         _scratch_h(ws, inner).data_ptr(), rows.data_ptr(), 0 if cpu else task_state(ws).data_ptr(), error.data_ptr(),
-        H, inner, El, limit, timeout_ns, STAGE, max(1, torch.get_num_threads()), y.data_ptr(), w.data_ptr(), stream,
+        H, inner, El, limit, timeout_ns, STAGE, max(1, torch.get_num_threads()), y.data_ptr(), w.data_ptr(), mirror,
+        stream,
     )  # fmt: skip
     return out, y
 

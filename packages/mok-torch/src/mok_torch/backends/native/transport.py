@@ -132,18 +132,16 @@ class Transport:
         self._add_segment(self.fields, self.nbytes)
         self.directions: set[str] = set()  # exchange segments made so far
         self.epoch = torch.zeros(1, dtype=torch.int64, device=self.device)
-        # The error words' snapshot of the last GPU call (mok_core.ErrorSnapshot), read by the
-        # next one, and the stream it was taken on; the snapshots read already, for reuse (no
-        # pinned buffer or event made per call); those left unread when the stream changed, whose
-        # copies may still be in flight (kept until they land: dropping one would wait for it)
-        self.pending: Any = None
-        self.pending_stream = 0
-        self.spare: list[Any] = []
-        self.in_flight: list[Any] = []
         # The stream of the call in progress (begin_call), 0 on the CPU
         self.stream = 0
         self.error = torch.zeros(4, dtype=torch.int32, device=self.device)
-        self._error_ptr = self.error.data_ptr()
+        self.error_ptr = self.error.data_ptr()
+        # On the GPU the error words as the host sees them (mok_core.ErrorMirror): each call's last
+        # step copies the words there behind its work, and the next call reads them with no copy
+        # or event of its own (docs/core-runtime.md); its device address for the kernels that
+        # publish (the combine of the one-call lanes). Made here: never inside a capture.
+        self.mirror = self.core.ErrorMirror("cuda") if self.dev == "cuda" else None
+        self.mirror_address = 0 if self.mirror is None else self.mirror.device_address
         # The layer calls made on this transport (schedule, forward, backward, recompute): every
         # barrier's tag carries it beside the stage, so ranks out of step are found at the next
         # barrier (the barrier in mok-core/include/mok/core/transport.h).
@@ -229,54 +227,29 @@ class Transport:
     def _stream(self) -> int:
         return self.stream
 
-    def snapshot_error(self) -> None:
-        """After a GPU call's work: a copy of the error words to the host, and an event behind it,
-        for the next call to read without waiting (`pending`): one mok-core call (torch's copy_
-        and event record took ~40 us of host a call). No-op in a CUDA graph capture."""
-        if self.dev != "cuda":
-            return
-        if self.pending is not None and self.pending_stream == self.stream:
-            # Not read yet (the device is behind the host, as it usually is in training): the same
-            # snapshot again; on the same stream the new copy lands after the old one.
-            snap = self.pending
-        else:
-            if self.pending is not None:  # another stream's, unread: its copy may be in flight
-                self.in_flight.append(self.pending)
-                self.pending = None
-            snap = self._free_snapshot()
-        if snap.take(self._error_ptr, self.stream):
-            self.pending, self.pending_stream = snap, self.stream
-        elif snap is not self.pending:  # capturing: nothing taken
-            self.spare.append(snap)
+    def publish_error(self) -> None:
+        """After a GPU call's work: a copy of the error words to the host's mirror behind it (one
+        16-byte cudaMemcpyAsync; a capture records it). The one-call lanes have their combine
+        publish instead (mirror_address)."""
+        if self.mirror is not None:
+            self.mirror.publish(self.error_ptr, self.stream)
 
-    def _free_snapshot(self) -> Any:
-        """A snapshot whose copy is not in flight: a spare, one left unread by a change of stream
-        whose copy has landed, or a new one."""
-        if self.spare:
-            return self.spare.pop()
-        for i, snap in enumerate(self.in_flight):
-            if snap.read(self.stream) is not None:
-                return self.in_flight.pop(i)
-        return self.core.ErrorSnapshot("cuda")
-
-    def read_pending(self) -> list[int] | None:
-        """The error words of the last snapshot once its copy has landed (else None, and the
-        snapshot stays pending; None as well while the stream is being captured)."""
-        pending = self.pending
-        if pending is None:
+    def published_error(self) -> list[int] | None:
+        """The error words when a published copy shows an error, else None, never waiting while
+        there is none. With one, the device is synchronized first (every call's work and copy done:
+        the device's words are read whole, and no copy of an older call lands after a clear)."""
+        if self.mirror is None or self.mirror.read()[0] == 0:
             return None
-        words: list[int] | None = pending.read(self.stream)
-        if words is None:
-            return None
-        self.pending = None
-        self.spare.append(pending)
-        return words
+        torch.cuda.synchronize(self.device)
+        return self.error.tolist()  # type: ignore[no-any-return]
 
     def raise_error(self, words: list[int]) -> None:
         """raise_transport_error on words read from `error`. A bad expert id at R = 1 clears the
         words first: no peer can be out of step, so the workspace serves on."""
         if words[0] == BAD_EXPERT and self.ws.world_size == 1:
             self.error.zero_()
+            if self.mirror is not None:  # (the caller synchronized: no copy is in flight)
+                self.mirror.clear()
         raise_transport_error(words, self.timeout_ns, self.ws)
 
     def barrier(self, stage: int) -> None:
