@@ -99,6 +99,10 @@ STEPS = (
     ("mok_torch.backends.native", "launch_backward"),
     ("mok_torch.backends.native", "backward_scratch"),
     ("mok_bf16", "grouped_backward"),
+    # one rank's direct backward in one extension call (session 40)
+    ("mok_torch.backends.native", "NativeBackend._backward_call"),
+    ("mok_torch.backends.native", "backward_call"),
+    ("mok_bf16", "moe_backward_call"),
 )
 # The launch before which the device's start of the experts is marked (the first one a call makes).
 # With the one call of table, megakernel and combine (mok_bf16.moe_forward_call) the mark stands

@@ -505,6 +505,24 @@ def test_cuda_calls_on_alternating_streams_never_wait():
 
 
 @gpu
+def test_cuda_first_call_on_a_workspace_inside_a_capture_is_refused():
+    """A workspace's first call makes its transport (with the error words' pinned host mirror),
+    which no CUDA graph capture allows: inside one it is a RuntimeError saying to run one call
+    first, and outside the capture the workspace then serves."""
+    inp = make_inputs(24, 32, 16, 4, 2, 0, seed=12).to(torch.device("cuda"))
+    cfg = config(backend="cuda", expert_alignment=8)
+    dev = torch.device("cuda")
+    ws = mok.create_workspace(cfg, None, device=dev, max_tokens=24, hidden_size=32, topk=2, num_experts=4)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="run one call before capturing"):
+        with torch.cuda.graph(graph):
+            mok.build_schedule(ws, cfg, inp.top_experts_TK)
+    sched = mok.build_schedule(ws, cfg, inp.top_experts_TK)
+    assert int(sched.expert_offsets_El1[-1]) >= 24 * 2
+    mok.check_errors(ws)
+
+
+@gpu
 @pytest.mark.parametrize("dims", ["small", "kernels"])
 def test_cuda_call_never_waits_for_the_device(dims):
     """A layer call's forward and backward on a GPU issue no synchronizing CUDA call (torch's sync

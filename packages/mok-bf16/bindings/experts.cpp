@@ -13,6 +13,20 @@
 
 namespace mok::bf16::bindings {
 
+namespace {
+
+// mok-core's entry points from the capsule mok_core.entry_points() returns (checked: version and
+// argument sizes); std::invalid_argument naming `fn` for any other object.
+const core::EntryPoints& entries_of(const pybind11::capsule& capsule, const char* fn) {
+  const char* name = capsule.name();
+  if (name == nullptr || std::string_view(name) != core::kEntryPointsCapsule) {
+    throw std::invalid_argument(std::string(fn) + ": entry_points must be mok_core.entry_points()");
+  }
+  return core::checked_entry_points(capsule.get_pointer());
+}
+
+}  // namespace
+
 void register_experts(pybind11::module_& m) {
   namespace py = pybind11;
   m.def(
@@ -307,12 +321,7 @@ void register_experts(pybind11::module_& m) {
          std::int64_t num_experts, std::optional<double> limit, std::int64_t timeout_ns,
          std::int64_t stage, std::int64_t num_threads, std::uintptr_t out, std::uintptr_t weights,
          std::uintptr_t error_mirror, std::uintptr_t stream) {
-        const char* name = entry_points.name();
-        if (name == nullptr || std::string_view(name) != core::kEntryPointsCapsule) {
-          throw std::invalid_argument(
-              "moe_forward_call: entry_points must be mok_core.entry_points()");
-        }
-        const core::EntryPoints& entries = core::checked_entry_points(entry_points.get_pointer());
+        const core::EntryPoints& entries = entries_of(entry_points, "moe_forward_call");
         MoeForwardCallArgs a;
         core::TableArgs& t = a.table;
         t.world_size = 1;
@@ -393,12 +402,7 @@ void register_experts(pybind11::module_& m) {
          std::int64_t inner, std::int64_t num_experts, std::optional<double> limit,
          std::uintptr_t out, std::uintptr_t base, std::uintptr_t route_row, std::uintptr_t error,
          std::uintptr_t error_mirror, std::uintptr_t stream) {
-        const char* name = entry_points.name();
-        if (name == nullptr || std::string_view(name) != core::kEntryPointsCapsule) {
-          throw std::invalid_argument(
-              "moe_backward_call: entry_points must be mok_core.entry_points()");
-        }
-        const core::EntryPoints& entries = core::checked_entry_points(entry_points.get_pointer());
+        const core::EntryPoints& entries = entries_of(entry_points, "moe_backward_call");
         MoeBackwardCallArgs c;
         c.offsets32 = offsets32;
         GroupedBackwardArgs& e = c.experts;

@@ -119,6 +119,11 @@ class Transport:
     def __init__(self, ws: Workspace, timeout_s: float) -> None:
         import mok_core
 
+        if ws.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "mok: the first call on a workspace makes its buffers (and the error words' pinned "
+                "host mirror), which cannot be inside a CUDA graph capture: run one call before capturing"
+            )
         self.core = mok_core
         self.ws = ws
         self.device = ws.device
@@ -237,8 +242,9 @@ class Transport:
     def published_error(self) -> list[int] | None:
         """The error words when a published copy shows an error, else None, never waiting while
         there is none. With one, the device is synchronized first (every call's work and copy done:
-        the device's words are read whole, and no copy of an older call lands after a clear)."""
-        if self.mirror is None or self.mirror.read()[0] == 0:
+        the device's words are read whole, and no copy of an older call lands after a clear); inside
+        a CUDA graph capture, where no synchronize may run, None (the next call outside raises it)."""
+        if self.mirror is None or self.mirror.read()[0] == 0 or torch.cuda.is_current_stream_capturing():
             return None
         torch.cuda.synchronize(self.device)
         return self.error.tolist()  # type: ignore[no-any-return]
