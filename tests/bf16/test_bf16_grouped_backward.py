@@ -508,10 +508,10 @@ def token_routes(M: int, H: int, K: int, seed: int) -> tuple:
 @pytest.mark.parametrize("K", [1, 3])
 def test_dy_by_route_gives_the_bits_of_dy_in_table_order(device, lengths, H, I, K):
     """`dy_tokens` (the cuda backend at one rank below GATHER_DY_MAX_HIDDEN): each row's dy read
-    through its route from the token rows [T, H], gathered by the g GEMM, which stores them in
-    table order into dy_MH for the weight gradient; dx, d_w, the weight gradients and those rows
-    bitwise the call with dy copied into table order (zeros for padding rows and a route past
-    T*K; the routes a permutation, as a schedule table's are)."""
+    through its route from the token rows [T, H], gathered by the g GEMM's producers and again by
+    dWd's copy engine, one box a row (no table-ordered copy is made); dx, d_w and the weight
+    gradients bitwise the call with dy copied into table order (zeros for padding rows and a route
+    past T*K; the routes a permutation, as a schedule table's are)."""
     d = make(lengths, H, I, seed=15)
     M = d["x"].shape[0]
     route, dy_T, w_TK, table_dy = token_routes(M, H, K, seed=16)
@@ -527,7 +527,7 @@ def test_dy_by_route_gives_the_bits_of_dy_in_table_order(device, lengths, H, I, 
             d["x"], d["offsets"], d["a"], d["b"], dy, w_TK.to(device), d["wg"], d["wu"], d["wd"], None, out=out,
             carry_in=False, wgrad_out=out16, weight_route=route.to(device), dy_tokens=tokens,
         )  # fmt: skip
-        results.append((got.dx, got.d_w, *out16, dy))
+        results.append((got.dx, got.d_w, *out16))
     for u, v in zip(*results, strict=True):
         assert torch.equal(u.view(torch.int16 if u.dtype == BF16 else torch.int32),
                            v.view(torch.int16 if v.dtype == BF16 else torch.int32))  # fmt: skip
@@ -539,8 +539,8 @@ def test_dy_by_route_gives_the_bits_of_dy_in_table_order(device, lengths, H, I, 
 def test_dx_into_dy_gives_the_bits_of_a_dx_of_its_own(device, lengths, H, I, gathered):
     """out.dx may be dy_MH itself (the cuda backend's backward at one rank hands dy's table-order
     rows to dx: one [M, H] array less at its peak): dx, d_w and the weight gradients bitwise
-    those of a dx of its own, with dy given in table order and gathered by route (then dx
-    overwrites the g GEMM's stored copy, which the weight gradient dWd reads first)."""
+    those of a dx of its own, with dy given in table order (which dWd, dy's last reader, reads
+    before dx's GEMM writes over it) and gathered by route (then dy_MH is only dx's array)."""
     d = make(lengths, H, I, seed=17)
     M = d["x"].shape[0]
     route, dy_T, w_TK, table_dy = token_routes(M, H, 2, seed=18)

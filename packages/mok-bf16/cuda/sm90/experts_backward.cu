@@ -2,13 +2,13 @@
 // the router weights the table's rows, or read through each row's route: dy_tokens, weight_route):
 //
 //   g:       g = dy @ Wd_e                  (grouped GEMM, Wd N-major; fp32 out, unrounded; with
-//            dy_tokens its producers gather dy's rows, and its tiles of column 0 store them into dy
-//            in table order for dWd: grouped_gemm.cuh's RowGather)
+//            dy_tokens its producers gather dy's rows: grouped_gemm.cuh's RowGather)
 //   SwiGLU:  hw = bf16(w h), d_a, d_b, d_w = <g, h> per row (an elementwise kernel: mok-core's
 //            element math, the reference's bit for bit given a, b, g and w; d_w summed in a
 //            fixed order that depends only on I)
 //   dWd:     dWd = C + dy^T bf16(w h)       (wgrad_gemm.cuh: rows as the reduction, fp32 carried
-//            across calls, bf16 out; before dx, so that dx's rows may overwrite dy's)
+//            across calls, bf16 out; with dy_tokens dy's rows gathered again, by the copy engine
+//            one row a box; before dx, so that dx's rows may overwrite dy's)
 //   dx:      dx = [d_a, d_b] @ [Wg_e; Wu_e]  (grouped GEMM over K = 2I, gate part first)
 //   dWg/dWu: dWg, dWu = C + [d_a, d_b]^T x  (one weight-gradient GEMM)
 //
@@ -164,12 +164,13 @@ int resident_pairs(int shared_bytes) {
 }
 
 // One of the weight-gradient kernels on at most num_sms CTAs (no more than its tile groups), in
-// clusters of kCluster.
-template <bool kCarryIn, bool kF32, int kCluster>
+// clusters of kCluster; kGatherA: A's rows through p.a_route (wgrad_gemm.cuh).
+template <bool kCarryIn, bool kF32, int kCluster, bool kGatherA>
 void launch_wgrad_kernel(const CUtensorMap& map_a, const CUtensorMap& map_b,
                          const gemm::WgradProblem& p, int num_sms, cudaStream_t stream) {
   using R = gemm::Ring<kernels::kStages>;
-  constexpr auto kernel = gemm::wgrad_gemm_kernel<kernels::kStages, kCarryIn, kF32, kCluster>;
+  constexpr auto kernel =
+      gemm::wgrad_gemm_kernel<kernels::kStages, kCarryIn, kF32, kCluster, kGatherA>;
   kernels::allow_shared_bytes<kernel>(R::kSharedBytes);
   const std::int64_t m_groups =
       ((p.m + gemm::kBlockM - 1) / gemm::kBlockM + kCluster - 1) / kCluster;
@@ -178,7 +179,7 @@ void launch_wgrad_kernel(const CUtensorMap& map_a, const CUtensorMap& map_b,
   if constexpr (kCluster > 1) {
     const int pairs = std::min(num_sms / 2, resident_pairs<kernel>(R::kSharedBytes));
     if (pairs < 1) {  // no cluster fits: one CTA a tile group of one
-      launch_wgrad_kernel<kCarryIn, kF32, 1>(map_a, map_b, p, num_sms, stream);
+      launch_wgrad_kernel<kCarryIn, kF32, 1, kGatherA>(map_a, map_b, p, num_sms, stream);
       return;
     }
     const kernels::PairLaunch pair(static_cast<unsigned>(2 * std::min<std::int64_t>(pairs, groups)),
@@ -193,19 +194,32 @@ void launch_wgrad_kernel(const CUtensorMap& map_a, const CUtensorMap& map_b,
   }
 }
 
-void launch_wgrad(const CUtensorMap& map_a, const CUtensorMap& map_b, const gemm::WgradProblem& p,
-                  bool carry_in, int num_sms, cudaStream_t stream) {
+template <bool kGatherA>
+void launch_wgrad_as(const CUtensorMap& map_a, const CUtensorMap& map_b,
+                     const gemm::WgradProblem& p, bool carry_in, int num_sms, cudaStream_t stream) {
   // bf16 outputs only (no fp32 accumulator, so nothing carried in): the deferred epilogue. In
   // clusters of two CTAs sharing B (wgrad_gemm.cuh) where two SMs or more are asked for.
   const bool f32 = p.part[0].f32 != nullptr || p.part[1].f32 != nullptr;
   if (num_sms < 2) {
-    if (carry_in) return launch_wgrad_kernel<true, true, 1>(map_a, map_b, p, num_sms, stream);
-    if (f32) return launch_wgrad_kernel<false, true, 1>(map_a, map_b, p, num_sms, stream);
-    return launch_wgrad_kernel<false, false, 1>(map_a, map_b, p, num_sms, stream);
+    if (carry_in) {
+      return launch_wgrad_kernel<true, true, 1, kGatherA>(map_a, map_b, p, num_sms, stream);
+    }
+    if (f32) return launch_wgrad_kernel<false, true, 1, kGatherA>(map_a, map_b, p, num_sms, stream);
+    return launch_wgrad_kernel<false, false, 1, kGatherA>(map_a, map_b, p, num_sms, stream);
   }
-  if (carry_in) return launch_wgrad_kernel<true, true, 2>(map_a, map_b, p, num_sms, stream);
-  if (f32) return launch_wgrad_kernel<false, true, 2>(map_a, map_b, p, num_sms, stream);
-  launch_wgrad_kernel<false, false, 2>(map_a, map_b, p, num_sms, stream);
+  if (carry_in) {
+    return launch_wgrad_kernel<true, true, 2, kGatherA>(map_a, map_b, p, num_sms, stream);
+  }
+  if (f32) return launch_wgrad_kernel<false, true, 2, kGatherA>(map_a, map_b, p, num_sms, stream);
+  launch_wgrad_kernel<false, false, 2, kGatherA>(map_a, map_b, p, num_sms, stream);
+}
+
+// The weight-gradient GEMM `p` (A gathered through p.a_route where it is given).
+void launch_wgrad(const CUtensorMap& map_a, const CUtensorMap& map_b, const gemm::WgradProblem& p,
+                  bool carry_in, int num_sms, cudaStream_t stream) {
+  if (p.a_route != nullptr)
+    return launch_wgrad_as<true>(map_a, map_b, p, carry_in, num_sms, stream);
+  launch_wgrad_as<false>(map_a, map_b, p, carry_in, num_sms, stream);
 }
 
 }  // namespace
@@ -242,18 +256,18 @@ void grouped_backward_cuda(const GroupedBackwardArgs& args, std::uintptr_t strea
   const CUtensorMap map_wd = hopper::make_tensor_map(ptr(args.w_down), El * H, I, 64);
   const gemm::Problem pg{offsets, s.num_rows, Ei, Ii, Hi, Hi};
   const kernels::StoreF32 store_g{reinterpret_cast<float*>(args.scratch_g), Ii};
-  if (args.dy_tokens != 0) {
-    // dy's rows gathered by the GEMM's producers through each row's route, and stored into args.dy
-    // in table order by the tiles of column 0 (dWd's operand below): no pass moves them.
+  const bool gathered = args.dy_tokens != 0;
+  if (gathered) {
+    // dy's rows gathered by the GEMM's producers through each row's route (and by dWd's below):
+    // no pass moves them and no table-ordered copy is stored (map_a unused).
     const gemm::RowGather dy_rows{reinterpret_cast<const std::uint16_t*>(args.dy_tokens),
                                   reinterpret_cast<const std::int32_t*>(args.weight_route),
                                   s.num_rows,
                                   static_cast<int>(args.num_routes),
                                   static_cast<int>(args.topk),
                                   Hi,
-                                  reinterpret_cast<std::uint16_t*>(args.dy)};
-    const CUtensorMap map_dy_copy = hopper::make_tensor_map(ptr(args.dy), M, H, 64);
-    kernels::launch<BLoad::kNMajor, true>(map_dy_copy, map_wd, map_wd, pg, store_g, sms, stream,
+                                  nullptr};
+    kernels::launch<BLoad::kNMajor, true>(map_wd, map_wd, map_wd, pg, store_g, sms, stream,
                                           dy_rows);
   } else {
     const CUtensorMap map_dy = hopper::make_tensor_map(ptr(args.dy), M, H, gemm::kBlockM);
@@ -285,11 +299,21 @@ void grouped_backward_cuda(const GroupedBackwardArgs& args, std::uintptr_t strea
   // (GroupedBackwardArgs::out_dx == dy: one [M, H] array less at the backward's peak).
   const auto f32 = [](std::uintptr_t p) { return reinterpret_cast<float*>(p); };
   const auto bf16 = [](std::uintptr_t p) { return reinterpret_cast<std::uint16_t*>(p); };
-  // dWd = C + dy^T bf16(w h): the router weight on h's side, so dy is the rows as they came.
-  const CUtensorMap map_dy_rows = hopper::make_tensor_map(ptr(args.dy), M, H, 64);
+  // dWd = C + dy^T bf16(w h): the router weight on h's side, so dy is the rows as they came
+  // (with dy_tokens gathered through the routes by the copy engine, one 1-row box a piece).
+  const CUtensorMap map_dy_rows =
+      gathered
+          ? hopper::make_tensor_map(ptr(args.dy_tokens),
+                                    static_cast<std::uint64_t>(args.num_routes / args.topk), H, 1)
+          : hopper::make_tensor_map(ptr(args.dy), M, H, 64);
   const CUtensorMap map_hw_rows = hopper::make_tensor_map(ptr(args.scratch_hw), M, I, 64);
   gemm::WgradProblem down{offsets, s.num_rows, Ei, Hi, Ii, Hi, {}};
   down.part[0] = {f32(args.acc_down), bf16(args.out_down)};
+  if (gathered) {
+    down.a_route = reinterpret_cast<const std::int32_t*>(args.weight_route);
+    down.a_routes = static_cast<int>(args.num_routes);
+    down.a_divisor = static_cast<int>(args.topk);
+  }
   launch_wgrad(map_dy_rows, map_hw_rows, down, args.carry_in, sms, stream);
 
   // dx = d_a @ Wg_e + d_b @ Wu_e: one GEMM over K = 2I, Wg then Wu ([El, I, H], N-major).

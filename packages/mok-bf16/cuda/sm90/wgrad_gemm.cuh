@@ -21,6 +21,17 @@
 // of both). A group past the last row tile (an odd count) computes the last row tile again
 // without storing it (a ghost), so that both CTAs run the same k-blocks.
 //
+// Gathered A (kGatherA, dWd at one rank: WgradProblem::a_route): A's rows are read through each
+// table row's route from the token rows, where no table-ordered copy of them exists. map_a is
+// then a map of the token rows [T, m] whose boxes are one row of 64 columns (128 bytes), and the
+// producer is one warp: per k-block each lane takes rows lane and lane + 32 of the block, their
+// routes looked up a k-block ahead, and has the copy engine load each row's pieces into the
+// row's place in the stage (the 128-byte swizzle follows the shared-memory address, so the
+// stage holds what a 64-row box of the copy would: the wgmmas read the same bytes). A padding row
+// (route outside [0, num_routes)) is zeroed by its lane; rows past the segment are not loaded
+// (the consumers zero them, as below). The stage's expected bytes are the rows loaded, counted by
+// a ballot before any load; every lane arrives once its zeros are fenced for the async proxy.
+//
 // Determinism (docs/determinism.md): a tile's accumulators start from C's fp32 values (or +0) and
 // take the expert's rows in blocks of 64 counted from its segment start, each four wgmma k16 steps
 // in ascending order. The last block of a segment is zero-padded in shared memory (rows past the
@@ -52,6 +63,11 @@ struct WgradProblem {
   int n;                        // columns of C per expert: columns of B (a multiple of 64)
   int split;                    // C rows [0, split) in part[0], [split, m) in part[1]
   WgradPart part[2];
+  // Gathered A (kGatherA): row r of A is token row a_route[r] / a_divisor of map_a's matrix (a
+  // route outside [0, a_routes): zeros). Null: A is table-ordered.
+  const std::int32_t* a_route;
+  int a_routes;
+  int a_divisor;
 
   // Where element (e, row, col) of C lives in its part; `low`: in part[0].
   __device__ std::int64_t index(int e, int row, int col, bool low) const {
@@ -127,7 +143,8 @@ __device__ inline void store_wgrad_piece(const PackedBf16& packed, std::uint16_t
 // kCarryIn: start from C's fp32 values; kF32: some part has an fp32 accumulator (else every
 // part has a bf16 output, and the epilogue is deferred). Template arguments: a run-time choice
 // there makes ptxas serialise the wgmmas. kCluster: CTAs per cluster (1 or 2, the launch's).
-template <int kStages, bool kCarryIn, bool kF32, int kCluster>
+// kGatherA: A's rows through p.a_route, one box a row (above).
+template <int kStages, bool kCarryIn, bool kF32, int kCluster, bool kGatherA = false>
 __global__ void __launch_bounds__(kThreads, 1)
     wgrad_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                       const __grid_constant__ CUtensorMap map_b, WgradProblem p) {
@@ -145,7 +162,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const R ring{hopper::swizzle_base(smem_raw)};
   const hopper::Pipeline<kStages> stages{full, empty};
   if (threadIdx.x == 32) {
-    stages.init(1, 2 * kCluster);  // read by both consumers of every CTA of the cluster
+    // Filled by the copy engine's thread (gathering: every lane of the producer warp arrives),
+    // read by both consumers of every CTA of the cluster.
+    stages.init(kGatherA ? 32 : 1, 2 * kCluster);
     hopper::mbar_init(&lag, 1);
     hopper::fence_barrier_init();
   }
@@ -162,34 +181,101 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (threadIdx.x < 128) {  // ---------------------------------------------- producer
     WideConsumerRegs::producer();
-    if (threadIdx.x != 0) return;
-    hopper::prefetch_tensor_map(&map_a);
-    hopper::prefetch_tensor_map(&map_b);
-    hopper::RingPos<kStages> pos;
-    for (int t = first; t < total; t += stride) {
-      const WgradTile tile = locate_wgrad<kCluster>(p, t, rank);
-      for (int kb = 0; kb < tile.blocks; ++kb) {
-        const int row = static_cast<int>(tile.lo) + kb * kBlockK;
-        const int stage = stages.acquire(pos);
-        stages.expect(stage, R::kStageBytes);
+    // This CTA's share of B's boxes of k-block rows [row, row + 64) (multicast in a cluster).
+    const auto load_b = [&](int stage, int row, const WgradTile& tile) {
+      constexpr int kShare = kMmaN / 64 / kCluster;  // B's boxes this CTA loads
 #pragma unroll
-        for (int i = 0; i < kBlockM / 64; ++i) {
-          hopper::tma_load_2d(ring.a(stage) + i * kBox, &map_a, &full[stage], tile.row0 + 64 * i,
+      for (int jj = 0; jj < kShare; ++jj) {
+        const int j = rank * kShare + jj;
+        if constexpr (kCluster > 1) {
+          hopper::tma_load_2d_multicast(ring.b(stage) + j * kBox, &map_b, &full[stage],
+                                        tile.col0 + 64 * j, row, (1u << kCluster) - 1);
+        } else {
+          hopper::tma_load_2d(ring.b(stage) + j * kBox, &map_b, &full[stage], tile.col0 + 64 * j,
                               row);
         }
-        constexpr int kShare = kMmaN / 64 / kCluster;  // B's boxes this CTA loads
+      }
+    };
+    hopper::RingPos<kStages> pos;
+    if constexpr (kGatherA) {
+      if (threadIdx.x >= 32) return;
+      const int lane = threadIdx.x;
+      if (lane == 0) {
+        hopper::prefetch_tensor_map(&map_a);
+        hopper::prefetch_tensor_map(&map_b);
+      }
+      // The source rows of the block's rows lane and lane + 32: the token row, -1 for zeros (a
+      // padding row), -2 past the segment (not loaded: the consumers zero it).
+      const auto sources = [&](const WgradTile& tile, int kb, int (&src)[2]) {
 #pragma unroll
-        for (int jj = 0; jj < kShare; ++jj) {
-          const int j = rank * kShare + jj;
-          if constexpr (kCluster > 1) {
-            hopper::tma_load_2d_multicast(ring.b(stage) + j * kBox, &map_b, &full[stage],
-                                          tile.col0 + 64 * j, row, (1u << kCluster) - 1);
-          } else {
-            hopper::tma_load_2d(ring.b(stage) + j * kBox, &map_b, &full[stage], tile.col0 + 64 * j,
+        for (int h = 0; h < 2; ++h) {
+          const std::int64_t row = tile.lo + kb * kBlockK + lane + 32 * h;
+          int s = -2;
+          if (row < tile.hi) {
+            const int route = p.a_route[row];
+            s = route < 0 || route >= p.a_routes ? -1 : route / p.a_divisor;
+          }
+          src[h] = s;
+        }
+      };
+      for (int t = first; t < total; t += stride) {
+        const WgradTile tile = locate_wgrad<kCluster>(p, t, rank);
+        int now[2] = {-2, -2};
+        if (tile.blocks > 0) sources(tile, 0, now);
+        for (int kb = 0; kb < tile.blocks; ++kb) {
+          int next[2] = {-2, -2};
+          if (kb + 1 < tile.blocks) sources(tile, kb + 1, next);
+          const int stage = stages.acquire(pos);
+          const int loaded = __popc(__ballot_sync(0xFFFFFFFFu, now[0] >= 0)) +
+                             __popc(__ballot_sync(0xFFFFFFFFu, now[1] >= 0));
+          if (lane == 0) {
+            // (before any load: the count never goes below what has landed)
+            hopper::mbar_expect_tx_only(&full[stage], R::kBBytes + loaded * (kBlockM / 64) * 128);
+            load_b(stage, static_cast<int>(tile.lo) + kb * kBlockK, tile);
+          }
+          __syncwarp();
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int r = lane + 32 * h;
+#pragma unroll
+            for (int i = 0; i < kBlockM / 64; ++i) {
+              unsigned char* const at = ring.a(stage) + i * kBox + r * 128;
+              if (now[h] >= 0) {
+                hopper::tma_load_2d(at, &map_a, &full[stage], tile.row0 + 64 * i, now[h]);
+              } else if (now[h] == -1) {
+#pragma unroll
+                for (int c = 0; c < 8; ++c) {
+                  reinterpret_cast<uint4*>(at)[c] = make_uint4(0, 0, 0, 0);
+                }
+              }
+            }
+          }
+          hopper::fence_proxy_async();  // the zeros, for the wgmmas
+          hopper::mbar_arrive(&full[stage]);
+          now[0] = next[0];
+          now[1] = next[1];
+          pos.advance();
+        }
+      }
+      if (lane != 0) return;
+    } else {
+      if (threadIdx.x != 0) return;
+      hopper::prefetch_tensor_map(&map_a);
+      hopper::prefetch_tensor_map(&map_b);
+      for (int t = first; t < total; t += stride) {
+        const WgradTile tile = locate_wgrad<kCluster>(p, t, rank);
+        for (int kb = 0; kb < tile.blocks; ++kb) {
+          const int row = static_cast<int>(tile.lo) + kb * kBlockK;
+          const int stage = stages.acquire(pos);
+          stages.expect(stage, R::kStageBytes);
+#pragma unroll
+          for (int i = 0; i < kBlockM / 64; ++i) {
+            hopper::tma_load_2d(ring.a(stage) + i * kBox, &map_a, &full[stage], tile.row0 + 64 * i,
                                 row);
           }
+          load_b(stage, row, tile);
+          pos.advance();
         }
-        pos.advance();
       }
     }
     if constexpr (kCluster > 1) {

@@ -181,8 +181,8 @@ struct GroupedBackwardArgs {
   std::int64_t num_routes = 0;
   // Optional, with weight_route: bf16 [num_routes / topk, H], the token rows. Given, row r's dy is
   // dy_tokens[weight_route[r] / topk] (zeros for a route outside [0, num_routes)), read by the
-  // kernels themselves, and `dy` is an output: those rows in table order (rows outside every
-  // segment left as they are), written for the weight gradient.
+  // kernels themselves (the g GEMM's producers and dWd's copy engine), and `dy` is not read: no
+  // table-ordered copy is made (its array may be out_dx).
   std::uintptr_t dy_tokens = 0;
   std::int64_t topk = 1;
   // Optional (cuda), with weight_route: fp32 [num_routes]. Given, each row's d_w is also stored

@@ -213,10 +213,9 @@ def grouped_backward(
 
     `dy_tokens` (bf16 [T, H] contiguous, with weight_route; T*K routes: router_weights [T*K]): dy's
     rows are then read by route, row r's dy = dy_tokens[weight_route[r] // K] (zeros for a route
-    outside [0, T*K)), and dy_MH is an output: the segments' rows of dy in table order (what the
-    weight gradient reads; the rows outside every segment are not part of it). On CUDA the g GEMM
-    gathers them and stores that copy itself (no pass moves rows); on the CPU they are copied into
-    dy_MH first.
+    outside [0, T*K)), and dy_MH is the call's scratch: on CUDA the g GEMM and the weight gradient
+    dWd gather the rows themselves and dy_MH is not read (no pass moves rows, no table-ordered copy
+    is made; out.dx may be it); on the CPU the rows are copied into dy_MH first.
     """
     dev, M, H, El, I = _check_rows_and_weights(x_MH, offsets_El1, w_gate_EIH, w_up_EIH, w_down_EHI)
     rows_I = [("M", M), ("I", I)]
