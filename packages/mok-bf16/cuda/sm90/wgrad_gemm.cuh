@@ -23,14 +23,14 @@
 //
 // Gathered A (kGatherA, dWd at one rank: WgradProblem::a_route): A's rows are read through each
 // table row's route from the token rows, where no table-ordered copy of them exists. map_a is
-// then a map of the token rows [T, m] whose boxes are one row of 64 columns (128 bytes), and the
-// producer is one warp: per k-block each lane takes rows lane and lane + 32 of the block, their
-// routes looked up a k-block ahead, and has the copy engine load each row's pieces into the
-// row's place in the stage (the 128-byte swizzle follows the shared-memory address, so the
-// stage holds what a 64-row box of the copy would: the wgmmas read the same bytes). A padding row
-// (route outside [0, num_routes)) is zeroed by its lane; rows past the segment are not loaded
-// (the consumers zero them, as below). The stage's expected bytes are the rows loaded, counted by
-// a ballot before any load; every lane arrives once its zeros are fenced for the async proxy.
+// then a map of the token rows [T, m] whose boxes are one row of 64 columns (128 bytes), and each
+// of the producer warpgroup's 128 threads takes one 64-column piece of one row of the block (its
+// route looked up a k-block ahead) and has the copy engine load it into the row's place in the
+// stage (the 128-byte swizzle follows the shared-memory address, so the stage holds what a
+// 64-row box of the copy would: the wgmmas read the same bytes). A padding row (route outside
+// [0, num_routes)) is zeroed by its threads; rows past the segment are not loaded (the consumers
+// zero them, as below). Every thread arrives on the stage: a loading one with its 128 bytes
+// expected before its load, a zeroing one once its zeros are fenced for the async proxy.
 //
 // Determinism (docs/determinism.md): a tile's accumulators start from C's fp32 values (or +0) and
 // take the expert's rows in blocks of 64 counted from its segment start, each four wgmma k16 steps
@@ -162,9 +162,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const R ring{hopper::swizzle_base(smem_raw)};
   const hopper::Pipeline<kStages> stages{full, empty};
   if (threadIdx.x == 32) {
-    // Filled by the copy engine's thread (gathering: every lane of the producer warp arrives),
+    // Filled by the copy engine's thread (gathering: every producer thread arrives),
     // read by both consumers of every CTA of the cluster.
-    stages.init(kGatherA ? 32 : 1, 2 * kCluster);
+    stages.init(kGatherA ? 128 : 1, 2 * kCluster);
     hopper::mbar_init(&lag, 1);
     hopper::fence_barrier_init();
   }
@@ -198,66 +198,51 @@ __global__ void __launch_bounds__(kThreads, 1)
     };
     hopper::RingPos<kStages> pos;
     if constexpr (kGatherA) {
-      if (threadIdx.x >= 32) return;
-      const int lane = threadIdx.x;
-      if (lane == 0) {
+      // Thread i loads piece i / 64 (64 of the tile's 128 columns) of the block's row i % 64.
+      static_assert(kBlockM == 2 * kBlockK, "two 64-column pieces a row, one thread each");
+      const int i = threadIdx.x;
+      const int r = i % kBlockK;
+      const int piece = i / kBlockK;
+      if (i == 0) {
         hopper::prefetch_tensor_map(&map_a);
         hopper::prefetch_tensor_map(&map_b);
       }
-      // The source rows of the block's rows lane and lane + 32: the token row, -1 for zeros (a
-      // padding row), -2 past the segment (not loaded: the consumers zero it).
-      const auto sources = [&](const WgradTile& tile, int kb, int (&src)[2]) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const std::int64_t row = tile.lo + kb * kBlockK + lane + 32 * h;
-          int s = -2;
-          if (row < tile.hi) {
-            const int route = p.a_route[row];
-            s = route < 0 || route >= p.a_routes ? -1 : route / p.a_divisor;
-          }
-          src[h] = s;
-        }
+      // The source row of the block's row r: the token row, -1 for zeros (a padding row), -2
+      // past the segment (not loaded: the consumers zero it).
+      const auto source = [&](const WgradTile& tile, int kb) {
+        const std::int64_t row = tile.lo + kb * kBlockK + r;
+        if (row >= tile.hi) return -2;
+        const int route = p.a_route[row];
+        return route < 0 || route >= p.a_routes ? -1 : route / p.a_divisor;
       };
       for (int t = first; t < total; t += stride) {
         const WgradTile tile = locate_wgrad<kCluster>(p, t, rank);
-        int now[2] = {-2, -2};
-        if (tile.blocks > 0) sources(tile, 0, now);
+        int now = tile.blocks > 0 ? source(tile, 0) : -2;
         for (int kb = 0; kb < tile.blocks; ++kb) {
-          int next[2] = {-2, -2};
-          if (kb + 1 < tile.blocks) sources(tile, kb + 1, next);
+          const int next = kb + 1 < tile.blocks ? source(tile, kb + 1) : -2;
           const int stage = stages.acquire(pos);
-          const int loaded = __popc(__ballot_sync(0xFFFFFFFFu, now[0] >= 0)) +
-                             __popc(__ballot_sync(0xFFFFFFFFu, now[1] >= 0));
-          if (lane == 0) {
-            // (before any load: the count never goes below what has landed)
-            hopper::mbar_expect_tx_only(&full[stage], R::kBBytes + loaded * (kBlockM / 64) * 128);
+          if (i == 0) {
+            hopper::mbar_expect_tx_only(&full[stage], R::kBBytes);
             load_b(stage, static_cast<int>(tile.lo) + kb * kBlockK, tile);
           }
-          __syncwarp();
+          unsigned char* const at = ring.a(stage) + piece * kBox + r * 128;
+          if (now >= 0) {
+            // this thread's arrival and its bytes, before its load: never below what landed
+            hopper::mbar_expect_tx(&full[stage], 128);
+            hopper::tma_load_2d(at, &map_a, &full[stage], tile.row0 + 64 * piece, now);
+          } else {
+            if (now == -1) {
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int r = lane + 32 * h;
-#pragma unroll
-            for (int i = 0; i < kBlockM / 64; ++i) {
-              unsigned char* const at = ring.a(stage) + i * kBox + r * 128;
-              if (now[h] >= 0) {
-                hopper::tma_load_2d(at, &map_a, &full[stage], tile.row0 + 64 * i, now[h]);
-              } else if (now[h] == -1) {
-#pragma unroll
-                for (int c = 0; c < 8; ++c) {
-                  reinterpret_cast<uint4*>(at)[c] = make_uint4(0, 0, 0, 0);
-                }
-              }
+              for (int c = 0; c < 8; ++c) reinterpret_cast<uint4*>(at)[c] = make_uint4(0, 0, 0, 0);
             }
+            hopper::fence_proxy_async();  // the zeros, for the wgmmas
+            hopper::mbar_arrive(&full[stage]);
           }
-          hopper::fence_proxy_async();  // the zeros, for the wgmmas
-          hopper::mbar_arrive(&full[stage]);
-          now[0] = next[0];
-          now[1] = next[1];
+          now = next;
           pos.advance();
         }
       }
-      if (lane != 0) return;
+      if (i != 0) return;
     } else {
       if (threadIdx.x != 0) return;
       hopper::prefetch_tensor_map(&map_a);
