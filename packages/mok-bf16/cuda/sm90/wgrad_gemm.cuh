@@ -25,7 +25,7 @@
 // table row's route from the token rows, where no table-ordered copy of them exists. map_a is
 // then a map of the token rows [T, m] whose boxes are one row of 64 columns (128 bytes), and each
 // of the producer warpgroup's 128 threads takes one 64-column piece of one row of the block (its
-// route looked up a k-block ahead) and has the copy engine load it into the row's place in the
+// route looked up four k-blocks ahead) and has the copy engine load it into the row's place in the
 // stage (the 128-byte swizzle follows the shared-memory address, so the stage holds what a
 // 64-row box of the copy would: the wgmmas read the same bytes). A padding row (route outside
 // [0, num_routes)) is zeroed by its threads; rows past the segment are not loaded (the consumers
@@ -215,31 +215,44 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int route = p.a_route[row];
         return route < 0 || route >= p.a_routes ? -1 : route / p.a_divisor;
       };
+      // The routes of the next kAhead k-blocks are in flight (one register each): the source of
+      // a k-block is looked up kAhead blocks before its load is issued, so the producer's pace is
+      // not one route's latency a k-block.
+      constexpr int kAhead = 4;
       for (int t = first; t < total; t += stride) {
         const WgradTile tile = locate_wgrad<kCluster>(p, t, rank);
-        int now = tile.blocks > 0 ? source(tile, 0) : -2;
-        for (int kb = 0; kb < tile.blocks; ++kb) {
-          const int next = kb + 1 < tile.blocks ? source(tile, kb + 1) : -2;
-          const int stage = stages.acquire(pos);
-          if (i == 0) {
-            hopper::mbar_expect_tx_only(&full[stage], R::kBBytes);
-            load_b(stage, static_cast<int>(tile.lo) + kb * kBlockK, tile);
-          }
-          unsigned char* const at = ring.a(stage) + piece * kBox + r * 128;
-          if (now >= 0) {
-            // this thread's arrival and its bytes, before its load: never below what landed
-            hopper::mbar_expect_tx(&full[stage], 128);
-            hopper::tma_load_2d(at, &map_a, &full[stage], tile.row0 + 64 * piece, now);
-          } else {
-            if (now == -1) {
+        int src[kAhead];
 #pragma unroll
-              for (int c = 0; c < 8; ++c) reinterpret_cast<uint4*>(at)[c] = make_uint4(0, 0, 0, 0);
+        for (int j = 0; j < kAhead; ++j) src[j] = j < tile.blocks ? source(tile, j) : -2;
+        for (int kb0 = 0; kb0 < tile.blocks; kb0 += kAhead) {
+#pragma unroll
+          for (int j = 0; j < kAhead; ++j) {
+            const int kb = kb0 + j;
+            if (kb >= tile.blocks) break;
+            const int now = src[j];
+            src[j] = kb + kAhead < tile.blocks ? source(tile, kb + kAhead) : -2;
+            const int stage = stages.acquire(pos);
+            if (i == 0) {
+              hopper::mbar_expect_tx_only(&full[stage], R::kBBytes);
+              load_b(stage, static_cast<int>(tile.lo) + kb * kBlockK, tile);
             }
-            hopper::fence_proxy_async();  // the zeros, for the wgmmas
-            hopper::mbar_arrive(&full[stage]);
+            unsigned char* const at = ring.a(stage) + piece * kBox + r * 128;
+            if (now >= 0) {
+              // this thread's arrival and its bytes, before its load: never below what landed
+              hopper::mbar_expect_tx(&full[stage], 128);
+              hopper::tma_load_2d(at, &map_a, &full[stage], tile.row0 + 64 * piece, now);
+            } else {
+              if (now == -1) {
+#pragma unroll
+                for (int c = 0; c < 8; ++c) {
+                  reinterpret_cast<uint4*>(at)[c] = make_uint4(0, 0, 0, 0);
+                }
+              }
+              hopper::fence_proxy_async();  // the zeros, for the wgmmas
+              hopper::mbar_arrive(&full[stage]);
+            }
+            pos.advance();
           }
-          now = next;
-          pos.advance();
         }
       }
       if (i != 0) return;
