@@ -7,8 +7,8 @@
 //            element math, the reference's bit for bit given a, b, g and w; d_w summed in a
 //            fixed order that depends only on I)
 //   dWd:     dWd = C + dy^T bf16(w h)       (wgrad_gemm.cuh: rows as the reduction, fp32 carried
-//            across calls, bf16 out; with dy_tokens dy's rows gathered again, by the copy engine
-//            one row a box; before dx, so that dx's rows may overwrite dy's)
+//            across calls, bf16 out; with dy_tokens dy's rows gathered again by its producers;
+//            before dx, so that dx's rows may overwrite dy's)
 //   dx:      dx = [d_a, d_b] @ [Wg_e; Wu_e]  (grouped GEMM over K = 2I, gate part first)
 //   dWg/dWu: dWg, dWu = C + [d_a, d_b]^T x  (one weight-gradient GEMM)
 //
@@ -164,7 +164,7 @@ int resident_pairs(int shared_bytes) {
 }
 
 // One of the weight-gradient kernels on at most num_sms CTAs (no more than its tile groups), in
-// clusters of kCluster; kGatherA: A's rows through p.a_route (wgrad_gemm.cuh).
+// clusters of kCluster; kGatherA: A's rows through p.gather (wgrad_gemm.cuh).
 template <bool kCarryIn, bool kF32, int kCluster, bool kGatherA>
 void launch_wgrad_kernel(const CUtensorMap& map_a, const CUtensorMap& map_b,
                          const gemm::WgradProblem& p, int num_sms, cudaStream_t stream) {
@@ -214,10 +214,10 @@ void launch_wgrad_as(const CUtensorMap& map_a, const CUtensorMap& map_b,
   launch_wgrad_kernel<false, false, 2, kGatherA>(map_a, map_b, p, num_sms, stream);
 }
 
-// The weight-gradient GEMM `p` (A gathered through p.a_route where it is given).
+// The weight-gradient GEMM `p` (A gathered through p.gather where it is given).
 void launch_wgrad(const CUtensorMap& map_a, const CUtensorMap& map_b, const gemm::WgradProblem& p,
                   bool carry_in, int num_sms, cudaStream_t stream) {
-  if (p.a_route != nullptr)
+  if (p.gather.rows != nullptr)
     return launch_wgrad_as<true>(map_a, map_b, p, carry_in, num_sms, stream);
   launch_wgrad_as<false>(map_a, map_b, p, carry_in, num_sms, stream);
 }
@@ -257,16 +257,16 @@ void grouped_backward_cuda(const GroupedBackwardArgs& args, std::uintptr_t strea
   const gemm::Problem pg{offsets, s.num_rows, Ei, Ii, Hi, Hi};
   const kernels::StoreF32 store_g{reinterpret_cast<float*>(args.scratch_g), Ii};
   const bool gathered = args.dy_tokens != 0;
+  // With dy_tokens dy's rows are gathered through each row's route by the g GEMM's producers and
+  // by dWd's: no pass moves them and no table-ordered copy is stored (map_a unused).
+  const gemm::RowGather dy_rows{reinterpret_cast<const std::uint16_t*>(args.dy_tokens),
+                                reinterpret_cast<const std::int32_t*>(args.weight_route),
+                                s.num_rows,
+                                static_cast<int>(args.num_routes),
+                                static_cast<int>(args.topk),
+                                Hi,
+                                nullptr};
   if (gathered) {
-    // dy's rows gathered by the GEMM's producers through each row's route (and by dWd's below):
-    // no pass moves them and no table-ordered copy is stored (map_a unused).
-    const gemm::RowGather dy_rows{reinterpret_cast<const std::uint16_t*>(args.dy_tokens),
-                                  reinterpret_cast<const std::int32_t*>(args.weight_route),
-                                  s.num_rows,
-                                  static_cast<int>(args.num_routes),
-                                  static_cast<int>(args.topk),
-                                  Hi,
-                                  nullptr};
     kernels::launch<BLoad::kNMajor, true>(map_wd, map_wd, map_wd, pg, store_g, sms, stream,
                                           dy_rows);
   } else {
@@ -300,20 +300,12 @@ void grouped_backward_cuda(const GroupedBackwardArgs& args, std::uintptr_t strea
   const auto f32 = [](std::uintptr_t p) { return reinterpret_cast<float*>(p); };
   const auto bf16 = [](std::uintptr_t p) { return reinterpret_cast<std::uint16_t*>(p); };
   // dWd = C + dy^T bf16(w h): the router weight on h's side, so dy is the rows as they came
-  // (with dy_tokens gathered through the routes by the copy engine, one 1-row box a piece).
-  const CUtensorMap map_dy_rows =
-      gathered
-          ? hopper::make_tensor_map(ptr(args.dy_tokens),
-                                    static_cast<std::uint64_t>(args.num_routes / args.topk), H, 1)
-          : hopper::make_tensor_map(ptr(args.dy), M, H, 64);
+  // (with dy_tokens gathered again through the routes by dWd's producers; map_dy_rows unused).
+  const CUtensorMap map_dy_rows = hopper::make_tensor_map(ptr(args.dy), M, H, 64);
   const CUtensorMap map_hw_rows = hopper::make_tensor_map(ptr(args.scratch_hw), M, I, 64);
   gemm::WgradProblem down{offsets, s.num_rows, Ei, Hi, Ii, Hi, {}};
   down.part[0] = {f32(args.acc_down), bf16(args.out_down)};
-  if (gathered) {
-    down.a_route = reinterpret_cast<const std::int32_t*>(args.weight_route);
-    down.a_routes = static_cast<int>(args.num_routes);
-    down.a_divisor = static_cast<int>(args.topk);
-  }
+  if (gathered) down.gather = dy_rows;
   launch_wgrad(map_dy_rows, map_hw_rows, down, args.carry_in, sms, stream);
 
   // dx = d_a @ Wg_e + d_b @ Wu_e: one GEMM over K = 2I, Wg then Wu ([El, I, H], N-major).

@@ -21,16 +21,13 @@
 // of both). A group past the last row tile (an odd count) computes the last row tile again
 // without storing it (a ghost), so that both CTAs run the same k-blocks.
 //
-// Gathered A (kGatherA, dWd at one rank: WgradProblem::a_route): A's rows are read through each
-// table row's route from the token rows, where no table-ordered copy of them exists. map_a is
-// then a map of the token rows [T, m] whose boxes are one row of 64 columns (128 bytes), and each
-// of the producer warpgroup's 128 threads takes one 64-column piece of one row of the block (its
-// route looked up four k-blocks ahead) and has the copy engine load it into the row's place in the
-// stage (the 128-byte swizzle follows the shared-memory address, so the stage holds what a
-// 64-row box of the copy would: the wgmmas read the same bytes). A padding row (route outside
-// [0, num_routes)) is zeroed by its threads; rows past the segment are not loaded (the consumers
-// zero them, as below). Every thread arrives on the stage: a loading one with its 128 bytes
-// expected before its load, a zeroing one once its zeros are fenced for the async proxy.
+// Gathered A (kGatherA, dWd at one rank: WgradProblem::gather): A's rows are read through each
+// table row's route from the token rows, where no table-ordered copy of them exists. The producer
+// warpgroup's 128 threads copy them by cp.async into the stage (grouped_gemm.cuh's gather_box: the
+// 128-byte swizzle a 64-row box of the copy engine would give, so the wgmmas read the same bytes;
+// zeros for padding rows and rows past the segment), each route looked up four k-blocks ahead
+// (every k-block of a weight gradient has new rows), and each thread arrives on the stage once its
+// copies have landed; thread 0 has the copy engine load B as before.
 //
 // Determinism (docs/determinism.md): a tile's accumulators start from C's fp32 values (or +0) and
 // take the expert's rows in blocks of 64 counted from its segment start, each four wgmma k16 steps
@@ -63,11 +60,9 @@ struct WgradProblem {
   int n;                        // columns of C per expert: columns of B (a multiple of 64)
   int split;                    // C rows [0, split) in part[0], [split, m) in part[1]
   WgradPart part[2];
-  // Gathered A (kGatherA): row r of A is token row a_route[r] / a_divisor of map_a's matrix (a
-  // route outside [0, a_routes): zeros). Null: A is table-ordered.
-  const std::int32_t* a_route;
-  int a_routes;
-  int a_divisor;
+  // Gathered A (kGatherA): A's rows through their routes from gather.rows (grouped_gemm.cuh's
+  // RowGather; copy_to unused). gather.rows null: A is table-ordered (map_a's).
+  RowGather gather;
 
   // Where element (e, row, col) of C lives in its part; `low`: in part[0].
   __device__ std::int64_t index(int e, int row, int col, bool low) const {
@@ -143,7 +138,7 @@ __device__ inline void store_wgrad_piece(const PackedBf16& packed, std::uint16_t
 // kCarryIn: start from C's fp32 values; kF32: some part has an fp32 accumulator (else every
 // part has a bf16 output, and the epilogue is deferred). Template arguments: a run-time choice
 // there makes ptxas serialise the wgmmas. kCluster: CTAs per cluster (1 or 2, the launch's).
-// kGatherA: A's rows through p.a_route, one box a row (above).
+// kGatherA: A's rows through p.gather (above).
 template <int kStages, bool kCarryIn, bool kF32, int kCluster, bool kGatherA = false>
 __global__ void __launch_bounds__(kThreads, 1)
     wgrad_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
@@ -198,59 +193,49 @@ __global__ void __launch_bounds__(kThreads, 1)
     };
     hopper::RingPos<kStages> pos;
     if constexpr (kGatherA) {
-      // Thread i loads piece i / 64 (64 of the tile's 128 columns) of the block's row i % 64.
-      static_assert(kBlockM == 2 * kBlockK, "two 64-column pieces a row, one thread each");
-      const int i = threadIdx.x;
-      const int r = i % kBlockK;
-      const int piece = i / kBlockK;
-      if (i == 0) {
-        hopper::prefetch_tensor_map(&map_a);
-        hopper::prefetch_tensor_map(&map_b);
-      }
-      // The source row of the block's row r: the token row, -1 for zeros (a padding row), -2
-      // past the segment (not loaded: the consumers zero it).
-      const auto source = [&](const WgradTile& tile, int kb) {
-        const std::int64_t row = tile.lo + kb * kBlockK + r;
-        if (row >= tile.hi) return -2;
-        const int route = p.a_route[row];
-        return route < 0 || route >= p.a_routes ? -1 : route / p.a_divisor;
-      };
-      // The routes of the next kAhead k-blocks are in flight (one register each): the source of
-      // a k-block is looked up kAhead blocks before its load is issued, so the producer's pace is
-      // not one route's latency a k-block.
+      // Every producer thread copies a share of A's rows (gather_box: a warp's copies are whole
+      // 128-byte lines; rows of padding or past the segment read as zeros); thread 0 also has
+      // the copy engine load B. Thread i copies block rows i / 8 + 16 j of both boxes, so a
+      // warp's copies take 16 rows: lane l looks the route of the warp's row l % 16 up (row
+      // 4 (i / 32) + l % 4 + 16 (l / 4 % 4)) kAhead k-blocks before its copies, and the copies get
+      // their rows' routes by shuffles. So the producer's pace is not one route's latency a
+      // k-block (the rows of a weight gradient's k-blocks are new in every one).
+      static_assert(kBlockM == 2 * kBlockK, "A's stage: two 64-column boxes of the block's rows");
       constexpr int kAhead = 4;
+      const int i = threadIdx.x;
+      const int lane = i % 32;
+      const int looked_up = (i / 32) * 4 + lane % 4 + 16 * (lane / 4 % 4);
+      if (i == 0) hopper::prefetch_tensor_map(&map_b);
+      const auto source = [&](const WgradTile& tile, int kb) {
+        const std::int64_t row = tile.lo + kb * kBlockK + looked_up;
+        return row < tile.hi ? p.gather.source(row) : -1;
+      };
       for (int t = first; t < total; t += stride) {
         const WgradTile tile = locate_wgrad<kCluster>(p, t, rank);
         int src[kAhead];
 #pragma unroll
-        for (int j = 0; j < kAhead; ++j) src[j] = j < tile.blocks ? source(tile, j) : -2;
+        for (int j = 0; j < kAhead; ++j) src[j] = j < tile.blocks ? source(tile, j) : -1;
         for (int kb0 = 0; kb0 < tile.blocks; kb0 += kAhead) {
 #pragma unroll
           for (int j = 0; j < kAhead; ++j) {
             const int kb = kb0 + j;
             if (kb >= tile.blocks) break;
             const int now = src[j];
-            src[j] = kb + kAhead < tile.blocks ? source(tile, kb + kAhead) : -2;
+            src[j] = kb + kAhead < tile.blocks ? source(tile, kb + kAhead) : -1;
             const int stage = stages.acquire(pos);
             if (i == 0) {
               hopper::mbar_expect_tx_only(&full[stage], R::kBBytes);
               load_b(stage, static_cast<int>(tile.lo) + kb * kBlockK, tile);
             }
-            unsigned char* const at = ring.a(stage) + piece * kBox + r * 128;
-            if (now >= 0) {
-              // this thread's arrival and its bytes, before its load: never below what landed
-              hopper::mbar_expect_tx(&full[stage], 128);
-              hopper::tma_load_2d(at, &map_a, &full[stage], tile.row0 + 64 * piece, now);
-            } else {
-              if (now == -1) {
+            int from[4];  // the routes of this thread's rows i / 8 + 16 q
 #pragma unroll
-                for (int c = 0; c < 8; ++c) {
-                  reinterpret_cast<uint4*>(at)[c] = make_uint4(0, 0, 0, 0);
-                }
-              }
-              hopper::fence_proxy_async();  // the zeros, for the wgmmas
-              hopper::mbar_arrive(&full[stage]);
+            for (int q = 0; q < 4; ++q) from[q] = __shfl_sync(0xffffffffu, now, lane / 8 + 4 * q);
+#pragma unroll
+            for (int piece = 0; piece < 2; ++piece) {
+              gather_box<kBlockK>(ring.a(stage) + piece * kBox, p.gather, tile.row0 + 64 * piece, i,
+                                  [&](int q) { return from[q]; });
             }
+            hopper::cp_async_arrive(&full[stage]);  // once this thread's copies have landed
             pos.advance();
           }
         }
