@@ -232,7 +232,8 @@ void register_experts(pybind11::module_& m) {
       "of the call with the weights copied into table order. dy_tokens (optional, 'cuda', with "
       "weight_route): bf16 [num_routes / topk, H], the token rows; given, row r's dy is "
       "dy_tokens[weight_route[r] / topk] (zeros outside [0, num_routes)), gathered by the g "
-      "GEMM and by dWd, and dy is not read (no table-ordered copy is made: it may be out_dx). "
+      "GEMM (and by dWd where I <= 256), and dy is not read: scratch, given those rows in table order "
+      "where dWd reads a copy (I > 256); it may be out_dx. "
       "out_d_w_routes (optional, 'cuda', with weight_route): fp32 [num_routes]; given, each row's "
       "d_w is also stored at its route (a route no row lists is not written), and out_d_w may be "
       "0 unless zero_outside. Raises ValueError naming a bad argument.");
@@ -451,7 +452,7 @@ void register_experts(pybind11::module_& m) {
       "all arguments positional: entry_points (mok_core.entry_points()), device, offsets32 (the "
       "table's int32 [El + 1]) and offsets (int64 [El + 1], written: offsets32 widened), then "
       "grouped_backward's arrays over the table's rows (x, a, b; dy: bf16 [num_rows, hidden], "
-      "written: dx's rows; dy itself is read by route), router_weights (fp32 "
+      "written: dx's rows, after serving as scratch; dy itself is read by route), router_weights (fp32 "
       "[num_tokens * topk]) and dy_tokens (bf16 [num_tokens, hidden]) read by each row's route "
       "(weight_route: the table's row_route), num_tokens, topk, the weights, out_d_router (fp32 "
       "[num_tokens * topk], written: each route's d_w, 0 for a route no row lists), the weight "

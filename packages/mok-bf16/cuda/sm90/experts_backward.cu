@@ -2,13 +2,15 @@
 // the router weights the table's rows, or read through each row's route: dy_tokens, weight_route):
 //
 //   g:       g = dy @ Wd_e                  (grouped GEMM, Wd N-major; fp32 out, unrounded; with
-//            dy_tokens its producers gather dy's rows: grouped_gemm.cuh's RowGather)
+//            dy_tokens its producers gather dy's rows: grouped_gemm.cuh's RowGather; where C
+//            has more than one column tile its tiles of column 0 store them into dy in table
+//            order for dWd)
 //   SwiGLU:  hw = bf16(w h), d_a, d_b, d_w = <g, h> per row (an elementwise kernel: mok-core's
 //            element math, the reference's bit for bit given a, b, g and w; d_w summed in a
 //            fixed order that depends only on I)
 //   dWd:     dWd = C + dy^T bf16(w h)       (wgrad_gemm.cuh: rows as the reduction, fp32 carried
-//            across calls, bf16 out; with dy_tokens dy's rows gathered again by its producers;
-//            before dx, so that dx's rows may overwrite dy's)
+//            across calls, bf16 out; with dy_tokens and I <= 256 dy's rows gathered again by
+//            its producers; before dx, so that dx's rows may overwrite dy's)
 //   dx:      dx = [d_a, d_b] @ [Wg_e; Wu_e]  (grouped GEMM over K = 2I, gate part first)
 //   dWg/dWu: dWg, dWu = C + [d_a, d_b]^T x  (one weight-gradient GEMM)
 //
@@ -257,21 +259,26 @@ void grouped_backward_cuda(const GroupedBackwardArgs& args, std::uintptr_t strea
   const gemm::Problem pg{offsets, s.num_rows, Ei, Ii, Hi, Hi};
   const kernels::StoreF32 store_g{reinterpret_cast<float*>(args.scratch_g), Ii};
   const bool gathered = args.dy_tokens != 0;
-  // With dy_tokens dy's rows are gathered through each row's route by the g GEMM's producers and
-  // by dWd's: no pass moves them and no table-ordered copy is stored (map_a unused).
+  // With dy_tokens dy's rows are gathered through each row's route by the g GEMM's producers (no
+  // pass moves them). dWd gathers them again where C has one column tile (I <= kMmaN: each row
+  // read once, as a copy would be); with more, each column tile would gather the rows anew, so the
+  // g GEMM's tiles of column 0 store them into dy in table order for dWd (NOTES.md, session 42:
+  // gathering at I = 768 cost more than the copy saves, at I = 256 less).
+  const bool dwd_gathers = gathered && Ii <= gemm::kMmaN;
+  const CUtensorMap map_dy = hopper::make_tensor_map(ptr(args.dy), M, H, 64);
   const gemm::RowGather dy_rows{reinterpret_cast<const std::uint16_t*>(args.dy_tokens),
                                 reinterpret_cast<const std::int32_t*>(args.weight_route),
                                 s.num_rows,
                                 static_cast<int>(args.num_routes),
                                 static_cast<int>(args.topk),
                                 Hi,
-                                nullptr};
+                                dwd_gathers ? nullptr : reinterpret_cast<std::uint16_t*>(args.dy)};
   if (gathered) {
-    kernels::launch<BLoad::kNMajor, true>(map_wd, map_wd, map_wd, pg, store_g, sms, stream,
+    kernels::launch<BLoad::kNMajor, true>(map_dy, map_wd, map_wd, pg, store_g, sms, stream,
                                           dy_rows);
   } else {
-    const CUtensorMap map_dy = hopper::make_tensor_map(ptr(args.dy), M, H, gemm::kBlockM);
-    kernels::launch<BLoad::kNMajor>(map_dy, map_wd, map_wd, pg, store_g, sms, stream);
+    const CUtensorMap map_dy_tiles = hopper::make_tensor_map(ptr(args.dy), M, H, gemm::kBlockM);
+    kernels::launch<BLoad::kNMajor>(map_dy_tiles, map_wd, map_wd, pg, store_g, sms, stream);
   }
 
   const SwigluBackwardRows rows{reinterpret_cast<const std::uint16_t*>(args.a),
@@ -299,14 +306,13 @@ void grouped_backward_cuda(const GroupedBackwardArgs& args, std::uintptr_t strea
   // (GroupedBackwardArgs::out_dx == dy: one [M, H] array less at the backward's peak).
   const auto f32 = [](std::uintptr_t p) { return reinterpret_cast<float*>(p); };
   const auto bf16 = [](std::uintptr_t p) { return reinterpret_cast<std::uint16_t*>(p); };
-  // dWd = C + dy^T bf16(w h): the router weight on h's side, so dy is the rows as they came
-  // (with dy_tokens gathered again through the routes by dWd's producers; map_dy_rows unused).
-  const CUtensorMap map_dy_rows = hopper::make_tensor_map(ptr(args.dy), M, H, 64);
+  // dWd = C + dy^T bf16(w h): the router weight on h's side, so dy is the rows as they came (in
+  // table order in dy, or gathered again by dWd's producers: map_dy then unused).
   const CUtensorMap map_hw_rows = hopper::make_tensor_map(ptr(args.scratch_hw), M, I, 64);
   gemm::WgradProblem down{offsets, s.num_rows, Ei, Hi, Ii, Hi, {}};
   down.part[0] = {f32(args.acc_down), bf16(args.out_down)};
-  if (gathered) down.gather = dy_rows;
-  launch_wgrad(map_dy_rows, map_hw_rows, down, args.carry_in, sms, stream);
+  if (dwd_gathers) down.gather = dy_rows;
+  launch_wgrad(map_dy, map_hw_rows, down, args.carry_in, sms, stream);
 
   // dx = d_a @ Wg_e + d_b @ Wu_e: one GEMM over K = 2I, Wg then Wu ([El, I, H], N-major).
   const CUtensorMap map_dab =

@@ -181,8 +181,8 @@ struct GroupedBackwardArgs {
   std::int64_t num_routes = 0;
   // Optional, with weight_route: bf16 [num_routes / topk, H], the token rows. Given, row r's dy is
   // dy_tokens[weight_route[r] / topk] (zeros for a route outside [0, num_routes)), read by the
-  // kernels themselves (the g GEMM's producers and dWd's copy engine), and `dy` is not read: no
-  // table-ordered copy is made (its array may be out_dx).
+  // kernels themselves (the g GEMM's producers, and dWd's where I <= 256), and `dy` is not read:
+  // scratch, given those rows in table order where dWd reads a copy (I > 256); it may be out_dx.
   std::uintptr_t dy_tokens = 0;
   std::int64_t topk = 1;
   // Optional (cuda), with weight_route: fp32 [num_routes]. Given, each row's d_w is also stored

@@ -213,9 +213,10 @@ def grouped_backward(
 
     `dy_tokens` (bf16 [T, H] contiguous, with weight_route; T*K routes: router_weights [T*K]): dy's
     rows are then read by route, row r's dy = dy_tokens[weight_route[r] // K] (zeros for a route
-    outside [0, T*K)), and dy_MH is the call's scratch: on CUDA the g GEMM and the weight gradient
-    dWd gather the rows themselves and dy_MH is not read (no pass moves rows, no table-ordered copy
-    is made; out.dx may be it); on the CPU the rows are copied into dy_MH first.
+    outside [0, T*K)), and dy_MH is the call's scratch: on CUDA the g GEMM gathers the rows itself
+    (no pass moves rows), and so does the weight gradient dWd where I <= 256; with a larger I the g
+    GEMM stores them into dy_MH in table order for dWd. dy_MH is never read (out.dx may be it); on
+    the CPU the rows are copied into dy_MH first.
     """
     dev, M, H, El, I = _check_rows_and_weights(x_MH, offsets_El1, w_gate_EIH, w_up_EIH, w_down_EHI)
     rows_I = [("M", M), ("I", I)]
