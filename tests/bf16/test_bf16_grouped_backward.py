@@ -506,13 +506,14 @@ def token_routes(M: int, H: int, K: int, seed: int) -> tuple:
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_gpu)])
 @pytest.mark.parametrize("lengths, H, I", GROUPED_CASES)
 @pytest.mark.parametrize("K", [1, 3])
-def test_dy_by_route_gives_the_bits_of_dy_in_table_order(device, lengths, H, I, K):
+@pytest.mark.parametrize("dwd_gather", [0, 1], ids=["dwd-from-copy", "dwd-gathers"])
+def test_dy_by_route_gives_the_bits_of_dy_in_table_order(device, lengths, H, I, K, dwd_gather):
     """`dy_tokens` (the cuda backend at one rank below GATHER_DY_MAX_HIDDEN): each row's dy read
     through its route from the token rows [T, H], gathered by the g GEMM's producers and again by
-    dWd's where I <= 256 (else read from the copy the g GEMM stores in table order: both kinds
-    among the cases); dx, d_w and the weight gradients bitwise the call with dy copied into table
-    order (zeros for padding rows and a route past T*K; the routes a permutation, as a schedule
-    table's are)."""
+    dWd's where I <= 256 and dwd_gather is 1 (else read from the copy the g GEMM stores in table
+    order: both kinds among the cases); dx, d_w and the weight gradients bitwise the call with dy
+    copied into table order (zeros for padding rows and a route past T*K; the routes a
+    permutation, as a schedule table's are)."""
     d = make(lengths, H, I, seed=15)
     M = d["x"].shape[0]
     route, dy_T, w_TK, table_dy = token_routes(M, H, K, seed=16)
@@ -527,6 +528,7 @@ def test_dy_by_route_gives_the_bits_of_dy_in_table_order(device, lengths, H, I, 
         got = grouped_backward(
             d["x"], d["offsets"], d["a"], d["b"], dy, w_TK.to(device), d["wg"], d["wu"], d["wd"], None, out=out,
             carry_in=False, wgrad_out=out16, weight_route=route.to(device), dy_tokens=tokens,
+            dwd_gather=dwd_gather,
         )  # fmt: skip
         results.append((got.dx, got.d_w, *out16))
     for u, v in zip(*results, strict=True):
@@ -536,8 +538,12 @@ def test_dy_by_route_gives_the_bits_of_dy_in_table_order(device, lengths, H, I, 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_gpu)])
 @pytest.mark.parametrize("lengths, H, I", GROUPED_CASES)
-@pytest.mark.parametrize("gathered", [False, True], ids=["dy-in-table-order", "dy-by-route"])
-def test_dx_into_dy_gives_the_bits_of_a_dx_of_its_own(device, lengths, H, I, gathered):
+@pytest.mark.parametrize(
+    "gathered, dwd_gather",
+    [(False, -1), (True, 0), (True, 1)],
+    ids=["dy-in-table-order", "dy-by-route-dwd-from-copy", "dy-by-route-dwd-gathers"],
+)
+def test_dx_into_dy_gives_the_bits_of_a_dx_of_its_own(device, lengths, H, I, gathered, dwd_gather):
     """out.dx may be dy_MH itself (the cuda backend's backward at one rank hands dy's table-order
     rows to dx: one [M, H] array less at its peak): dx, d_w and the weight gradients bitwise
     those of a dx of its own, with dy given in table order (which dWd, dy's last reader, reads
@@ -556,6 +562,7 @@ def test_dx_into_dy_gives_the_bits_of_a_dx_of_its_own(device, lengths, H, I, gat
             d["x"], d["offsets"], d["a"], d["b"], dy, w_TK.to(device), d["wg"], d["wu"], d["wd"], acc,
             out=GroupedBackward(dx, torch.full((M,), 7.0, device=device)), wgrad_out=out16,
             weight_route=route.to(device), dy_tokens=dy_T.to(device) if gathered else None,
+            dwd_gather=dwd_gather,
         )  # fmt: skip
         assert got.dx is dx
         results.append((got.dx, got.d_w, *out16, *acc))
@@ -584,6 +591,32 @@ def test_bad_dy_tokens_raise_naming_the_argument():
         call(torch.zeros(4, 32, dtype=BF16))
     with pytest.raises(ValueError, match="T\\*K routes for T = 3 tokens"):
         call(torch.zeros(3, 64, dtype=BF16))
+
+
+@pytest.mark.parametrize("dwd_gather", [2, -2, True, 0.5])
+def test_bad_dwd_gather_raises_naming_the_argument(dwd_gather):
+    d = make([5, 3], 64, 64, seed=1)
+    with pytest.raises(ValueError, match="dwd_gather must be -1"):
+        grouped_backward(
+            d["x"], d["offsets"], d["a"], d["b"], d["dy"], d["w"], d["wg"], d["wu"], d["wd"], accumulators(d),
+            dwd_gather=dwd_gather,
+        )  # fmt: skip
+
+
+def test_mok_bf16_rejects_a_bad_dwd_gather_naming_it():
+    """The extension checks it too (a caller of mok_bf16.grouped_backward past the wrapper)."""
+    d = make([5, 3], 64, 64, seed=1)
+    acc = accumulators(d)
+    out = GroupedBackward(torch.zeros_like(d["dy"]), torch.zeros(d["dy"].shape[0]))
+    M, H = d["x"].shape
+    El, I = d["wg"].shape[:2]
+    with pytest.raises(ValueError, match="dwd_gather must be -1"):
+        mok_bf16.grouped_backward(
+            "cpu", d["x"].data_ptr(), d["offsets"].data_ptr(), d["a"].data_ptr(), d["b"].data_ptr(),
+            d["dy"].data_ptr(), d["w"].data_ptr(), d["wg"].data_ptr(), d["wu"].data_ptr(), d["wd"].data_ptr(),
+            out.dx.data_ptr(), out.d_w.data_ptr(), *(t.data_ptr() for t in acc), 0, 0, 0, True, 0, 0, 0,
+            M, H, I, El, dwd_gather=3,
+        )  # fmt: skip
 
 
 def test_bad_weight_route_raises_naming_the_argument():

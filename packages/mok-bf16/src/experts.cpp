@@ -317,7 +317,10 @@ void grouped_backward(std::string_view device, const GroupedBackwardArgs& a,
     if (a.topk < 1 || a.num_routes % a.topk != 0) {
       invalid(fn, "topk must be >= 1 and divide num_routes with dy_tokens" + got(a.topk));
     }
-    check_pointer(fn, "dy", a.dy, 16, true);  // written: the gathered rows in table order
+    check_pointer(fn, "dy", a.dy, 16, true);  // scratch: maybe the gathered rows in table order
+  }
+  if (a.dwd_gather < -1 || a.dwd_gather > 1) {
+    invalid(fn, "dwd_gather must be -1 (by the device), 0 or 1" + got(a.dwd_gather));
   }
   if (run_on_cuda(fn, kind, a, stream,
                   [](const auto& args, std::uintptr_t st) { grouped_backward_cuda(args, st); })) {

@@ -260,11 +260,16 @@ void grouped_backward_cuda(const GroupedBackwardArgs& args, std::uintptr_t strea
   const kernels::StoreF32 store_g{reinterpret_cast<float*>(args.scratch_g), Ii};
   const bool gathered = args.dy_tokens != 0;
   // With dy_tokens dy's rows are gathered through each row's route by the g GEMM's producers (no
-  // pass moves them). dWd gathers them again where C has one column tile (I <= kMmaN: each row
-  // read once, as a copy would be); with more, each column tile would gather the rows anew, so the
-  // g GEMM's tiles of column 0 store them into dy in table order for dWd (NOTES.md, session 42:
-  // gathering at I = 768 cost more than the copy saves, at I = 256 less).
-  const bool dwd_gathers = gathered && Ii <= gemm::kMmaN;
+  // pass moves them). dWd gathers them again (args.dwd_gather) where C has one column tile (I <=
+  // kMmaN: each row read once, as the copy is; with more, each column tile would gather the rows
+  // anew) and, by default, where memory is slower than 4 TB/s; otherwise the g GEMM's tiles of
+  // column 0 store them into dy in table order for dWd. NOTES.md, session 42: at I = 256 gathering
+  // saved ~150 us of ~4 ms on an H100 (3.35 TB/s: the copy's stores cost ~270 us there) and lost
+  // ~40 us on an H200 (4.8 TB/s: ~100 us); at I = 768 it lost ~175 us on an H100.
+  const bool dwd_gathers =
+      gathered && Ii <= gemm::kMmaN &&
+      (args.dwd_gather == 1 || (args.dwd_gather == -1 && kernels::device_memory_bandwidth() > 0 &&
+                                kernels::device_memory_bandwidth() < 4e12));
   const CUtensorMap map_dy = hopper::make_tensor_map(ptr(args.dy), M, H, 64);
   const gemm::RowGather dy_rows{reinterpret_cast<const std::uint16_t*>(args.dy_tokens),
                                 reinterpret_cast<const std::int32_t*>(args.weight_route),

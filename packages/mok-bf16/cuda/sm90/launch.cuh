@@ -33,6 +33,26 @@ inline int current_device() {
   return device;
 }
 
+// The current device's peak memory bandwidth in bytes per second (twice the memory clock times
+// the bus width, as the driver reports them), read once per device; 0 where it reports none.
+inline double device_memory_bandwidth() {
+  static std::atomic<double> known[kTrackedDevices];
+  const int device = current_device();
+  const bool tracked = device >= 0 && device < kTrackedDevices;
+  if (tracked) {
+    if (const double bw = known[device].load(std::memory_order_relaxed); bw > 0) return bw;
+  }
+  int khz = 0, bits = 0;
+  if (cudaDeviceGetAttribute(&khz, cudaDevAttrMemoryClockRate, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&bits, cudaDevAttrGlobalMemoryBusWidth, device) != cudaSuccess) {
+    static_cast<void>(cudaGetLastError());  // not sticky: clear it
+    return 0.0;
+  }
+  const double bw = 2.0 * 1e3 * khz * (bits / 8.0);
+  if (tracked) known[device].store(bw, std::memory_order_relaxed);
+  return bw;
+}
+
 // The current device's SM count, read from the driver once per device.
 inline int device_sms() {
   static std::atomic<int> known[kTrackedDevices];

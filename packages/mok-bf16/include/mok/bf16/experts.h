@@ -181,10 +181,15 @@ struct GroupedBackwardArgs {
   std::int64_t num_routes = 0;
   // Optional, with weight_route: bf16 [num_routes / topk, H], the token rows. Given, row r's dy is
   // dy_tokens[weight_route[r] / topk] (zeros for a route outside [0, num_routes)), read by the
-  // kernels themselves (the g GEMM's producers, and dWd's where I <= 256), and `dy` is not read:
-  // scratch, given those rows in table order where dWd reads a copy (I > 256); it may be out_dx.
+  // kernels themselves (the g GEMM's producers, and dWd's where dwd_gather says so), and `dy` is
+  // not read: scratch, given those rows in table order where dWd reads a copy; it may be out_dx.
   std::uintptr_t dy_tokens = 0;
   std::int64_t topk = 1;
+  // With dy_tokens (cuda): whether dWd gathers dy's rows itself, where C has one column tile (I <=
+  // 256), instead of reading a table-ordered copy the g GEMM stores. -1: where the device's memory
+  // bandwidth is below 4 TB/s (there the copy's bytes cost more than the gather loses: NOTES.md,
+  // session 42); 0: never; 1: wherever I <= 256. The bits are the same either way.
+  std::int64_t dwd_gather = -1;
   // Optional (cuda), with weight_route: fp32 [num_routes]. Given, each row's d_w is also stored
   // at its route (route order: the router weights' gradient, no gather from table order); a
   // route no row lists is not written. out_d_w may then be 0 (no table-ordered d_w), unless

@@ -216,7 +216,8 @@ def static_ring_plan(cfg: MoKConfig, ws: Workspace, inner: int) -> RingPlan:
 # not at H = 7168 (deepseek-v3-e32: 11.6 against 10.7 ms), where its gate/up tiles' row gather over
 # 112 k-blocks costs more than the chain's pull of x (docs/megakernel.md "Next").
 MEGAKERNEL_MAX_HIDDEN = 4096  # exclusive
-# The backward's g GEMM gathers dy's rows itself (and dWd too where I <= 256, else from a copy g stores)
+# The backward's g GEMM gathers dy's rows itself (dWd too where I <= 256 on memory below 4 TB/s; else
+# dWd reads a table-ordered copy the g GEMM stores)
 # below the same H: at H = 2048 that was measured faster than a pull of the rows into table order
 # and the copy engine's loads (the pull 133 us against +53 us in the GEMM at qwen3-30b-a3b,
 # session 16), at H = 7168 slower (the gathered GEMM +1.27 ms against a 0.47 ms pull).

@@ -190,6 +190,7 @@ def grouped_backward(
     wgrad_out: Wgrads | None = None,
     weight_route: torch.Tensor | None = None,
     dy_tokens: torch.Tensor | None = None,
+    dwd_gather: int = -1,
 ) -> GroupedBackward:
     """The SwiGLU experts' backward on rows [offsets[e], offsets[e+1]) for each local expert e.
 
@@ -214,9 +215,10 @@ def grouped_backward(
     `dy_tokens` (bf16 [T, H] contiguous, with weight_route; T*K routes: router_weights [T*K]): dy's
     rows are then read by route, row r's dy = dy_tokens[weight_route[r] // K] (zeros for a route
     outside [0, T*K)), and dy_MH is the call's scratch: on CUDA the g GEMM gathers the rows itself
-    (no pass moves rows), and so does the weight gradient dWd where I <= 256; with a larger I the g
-    GEMM stores them into dy_MH in table order for dWd. dy_MH is never read (out.dx may be it); on
-    the CPU the rows are copied into dy_MH first.
+    (no pass moves rows), and so does the weight gradient dWd where I <= 256 and `dwd_gather` says
+    so (-1: where the device's memory bandwidth is below 4 TB/s, 0: never, 1: always); otherwise the
+    g GEMM stores them into dy_MH in table order for dWd. The bits are the same either way. dy_MH
+    is never read (out.dx may be it); on the CPU the rows are copied into dy_MH first.
     """
     dev, M, H, El, I = _check_rows_and_weights(x_MH, offsets_El1, w_gate_EIH, w_up_EIH, w_down_EHI)
     rows_I = [("M", M), ("I", I)]
@@ -263,6 +265,8 @@ def grouped_backward(
             check_tensor(f"{group}.{name}", t, dtypes=(dtype,), shape=shape, device=dev)
     if not isinstance(num_sms, int) or num_sms < 0:
         raise ValueError(f"num_sms must be an int >= 0 (0: every SM), got {num_sms!r}")
+    if dwd_gather not in (-1, 0, 1) or isinstance(dwd_gather, bool):
+        raise ValueError(f"dwd_gather must be -1 (by the device), 0 or 1, got {dwd_gather!r}")
     fresh = out is None  # fresh outputs: their rows outside the segments zeroed by the call
     if out is None:
         out = GroupedBackward(
@@ -296,7 +300,7 @@ def grouped_backward(
         launch_backward(x_MH, offsets_El1, a_MI, b_MI, dy_MH, router_weights_M, w_gate_EIH, w_up_EIH, w_down_EHI,
                         out, scratch if cuda else None, acc, wgrad_out, limit=limit, num_sms=num_sms,
                         carry_in=carry_in, zero_outside=fresh, weight_route=weight_route if cuda else None,
-                        dy_tokens=dy_tokens if cuda else None)  # fmt: skip
+                        dy_tokens=dy_tokens if cuda else None, dwd_gather=dwd_gather)  # fmt: skip
     return out
 
 
@@ -330,13 +334,14 @@ def launch_backward(
     zero_outside: bool,
     weight_route: torch.Tensor | None = None,
     dy_tokens: torch.Tensor | None = None,
+    dwd_gather: int = -1,
 ) -> None:
     """mok_bf16.grouped_backward into `out`, `acc` and `wgrad_out` on the current device, without
     grouped_backward's checks, allocations or device guard: for tensors made to shape by their
     caller on the device it made current (the native backend's own: the wrapper's checks cost
     ~170 us of host before the first launch, NOTES.md session 30). At least one row (M > 0);
     `scratch` given on CUDA; weight_route and dy_tokens (CUDA only: the kernels read through the
-    routes) as grouped_backward takes them. mok_bf16 still checks the addresses and sizes."""
+    routes) and dwd_gather as grouped_backward takes them. mok_bf16 still checks the addresses and sizes."""
     import mok_bf16
 
     M, H = x_MH.shape
@@ -384,6 +389,7 @@ def launch_backward(
         num_routes=num_routes,
         dy_tokens=0 if dy_tokens is None else dy_tokens.data_ptr(),
         topk=topk,
+        dwd_gather=dwd_gather,
     )
 
 
