@@ -2,15 +2,15 @@
 // the router weights the table's rows, or read through each row's route: dy_tokens, weight_route):
 //
 //   g:       g = dy @ Wd_e                  (grouped GEMM, Wd N-major; fp32 out, unrounded; with
-//            dy_tokens its producers gather dy's rows: grouped_gemm.cuh's RowGather; where C
-//            has more than one column tile its tiles of column 0 store them into dy in table
-//            order for dWd)
+//            dy_tokens its producers gather dy's rows: grouped_gemm.cuh's RowGather; unless dWd
+//            gathers them too, its tiles of column 0 store them into dy in table order for dWd)
 //   SwiGLU:  hw = bf16(w h), d_a, d_b, d_w = <g, h> per row (an elementwise kernel: mok-core's
 //            element math, the reference's bit for bit given a, b, g and w; d_w summed in a
 //            fixed order that depends only on I)
 //   dWd:     dWd = C + dy^T bf16(w h)       (wgrad_gemm.cuh: rows as the reduction, fp32 carried
-//            across calls, bf16 out; with dy_tokens and I <= 256 dy's rows gathered again by
-//            its producers; before dx, so that dx's rows may overwrite dy's)
+//            across calls, bf16 out; with dy_tokens, I <= 256 and dwd_gather (by default on
+//            memory below 4 TB/s) dy's rows gathered again by its producers; before dx, so that
+//            dx's rows may overwrite dy's)
 //   dx:      dx = [d_a, d_b] @ [Wg_e; Wu_e]  (grouped GEMM over K = 2I, gate part first)
 //   dWg/dWu: dWg, dWu = C + [d_a, d_b]^T x  (one weight-gradient GEMM)
 //
