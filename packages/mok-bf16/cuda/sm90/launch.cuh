@@ -33,39 +33,44 @@ inline int current_device() {
   return device;
 }
 
-// The current device's peak memory bandwidth in bytes per second (twice the memory clock times
-// the bus width, as the driver reports them), read once per device; 0 where it reports none.
-inline double device_memory_bandwidth() {
-  static std::atomic<double> known[kTrackedDevices];
+// A value of the current device read from the driver once per tracked device (`known`: the
+// caller's cache; read(device) gives it, and a value <= 0, none read, is not kept).
+template <class T, class Read>
+T read_once_per_device(std::atomic<T> (&known)[kTrackedDevices], const Read& read) {
   const int device = current_device();
   const bool tracked = device >= 0 && device < kTrackedDevices;
   if (tracked) {
-    if (const double bw = known[device].load(std::memory_order_relaxed); bw > 0) return bw;
+    if (const T value = known[device].load(std::memory_order_relaxed); value > 0) return value;
   }
-  int khz = 0, bits = 0;
-  if (cudaDeviceGetAttribute(&khz, cudaDevAttrMemoryClockRate, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&bits, cudaDevAttrGlobalMemoryBusWidth, device) != cudaSuccess) {
-    static_cast<void>(cudaGetLastError());  // not sticky: clear it
-    return 0.0;
-  }
-  const double bw = 2.0 * 1e3 * khz * (bits / 8.0);
-  if (tracked) known[device].store(bw, std::memory_order_relaxed);
-  return bw;
+  const T value = read(device);
+  if (tracked && value > 0) known[device].store(value, std::memory_order_relaxed);
+  return value;
+}
+
+// The current device's peak memory bandwidth in bytes per second (twice the memory clock times
+// the bus width, as the driver reports them); 0 where it reports none.
+inline double device_memory_bandwidth() {
+  static std::atomic<double> known[kTrackedDevices];
+  return read_once_per_device(known, [](int device) {
+    int khz = 0, bits = 0;
+    if (cudaDeviceGetAttribute(&khz, cudaDevAttrMemoryClockRate, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&bits, cudaDevAttrGlobalMemoryBusWidth, device) != cudaSuccess) {
+      static_cast<void>(cudaGetLastError());  // not sticky: clear it
+      return 0.0;
+    }
+    return 2.0 * 1e3 * khz * (bits / 8.0);
+  });
 }
 
 // The current device's SM count, read from the driver once per device.
 inline int device_sms() {
   static std::atomic<int> known[kTrackedDevices];
-  const int device = current_device();
-  const bool tracked = device >= 0 && device < kTrackedDevices;
-  if (tracked) {
-    if (const int sms = known[device].load(std::memory_order_relaxed); sms > 0) return sms;
-  }
-  int sms = 0;
-  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
-        "reading the SM count");
-  if (tracked) known[device].store(sms, std::memory_order_relaxed);
-  return sms;
+  return read_once_per_device(known, [](int device) {
+    int sms = 0;
+    check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
+          "reading the SM count");
+    return sms;
+  });
 }
 
 // Lets `kernel` use `bytes` of dynamic shared memory on the current device; the driver call is
