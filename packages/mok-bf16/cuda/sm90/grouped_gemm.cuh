@@ -76,11 +76,14 @@ struct RowGather {
   int cols;                // elements per source row
   std::uint16_t* copy_to;  // [num_rows, cols] bf16 row-major, or null
 
-  __device__ int source(std::int64_t r) const {
-    if (r >= num_rows) return -1;
-    const int route = row_route[r];
+  // Table row r's route as the table holds it (-1 past the table): a lookup ahead of its use
+  // keeps it raw, so that nothing waits for the load until the row is copied.
+  __device__ int route(std::int64_t r) const { return r < num_rows ? row_route[r] : -1; }
+  // The source row a route reads (-1: none, zeros).
+  __device__ int source_of(int route) const {
     return route < 0 || route >= num_routes ? -1 : route / divisor;
   }
+  __device__ int source(std::int64_t r) const { return source_of(route(r)); }
 };
 
 // The 128 producer threads' copies of one 128-byte-swizzled box: 128-byte piece q (a row of the
