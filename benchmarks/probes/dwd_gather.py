@@ -31,7 +31,7 @@ ALIGN = 128
 ITERS = 5
 
 
-def problem(T: int, H: int, I: int, E: int, K: int, dev: torch.device = torch.device("cuda")) -> dict:
+def problem(T: int, H: int, I: int, E: int, K: int, dev: str = "cuda") -> dict:
     g = torch.Generator(device=dev).manual_seed(0)
     experts = torch.rand(T, E, device=dev, generator=g).topk(K, dim=1).indices.flatten()  # route t*K+k
     order = torch.sort(experts, stable=True).indices  # routes in expert order

@@ -267,9 +267,9 @@ void grouped_backward_cuda(const GroupedBackwardArgs& args, std::uintptr_t strea
   // saved ~150 us of ~4 ms on an H100 (3.35 TB/s: the copy's stores cost ~270 us there) and lost
   // ~40 us on an H200 (4.8 TB/s: ~100 us); at I = 768 it lost ~175 us on an H100.
   const bool dwd_gathers =
-      gathered && (args.dwd_gather == 1 || (args.dwd_gather == -1 && Ii <= gemm::kMmaN &&
-                                            kernels::device_memory_bandwidth() > 0 &&
-                                            kernels::device_memory_bandwidth() < 4e12));
+      gathered && Ii <= gemm::kMmaN &&
+      (args.dwd_gather == 1 || (args.dwd_gather == -1 && kernels::device_memory_bandwidth() > 0 &&
+                                kernels::device_memory_bandwidth() < 4e12));
   const CUtensorMap map_dy = hopper::make_tensor_map(ptr(args.dy), M, H, 64);
   const gemm::RowGather dy_rows{reinterpret_cast<const std::uint16_t*>(args.dy_tokens),
                                 reinterpret_cast<const std::int32_t*>(args.weight_route),
