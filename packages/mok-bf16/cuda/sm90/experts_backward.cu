@@ -265,7 +265,9 @@ void grouped_backward_cuda(const GroupedBackwardArgs& args, std::uintptr_t strea
   // anew) and, by default, where memory is slower than 4 TB/s; otherwise the g GEMM's tiles of
   // column 0 store them into dy in table order for dWd. NOTES.md, session 42: at I = 256 gathering
   // saved ~150 us of ~4 ms on an H100 (3.35 TB/s: the copy's stores cost ~270 us there) and lost
-  // ~40 us on an H200 (4.8 TB/s: ~100 us); at I = 768 it lost ~175 us on an H100.
+  // ~40 us on an H200 (4.8 TB/s: ~100 us); at I = 768 it lost ~175 us on an H100. Session 43's
+  // raw routes cut the gather's cost in dWd from ~+80 to ~+25 us on an H100 (a backward ~250 us
+  // faster at sonic-7b); the H200 and I = 768 are not measured since.
   const bool dwd_gathers =
       gathered && Ii <= gemm::kMmaN &&
       (args.dwd_gather == 1 || (args.dwd_gather == -1 && kernels::device_memory_bandwidth() > 0 &&
