@@ -213,16 +213,16 @@ __global__ void __launch_bounds__(kThreads, 1)
       };
       for (int t = first; t < total; t += stride) {
         const WgradTile tile = locate_wgrad<kCluster>(p, t, rank);
-        int src[kAhead];
+        int ahead[kAhead];  // raw routes of the next kAhead k-blocks
 #pragma unroll
-        for (int j = 0; j < kAhead; ++j) src[j] = j < tile.blocks ? route(tile, j) : -1;
+        for (int j = 0; j < kAhead; ++j) ahead[j] = j < tile.blocks ? route(tile, j) : -1;
         for (int kb0 = 0; kb0 < tile.blocks; kb0 += kAhead) {
 #pragma unroll
           for (int j = 0; j < kAhead; ++j) {
             const int kb = kb0 + j;
             if (kb >= tile.blocks) break;
-            const int now = p.gather.source_of(src[j]);
-            src[j] = kb + kAhead < tile.blocks ? route(tile, kb + kAhead) : -1;
+            const int now = p.gather.source_of(ahead[j]);
+            ahead[j] = kb + kAhead < tile.blocks ? route(tile, kb + kAhead) : -1;
             const int stage = stages.acquire(pos);
             if (i == 0) {
               hopper::mbar_expect_tx_only(&full[stage], R::kBBytes);
