@@ -510,10 +510,10 @@ def token_routes(M: int, H: int, K: int, seed: int) -> tuple:
 def test_dy_by_route_gives_the_bits_of_dy_in_table_order(device, lengths, H, I, K, dwd_gather):
     """`dy_tokens` (the cuda backend at one rank below GATHER_DY_MAX_HIDDEN): each row's dy read
     through its route from the token rows [T, H], gathered by the g GEMM's producers and again by
-    dWd's where I <= 256 and dwd_gather is 1 (else read from the copy the g GEMM stores in table
-    order: both kinds among the cases); dx, d_w and the weight gradients bitwise the call with dy
-    copied into table order (zeros for padding rows and a route past T*K; the routes a
-    permutation, as a schedule table's are)."""
+    dWd's where dwd_gather is 1 (at every I: one column tile of dWd or several, each gathering the
+    rows; else read from the copy the g GEMM stores in table order); dx, d_w and the weight
+    gradients bitwise the call with dy copied into table order (zeros for padding rows and a
+    route past T*K; the routes a permutation, as a schedule table's are)."""
     d = make(lengths, H, I, seed=15)
     M = d["x"].shape[0]
     route, dy_T, w_TK, table_dy = token_routes(M, H, K, seed=16)

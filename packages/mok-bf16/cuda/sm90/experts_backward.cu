@@ -269,9 +269,9 @@ void grouped_backward_cuda(const GroupedBackwardArgs& args, std::uintptr_t strea
   // raw routes cut the gather's cost in dWd from ~+80 to ~+25 us on an H100 (a backward ~250 us
   // faster at sonic-7b); the H200 and I = 768 are not measured since.
   const bool dwd_gathers =
-      gathered && Ii <= gemm::kMmaN &&
-      (args.dwd_gather == 1 || (args.dwd_gather == -1 && kernels::device_memory_bandwidth() > 0 &&
-                                kernels::device_memory_bandwidth() < 4e12));
+      gathered && (args.dwd_gather == 1 || (args.dwd_gather == -1 && Ii <= gemm::kMmaN &&
+                                            kernels::device_memory_bandwidth() > 0 &&
+                                            kernels::device_memory_bandwidth() < 4e12));
   const CUtensorMap map_dy = hopper::make_tensor_map(ptr(args.dy), M, H, 64);
   const gemm::RowGather dy_rows{reinterpret_cast<const std::uint16_t*>(args.dy_tokens),
                                 reinterpret_cast<const std::int32_t*>(args.weight_route),

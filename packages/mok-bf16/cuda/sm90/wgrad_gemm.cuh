@@ -206,23 +206,24 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int lane = i % 32;
       const int looked_up = (i / 32) * 4 + lane % 4 + 16 * (lane / 4 % 4);
       if (i == 0) hopper::prefetch_tensor_map(&map_b);
-      // The raw route (decoded at its use: a load whose value nothing reads until then).
-      const auto route = [&](const WgradTile& tile, int kb) {
-        const std::int64_t row = tile.lo + kb * kBlockK + looked_up;
-        return row < tile.hi ? p.gather.route(row) : -1;
-      };
       for (int t = first; t < total; t += stride) {
         const WgradTile tile = locate_wgrad<kCluster>(p, t, rank);
+        // This lane's row of each k-block: its route raw (decoded at its use, so that nothing
+        // reads the load's value until then), -1 past the segment (whose end is inside the
+        // table: locate_wgrad clamps it).
+        const std::int32_t* const routes = p.gather.row_route + tile.lo + looked_up;
+        const int rows = static_cast<int>(tile.hi - tile.lo) - looked_up;
+        const auto route = [&](int kb) { return kb * kBlockK < rows ? routes[kb * kBlockK] : -1; };
         int ahead[kAhead];  // raw routes of the next kAhead k-blocks
 #pragma unroll
-        for (int j = 0; j < kAhead; ++j) ahead[j] = j < tile.blocks ? route(tile, j) : -1;
+        for (int j = 0; j < kAhead; ++j) ahead[j] = route(j);
         for (int kb0 = 0; kb0 < tile.blocks; kb0 += kAhead) {
 #pragma unroll
           for (int j = 0; j < kAhead; ++j) {
             const int kb = kb0 + j;
             if (kb >= tile.blocks) break;
             const int now = p.gather.source_of(ahead[j]);
-            ahead[j] = kb + kAhead < tile.blocks ? route(tile, kb + kAhead) : -1;
+            ahead[j] = route(kb + kAhead);
             const int stage = stages.acquire(pos);
             if (i == 0) {
               hopper::mbar_expect_tx_only(&full[stage], R::kBBytes);

@@ -185,10 +185,11 @@ struct GroupedBackwardArgs {
   // not read: scratch, given those rows in table order where dWd reads a copy; it may be out_dx.
   std::uintptr_t dy_tokens = 0;
   std::int64_t topk = 1;
-  // With dy_tokens (cuda): whether dWd gathers dy's rows itself, where C has one column tile (I <=
-  // 256), instead of reading a table-ordered copy the g GEMM stores. -1: where the device's memory
-  // bandwidth is below 4 TB/s (there the copy's bytes cost more than the gather loses: NOTES.md,
-  // session 42); 0: never; 1: wherever I <= 256. The bits are the same either way.
+  // With dy_tokens (cuda): whether dWd gathers dy's rows itself instead of reading a table-ordered
+  // copy the g GEMM stores. -1: where C has one column tile (I <= 256: each row gathered once) and
+  // the device's memory bandwidth is below 4 TB/s (there the copy's bytes cost more than the
+  // gather loses: NOTES.md, sessions 42-43); 0: never; 1: always (at any I: each column tile
+  // gathers the rows). The bits are the same either way.
   std::int64_t dwd_gather = -1;
   // Optional (cuda), with weight_route: fp32 [num_routes]. Given, each row's d_w is also stored
   // at its route (route order: the router weights' gradient, no gather from table order); a

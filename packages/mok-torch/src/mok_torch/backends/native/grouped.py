@@ -215,8 +215,8 @@ def grouped_backward(
     `dy_tokens` (bf16 [T, H] contiguous, with weight_route; T*K routes: router_weights [T*K]): dy's
     rows are then read by route, row r's dy = dy_tokens[weight_route[r] // K] (zeros for a route
     outside [0, T*K)), and dy_MH is the call's scratch: on CUDA the g GEMM gathers the rows itself
-    (no pass moves rows), and so does the weight gradient dWd where I <= 256 and `dwd_gather` says
-    so (-1: where the device's memory bandwidth is below 4 TB/s, 0: never, 1: always); otherwise the
+    (no pass moves rows), and so does the weight gradient dWd where `dwd_gather` says so (-1: where
+    I <= 256 and the device's memory bandwidth is below 4 TB/s, 0: never, 1: always); otherwise the
     g GEMM stores them into dy_MH in table order for dWd. The bits are the same either way. dy_MH
     is never read (out.dx may be it); on the CPU the rows are copied into dy_MH first.
     """
