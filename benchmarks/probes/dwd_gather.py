@@ -1,8 +1,11 @@
 """dWd gathering dy by route against dWd reading the g GEMM's table-ordered copy of dy, one shape at
 a time, on the same build: the backward's kernels as the layer at one rank runs them (dy given by
-token, each table row's route, bf16 weight gradients from +0), with `dwd_gather` 0 and 1.
+token, each table row's route, bf16 weight gradients from +0), with `dwd_gather` 0 and 1. With
+--dw1: dWd as the device's default, and dW1 in its three modes instead (`dw1_mode` 0: [d_a, d_b]^T x
+from x's table-ordered rows; 1: x^T [d_a, d_b] stored transposed; 2: as 1 with x gathered by route
+from the token rows, as the forward's megakernel would then not store them).
 
-    python3 benchmarks/probes/dwd_gather.py [shape ...] [--ncu]
+    python3 benchmarks/probes/dwd_gather.py [shape ...] [--ncu] [--dw1]
 
 Prints, per shape and mode, each kernel's mean time under torch.profiler and the call's time by
 CUDA events back to back. With --ncu: each mode's backward once (after one warm-up call, which
@@ -45,8 +48,13 @@ def problem(T: int, H: int, I: int, E: int, K: int, dev: str = "cuda") -> dict:
         at, src = at + pc, src + c
     offsets = torch.tensor([0, *padded], device=dev).cumsum(0)
     rnd = lambda *s: torch.randn(*s, device=dev, generator=g)  # noqa: E731
+    x_tokens = rnd(T, H).to(BF16)  # x's rows in table order: these by route, zeros for padding
+    x = torch.where(
+        (route >= 0)[:, None], x_tokens[route.clamp(min=0).long() // K], torch.zeros((), dtype=BF16, device=dev)
+    )
     return dict(
-        x=rnd(M, H).to(BF16), a=rnd(M, I).to(BF16), b=rnd(M, I).to(BF16), dy=torch.empty(M, H, dtype=BF16, device=dev),
+        x=x, x_tokens=x_tokens, a=rnd(M, I).to(BF16), b=rnd(M, I).to(BF16),
+        dy=torch.empty(M, H, dtype=BF16, device=dev),
         w=torch.rand(T * K, device=dev, generator=g), wg=(rnd(E, I, H) / H**0.5).to(BF16),
         wu=(rnd(E, I, H) / H**0.5).to(BF16), wd=(rnd(E, H, I) / I**0.5).to(BF16), offsets=offsets,
         route=route, tokens=rnd(T, H).to(BF16), out=tuple(torch.empty(s, dtype=BF16, device=dev)
@@ -54,34 +62,38 @@ def problem(T: int, H: int, I: int, E: int, K: int, dev: str = "cuda") -> dict:
     )  # fmt: skip
 
 
-def backward(d: dict, mode: int) -> None:
+def backward(d: dict, mode: int, dw1: bool = False) -> None:
+    """One backward: dwd_gather=mode, or with dw1 the default dWd and dw1_mode=mode."""
+    modes = dict(dw1_mode=mode, x_tokens=d["x_tokens"] if mode == 2 else None) if dw1 else dict(dwd_gather=mode)
     grouped_backward(d["x"], d["offsets"], d["a"], d["b"], d["dy"], d["w"], d["wg"], d["wu"], d["wd"], None,
                      carry_in=False, wgrad_out=d["out"], weight_route=d["route"], dy_tokens=d["tokens"],
-                     dwd_gather=mode)  # fmt: skip
+                     **modes)  # fmt: skip
 
 
 def main(argv: list[str]) -> None:
     names = [a for a in argv if not a.startswith("--")] or ["sonic-7b"]
     ncu = "--ncu" in argv
+    dw1 = "--dw1" in argv
+    modes, label = ((0, 1, 2), "dw1_mode") if dw1 else ((0, 1), "dwd_gather")
     for shape in resolve_shapes(",".join(names), 1):
         d = problem(shape.tokens, shape.hidden, shape.inner, shape.experts, shape.topk)
         M = d["x"].shape[0]
         if ncu:
-            backward(d, 0)
+            backward(d, 0, dw1)
             torch.cuda.synchronize()
-            for mode in (0, 1):
-                backward(d, mode)
+            for mode in modes:
+                backward(d, mode, dw1)
             torch.cuda.synchronize()
-            print(f"{shape.name}: rows {M}, modes 0 then 1 profiled")
+            print(f"{shape.name}: rows {M}, {label} {modes} profiled in turn")
             continue
         digests = []
-        for mode in (0, 1):
+        for mode in modes:
             for _ in range(2):
-                backward(d, mode)
+                backward(d, mode, dw1)
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(ITERS):
-                    backward(d, mode)
+                    backward(d, mode, dw1)
                 torch.cuda.synchronize()
             events = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
                             key=lambda ev: ev.time_range.start)  # fmt: skip
@@ -96,16 +108,17 @@ def main(argv: list[str]) -> None:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(10):
-                backward(d, mode)
+                backward(d, mode, dw1)
             end.record()
             torch.cuda.synchronize()
             digests.append(tuple(t.view(torch.int16).sum(dtype=torch.int64).item() for t in d["out"]))
             kernels = "  ".join(
                 f"{k.replace(' ', '')[:40]}={v:.0f}" for k, v in sorted(per.items(), key=lambda kv: -kv[1])
             )
-            print(f"{shape.name} rows {M} dwd_gather={mode}: {start.elapsed_time(end) * 100:.0f} us a backward "
+            print(f"{shape.name} rows {M} {label}={mode}: {start.elapsed_time(end) * 100:.0f} us a backward "
                   f"back to back; kernels (us): {kernels}", flush=True)  # fmt: skip
-        print(f"{shape.name}: weight gradients' checksums {'equal' if digests[0] == digests[1] else 'DIFFER'}")
+        same = all(d == digests[0] for d in digests)
+        print(f"{shape.name}: weight gradients' checksums {'equal' if same else 'DIFFER'}")
 
 
 if __name__ == "__main__":

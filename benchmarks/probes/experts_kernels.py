@@ -33,6 +33,10 @@ def short(name: str) -> str:
             if "grouped_gemm_kernel" in name:
                 kind = name.split("grouped_gemm_kernel<")[1].split(",")[0]
                 return f"grouped_gemm<{kind}> {key}"
+            if key == "wgrad_gemm_kernel" and "wgrad_gemm_kernel<" in name:
+                # Its template arguments after the stages: carry-in, fp32, cluster, gather, transposed C.
+                args = name.split("wgrad_gemm_kernel<")[1].split(">")[0].split(",")[1:]
+                return "wgrad_gemm<" + ",".join(a.strip()[0] if a.strip()[0] in "tf" else a.strip() for a in args) + ">"
             if key == "wgrad_gemm_kernel":
                 return "wgrad_gemm " + ("carry" if "Lb1E" in name or "true" in name else "from 0")
             return name.split("(")[0][-60:]

@@ -571,6 +571,89 @@ def test_dx_into_dy_gives_the_bits_of_a_dx_of_its_own(device, lengths, H, I, gat
                            v.view(torch.int16 if v.dtype == BF16 else torch.int32))  # fmt: skip
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_gpu)])
+@pytest.mark.parametrize("lengths, H, I", GROUPED_CASES)
+@pytest.mark.parametrize("K", [1, 3])
+@pytest.mark.parametrize("carried", [False, True], ids=["bf16-out", "fp32-carried"])
+def test_dw1_modes_give_the_same_bits(device, lengths, H, I, K, carried):
+    """dw1_mode 1 (dWg, dWu as x^T [d_a, d_b], [H, 2I] tiles stored transposed: the gate/up split
+    inside a column tile where I is not a multiple of 256, a partial and a ghost row tile where H
+    is not a multiple of 256) and 2 (the same with x's rows gathered by route from the token rows:
+    padding rows and a route past T*K read zeros) give every output bitwise as mode 0 does, with
+    bf16 outputs only and with fp32 accumulators carried in."""
+    d = make(lengths, H, I, seed=19)
+    M = d["x"].shape[0]
+    route, x_T, w_TK, table_x = token_routes(M, H, K, seed=20)
+    d["x"] = table_x
+    d = to(d, device)
+    results = []
+    for mode in (0, 1, 2):
+        x = torch.full((M, H), float("nan"), dtype=BF16, device=device) if mode == 2 else d["x"]
+        out16 = accumulators(d, fill=3.0, dtype=BF16)
+        acc = accumulators(d, fill=0.5) if carried else None
+        got = grouped_backward(
+            x, d["offsets"], d["a"], d["b"], d["dy"], w_TK.to(device), d["wg"], d["wu"], d["wd"], acc,
+            carry_in=carried, wgrad_out=out16, weight_route=route.to(device),
+            x_tokens=x_T.to(device) if mode == 2 else None, dw1_mode=mode,
+        )  # fmt: skip
+        results.append((got.dx, got.d_w, *out16, *(acc or ())))
+    for other in results[1:]:
+        for u, v in zip(results[0], other, strict=True):
+            assert torch.equal(u.view(torch.int16 if u.dtype == BF16 else torch.int32),
+                               v.view(torch.int16 if v.dtype == BF16 else torch.int32))  # fmt: skip
+
+
+def test_bad_x_tokens_and_dw1_mode_raise_naming_the_argument():
+    d = make([5, 3], 64, 64, seed=1)
+    acc = accumulators(d)
+    route = torch.arange(8, dtype=torch.int32)
+    w = torch.rand(8)
+
+    def call(x_tokens=None, dw1_mode=2, weight_route=route, w=w, dy_tokens=None):
+        return grouped_backward(
+            d["x"], d["offsets"], d["a"], d["b"], d["dy"], w, d["wg"], d["wu"], d["wd"], acc,
+            weight_route=weight_route, x_tokens=x_tokens, dw1_mode=dw1_mode, dy_tokens=dy_tokens,
+        )  # fmt: skip
+
+    for bad in (3, -1, True, 0.5):
+        with pytest.raises(ValueError, match="dw1_mode must be 0, 1 or 2"):
+            call(dw1_mode=bad)
+    with pytest.raises(ValueError, match="dw1_mode=2 needs x_tokens"):
+        call()
+    with pytest.raises(ValueError, match="x_tokens is read only with dw1_mode=2"):
+        call(torch.zeros(4, 64, dtype=BF16), dw1_mode=1)
+    with pytest.raises(ValueError, match="x_tokens needs weight_route"):
+        call(torch.zeros(4, 64, dtype=BF16), weight_route=None, w=d["w"])
+    with pytest.raises(TypeError, match="x_tokens must have dtype bfloat16"):
+        call(torch.zeros(4, 64))
+    with pytest.raises(ValueError, match=r"x_tokens must have shape \[T, H\]"):
+        call(torch.zeros(4, 32, dtype=BF16))
+    with pytest.raises(ValueError, match="T\\*K routes for T = 3 tokens"):
+        call(torch.zeros(3, 64, dtype=BF16))
+    with pytest.raises(ValueError, match="x_tokens and dy_tokens must have the same tokens"):
+        call(torch.zeros(4, 64, dtype=BF16), dy_tokens=torch.zeros(2, 64, dtype=BF16))
+
+
+def test_mok_bf16_rejects_a_bad_dw1_mode_naming_it():
+    """The extension checks dw1_mode and x_tokens too (a caller past the wrapper)."""
+    d = make([5, 3], 64, 64, seed=1)
+    acc = accumulators(d)
+    out = GroupedBackward(torch.zeros_like(d["dy"]), torch.zeros(d["dy"].shape[0]))
+    M, H = d["x"].shape
+    El, I = d["wg"].shape[:2]
+    ptrs = (
+        d["x"].data_ptr(), d["offsets"].data_ptr(), d["a"].data_ptr(), d["b"].data_ptr(), d["dy"].data_ptr(),
+        d["w"].data_ptr(), d["wg"].data_ptr(), d["wu"].data_ptr(), d["wd"].data_ptr(), out.dx.data_ptr(),
+        out.d_w.data_ptr(), *(t.data_ptr() for t in acc), 0, 0, 0, True, 0, 0, 0, M, H, I, El,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="dw1_mode must be 0, 1"):
+        mok_bf16.grouped_backward("cpu", *ptrs, dw1_mode=3)
+    with pytest.raises(ValueError, match=r"dw1_mode 2 .* is for 'cuda'"):
+        mok_bf16.grouped_backward("cpu", *ptrs, dw1_mode=2, x_tokens=d["x"].data_ptr())
+    with pytest.raises(ValueError, match="x_tokens is read only with dw1_mode 2"):
+        mok_bf16.grouped_backward("cpu", *ptrs, x_tokens=d["x"].data_ptr())
+
+
 def test_bad_dy_tokens_raise_naming_the_argument():
     d = make([5, 3], 64, 64, seed=1)
     acc = accumulators(d)

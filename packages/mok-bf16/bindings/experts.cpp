@@ -168,7 +168,8 @@ void register_experts(pybind11::module_& m) {
          std::optional<double> limit, std::int64_t num_sms, std::int64_t num_threads,
          std::uintptr_t stream, bool zero_outside, std::uintptr_t weight_route,
          std::int64_t num_routes, std::uintptr_t dy_tokens, std::int64_t topk,
-         std::uintptr_t out_d_w_routes, std::int64_t dwd_gather) {
+         std::uintptr_t out_d_w_routes, std::int64_t dwd_gather, std::uintptr_t x_tokens,
+         std::int64_t dw1_mode) {
         GroupedBackwardArgs a;
         a.x = x;
         a.offsets = offsets;
@@ -202,6 +203,8 @@ void register_experts(pybind11::module_& m) {
         a.topk = topk;
         a.out_d_w_routes = out_d_w_routes;
         a.dwd_gather = dwd_gather;
+        a.x_tokens = x_tokens;
+        a.dw1_mode = dw1_mode;
         grouped_backward(device, a, stream);
       },
       py::arg("device"), py::arg("x"), py::arg("offsets"), py::arg("a"), py::arg("b"),
@@ -214,7 +217,7 @@ void register_experts(pybind11::module_& m) {
       py::arg("num_threads") = 1, py::arg("stream") = 0, py::arg("zero_outside") = false,
       py::arg("weight_route") = 0, py::arg("num_routes") = 0, py::arg("dy_tokens") = 0,
       py::arg("topk") = 1, py::arg("out_d_w_routes") = 0, py::arg("dwd_gather") = -1,
-      py::call_guard<py::gil_scoped_release>(),
+      py::arg("x_tokens") = 0, py::arg("dw1_mode") = 0, py::call_guard<py::gil_scoped_release>(),
       "SwiGLU expert backward over segments of consecutive rows (grouped_forward's layout). "
       "Writes out_dx (bf16 [M, H]: [d_a, d_b] @ [Wg; Wu]) and out_d_w (fp32 [M]: <g, h>, g = dy "
       "@ Wd unweighted) for the rows of the segments (other rows not written; zero_outside=True: "
@@ -234,12 +237,16 @@ void register_experts(pybind11::module_& m) {
       "of the call with the weights copied into table order. dy_tokens (optional, 'cuda', with "
       "weight_route): bf16 [num_routes / topk, H], the token rows; given, row r's dy is "
       "dy_tokens[weight_route[r] / topk] (zeros outside [0, num_routes)), gathered by the g "
-      "GEMM (and by dWd where I <= 256 and dwd_gather says so: -1 where the device's memory "
+      "GEMM (and by dWd where dwd_gather says so: -1 where I <= 256 and the device's memory "
       "bandwidth is below 4 TB/s, 0 never, 1 always; the same bits), and dy is not read: scratch, "
       "given those rows in table order where dWd reads a copy; it may be out_dx. "
       "out_d_w_routes (optional, 'cuda', with weight_route): fp32 [num_routes]; given, each row's "
       "d_w is also stored at its route (a route no row lists is not written), and out_d_w may be "
-      "0 unless zero_outside. Raises ValueError naming a bad argument.");
+      "0 unless zero_outside. dw1_mode ('cuda'; the same bits in every mode): 0 dWg, dWu as "
+      "[d_a, d_b]^T x; 1 as x^T [d_a, d_b] stored transposed; 2 as 1 with x's rows gathered from "
+      "x_tokens (bf16 [num_routes / topk, H], with weight_route: row r's x is "
+      "x_tokens[weight_route[r] / topk], zeros outside [0, num_routes)) and x not read. Raises "
+      "ValueError naming a bad argument.");
 
   m.def(
       "moe_forward",

@@ -322,6 +322,22 @@ void grouped_backward(std::string_view device, const GroupedBackwardArgs& a,
   if (a.dwd_gather < -1 || a.dwd_gather > 1) {
     invalid(fn, "dwd_gather must be -1 (by the device), 0 or 1" + got(a.dwd_gather));
   }
+  if (a.dw1_mode < 0 || a.dw1_mode > 2) {
+    invalid(fn, "dw1_mode must be 0, 1 (x^T [d_a, d_b]) or 2 (x gathered from x_tokens)" +
+                    got(a.dw1_mode));
+  }
+  check_pointer(fn, "x_tokens", a.x_tokens, 16, false);
+  if (a.dw1_mode == 2) {
+    if (!cuda) invalid(fn, "dw1_mode 2 (x gathered by route) is for 'cuda'");
+    if (a.x_tokens == 0 || a.weight_route == 0) {
+      invalid(fn, "dw1_mode 2 needs x_tokens and weight_route (each row's route)");
+    }
+    if (a.topk < 1 || a.num_routes % a.topk != 0) {
+      invalid(fn, "topk must be >= 1 and divide num_routes with x_tokens" + got(a.topk));
+    }
+  } else if (a.x_tokens != 0) {
+    invalid(fn, "x_tokens is read only with dw1_mode 2");
+  }
   if (run_on_cuda(fn, kind, a, stream,
                   [](const auto& args, std::uintptr_t st) { grouped_backward_cuda(args, st); })) {
     return;

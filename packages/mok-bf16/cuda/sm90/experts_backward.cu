@@ -166,13 +166,14 @@ int resident_pairs(int shared_bytes) {
 }
 
 // One of the weight-gradient kernels on at most num_sms CTAs (no more than its tile groups), in
-// clusters of kCluster; kGatherA: A's rows through p.gather (wgrad_gemm.cuh).
-template <bool kCarryIn, bool kF32, int kCluster, bool kGatherA>
+// clusters of kCluster; kGatherA: A's rows through p.gather; kTransposeC: C stored transposed
+// (wgrad_gemm.cuh).
+template <bool kCarryIn, bool kF32, int kCluster, bool kGatherA, bool kTransposeC>
 void launch_wgrad_kernel(const CUtensorMap& map_a, const CUtensorMap& map_b,
                          const gemm::WgradProblem& p, int num_sms, cudaStream_t stream) {
   using R = gemm::Ring<kernels::kStages>;
   constexpr auto kernel =
-      gemm::wgrad_gemm_kernel<kernels::kStages, kCarryIn, kF32, kCluster, kGatherA>;
+      gemm::wgrad_gemm_kernel<kernels::kStages, kCarryIn, kF32, kCluster, kGatherA, kTransposeC>;
   kernels::allow_shared_bytes<kernel>(R::kSharedBytes);
   const std::int64_t m_groups =
       ((p.m + gemm::kBlockM - 1) / gemm::kBlockM + kCluster - 1) / kCluster;
@@ -181,7 +182,8 @@ void launch_wgrad_kernel(const CUtensorMap& map_a, const CUtensorMap& map_b,
   if constexpr (kCluster > 1) {
     const int pairs = std::min(num_sms / 2, resident_pairs<kernel>(R::kSharedBytes));
     if (pairs < 1) {  // no cluster fits: one CTA a tile group of one
-      launch_wgrad_kernel<kCarryIn, kF32, 1, kGatherA>(map_a, map_b, p, num_sms, stream);
+      launch_wgrad_kernel<kCarryIn, kF32, 1, kGatherA, kTransposeC>(map_a, map_b, p, num_sms,
+                                                                    stream);
       return;
     }
     const kernels::PairLaunch pair(static_cast<unsigned>(2 * std::min<std::int64_t>(pairs, groups)),
@@ -196,32 +198,38 @@ void launch_wgrad_kernel(const CUtensorMap& map_a, const CUtensorMap& map_b,
   }
 }
 
-template <bool kGatherA>
+template <bool kGatherA, bool kTransposeC>
 void launch_wgrad_as(const CUtensorMap& map_a, const CUtensorMap& map_b,
                      const gemm::WgradProblem& p, bool carry_in, int num_sms, cudaStream_t stream) {
   // bf16 outputs only (no fp32 accumulator, so nothing carried in): the deferred epilogue. In
   // clusters of two CTAs sharing B (wgrad_gemm.cuh) where two SMs or more are asked for.
   const bool f32 = p.part[0].f32 != nullptr || p.part[1].f32 != nullptr;
+  constexpr bool kG = kGatherA, kT = kTransposeC;
   if (num_sms < 2) {
     if (carry_in) {
-      return launch_wgrad_kernel<true, true, 1, kGatherA>(map_a, map_b, p, num_sms, stream);
+      return launch_wgrad_kernel<true, true, 1, kG, kT>(map_a, map_b, p, num_sms, stream);
     }
-    if (f32) return launch_wgrad_kernel<false, true, 1, kGatherA>(map_a, map_b, p, num_sms, stream);
-    return launch_wgrad_kernel<false, false, 1, kGatherA>(map_a, map_b, p, num_sms, stream);
+    if (f32) return launch_wgrad_kernel<false, true, 1, kG, kT>(map_a, map_b, p, num_sms, stream);
+    return launch_wgrad_kernel<false, false, 1, kG, kT>(map_a, map_b, p, num_sms, stream);
   }
   if (carry_in) {
-    return launch_wgrad_kernel<true, true, 2, kGatherA>(map_a, map_b, p, num_sms, stream);
+    return launch_wgrad_kernel<true, true, 2, kG, kT>(map_a, map_b, p, num_sms, stream);
   }
-  if (f32) return launch_wgrad_kernel<false, true, 2, kGatherA>(map_a, map_b, p, num_sms, stream);
-  launch_wgrad_kernel<false, false, 2, kGatherA>(map_a, map_b, p, num_sms, stream);
+  if (f32) return launch_wgrad_kernel<false, true, 2, kG, kT>(map_a, map_b, p, num_sms, stream);
+  launch_wgrad_kernel<false, false, 2, kG, kT>(map_a, map_b, p, num_sms, stream);
 }
 
-// The weight-gradient GEMM `p` (A gathered through p.gather where it is given).
+// The weight-gradient GEMM `p` (A gathered through p.gather where it is given; C stored
+// transposed where `transpose_c`).
 void launch_wgrad(const CUtensorMap& map_a, const CUtensorMap& map_b, const gemm::WgradProblem& p,
-                  bool carry_in, int num_sms, cudaStream_t stream) {
-  if (p.gather.rows != nullptr)
-    return launch_wgrad_as<true>(map_a, map_b, p, carry_in, num_sms, stream);
-  launch_wgrad_as<false>(map_a, map_b, p, carry_in, num_sms, stream);
+                  bool carry_in, int num_sms, cudaStream_t stream, bool transpose_c = false) {
+  const bool gather = p.gather.rows != nullptr;
+  if (transpose_c) {
+    if (gather) return launch_wgrad_as<true, true>(map_a, map_b, p, carry_in, num_sms, stream);
+    return launch_wgrad_as<false, true>(map_a, map_b, p, carry_in, num_sms, stream);
+  }
+  if (gather) return launch_wgrad_as<true, false>(map_a, map_b, p, carry_in, num_sms, stream);
+  launch_wgrad_as<false, false>(map_a, map_b, p, carry_in, num_sms, stream);
 }
 
 }  // namespace
@@ -331,12 +339,31 @@ void grouped_backward_cuda(const GroupedBackwardArgs& args, std::uintptr_t strea
       map_dab, map_wg, map_wu, pdx,
       kernels::StoreBf16{reinterpret_cast<std::uint16_t*>(args.out_dx), Hi}, sms, stream);
 
+  // dWg, dWu = C + [d_a, d_b]^T x: one GEMM, C [2I, H] (gate rows first), or (dw1_mode 1, 2)
+  // C^T = x^T [d_a, d_b] computed [H, 2I] and stored transposed (gate columns first), x then
+  // being A: read from its table-ordered rows (1) or gathered by route from x_tokens (2), as dWd
+  // gathers dy. The same products, each element's sum in the same order.
   const CUtensorMap map_dab_rows = hopper::make_tensor_map(ptr(args.scratch_d_ab), M, 2 * I, 64);
-  gemm::WgradProblem gate_up{offsets, s.num_rows, Ei, 2 * Ii, Hi, Ii, {}};
+  const CUtensorMap map_x_rows = hopper::make_tensor_map(ptr(args.x), M, H, 64);
+  const bool transposed = args.dw1_mode != 0;
+  gemm::WgradProblem gate_up{
+      offsets, s.num_rows, Ei, transposed ? Hi : 2 * Ii, transposed ? 2 * Ii : Hi, Ii, {}};
   gate_up.part[0] = {f32(args.acc_gate), bf16(args.out_gate)};
   gate_up.part[1] = {f32(args.acc_up), bf16(args.out_up)};
-  const CUtensorMap map_x_rows = hopper::make_tensor_map(ptr(args.x), M, H, 64);
-  launch_wgrad(map_dab_rows, map_x_rows, gate_up, args.carry_in, sms, stream);
+  if (!transposed) {
+    launch_wgrad(map_dab_rows, map_x_rows, gate_up, args.carry_in, sms, stream);
+  } else {
+    if (args.dw1_mode == 2) {
+      gate_up.gather = {reinterpret_cast<const std::uint16_t*>(args.x_tokens),
+                        reinterpret_cast<const std::int32_t*>(args.weight_route),
+                        s.num_rows,
+                        static_cast<int>(args.num_routes),
+                        static_cast<int>(args.topk),
+                        Hi,
+                        nullptr};
+    }
+    launch_wgrad(map_x_rows, map_dab_rows, gate_up, args.carry_in, sms, stream, true);
+  }
 }
 
 }  // namespace mok::bf16

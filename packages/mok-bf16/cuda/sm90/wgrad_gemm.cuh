@@ -29,6 +29,12 @@
 // (every k-block of a weight gradient has new rows), and each thread arrives on the stage once its
 // copies have landed; thread 0 has the copy engine load B as before.
 //
+// Transposed C (kTransposeC, dW1 as x^T [d_a, d_b], so that x is A and can be gathered as dWd's
+// dy is): C is computed [rows of A's columns, B's columns] and stored transposed, its columns
+// [0, split) into part[0] and [split, n) into part[1], each [El, columns, m] row-major (dWg and
+// dWu [El, I, H] from C [H, 2I]). Each element is stored on its own (fp32 runs of 8 rows per
+// quad of lanes: full 32-byte sectors), with the epilogue at the tile's end, not deferred.
+//
 // Determinism (docs/determinism.md): a tile's accumulators start from C's fp32 values (or +0) and
 // take the expert's rows in blocks of 64 counted from its segment start, each four wgmma k16 steps
 // in ascending order. The last block of a segment is zero-padded in shared memory (rows past the
@@ -58,7 +64,8 @@ struct WgradProblem {
   int num_experts;              // El >= 1
   int m;                        // rows of C per expert: columns of A (a multiple of 64)
   int n;                        // columns of C per expert: columns of B (a multiple of 64)
-  int split;                    // C rows [0, split) in part[0], [split, m) in part[1]
+  int split;                    // C rows [0, split) in part[0], [split, m) in part[1] (columns
+                                // with kTransposeC)
   WgradPart part[2];
   // Gathered A (kGatherA): A's rows through their routes from gather.rows (grouped_gemm.cuh's
   // RowGather; copy_to unused). gather.rows null: A is table-ordered (map_a's).
@@ -69,6 +76,12 @@ struct WgradProblem {
     const int rows = low ? split : m - split;
     const int r = low ? row : row - split;
     return (static_cast<std::int64_t>(e) * rows + r) * n + col;
+  }
+  // The same with C stored transposed (kTransposeC): part[0] holds columns [0, split).
+  __device__ std::int64_t index_transposed(int e, int row, int col, bool low) const {
+    const int cols = low ? split : n - split;
+    const int c = low ? col : col - split;
+    return (static_cast<std::int64_t>(e) * cols + c) * m + row;
   }
   // The part's arrays, chosen without indexing (a kernel parameter indexed at run time would
   // be copied to local memory).
@@ -138,8 +151,9 @@ __device__ inline void store_wgrad_piece(const PackedBf16& packed, std::uint16_t
 // kCarryIn: start from C's fp32 values; kF32: some part has an fp32 accumulator (else every
 // part has a bf16 output, and the epilogue is deferred). Template arguments: a run-time choice
 // there makes ptxas serialise the wgmmas. kCluster: CTAs per cluster (1 or 2, the launch's).
-// kGatherA: A's rows through p.gather (above).
-template <int kStages, bool kCarryIn, bool kF32, int kCluster, bool kGatherA = false>
+// kGatherA: A's rows through p.gather; kTransposeC: C stored transposed (both above).
+template <int kStages, bool kCarryIn, bool kF32, int kCluster, bool kGatherA = false,
+          bool kTransposeC = false>
 __global__ void __launch_bounds__(kThreads, 1)
     wgrad_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                       const __grid_constant__ CUtensorMap map_b, WgradProblem p) {
@@ -147,7 +161,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   static_assert(kStages > kLagBlocks, "consumer 0 must get kLagBlocks stages before any release");
   static_assert(kF32 || !kCarryIn, "carrying C in needs its fp32 accumulators");
   static_assert(kCluster == 1 || kCluster == 2, "B's boxes are split between at most two CTAs");
-  constexpr bool kDeferred = !kF32;
+  constexpr bool kDeferred = !kF32 && !kTransposeC;
   constexpr int kBox = kBlockK * 128;  // bytes of a 64 x 64 box
   extern __shared__ unsigned char smem_raw[];
   __shared__ alignas(8) std::uint64_t full[kStages];
@@ -323,9 +337,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     // the first of them, so the loads and stores below index them alike.
     const int row0 = tile.row0 + 64 * consumer;
     const bool low = row0 < p.split;
-    const std::int64_t at = p.index(tile.expert, row0, 0, low);
+    const std::int64_t at = kTransposeC ? 0 : p.index(tile.expert, row0, 0, low);
     float* const c32 = p.f32(low) == nullptr ? nullptr : p.f32(low) + at;
     std::uint16_t* const c16 = p.bf16(low) == nullptr || tile.ghost ? nullptr : p.bf16(low) + at;
+    // C transposed: element (row0 + r, col) of C, and its part.
+    const auto transposed_at = [&](int r, int col) {
+      return p.index_transposed(tile.expert, row0 + r, col, col < p.split);
+    };
     // The carried fp32 partial (or +0) is the accumulators' start.
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -334,8 +352,15 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int j = 0; j < kMmaN / 8; ++j) {
         const int col = tile.col0 + frag_col(t128, j, 0);
         const bool in = kCarryIn && row0 + r < p.m && col < p.n;
-        const float2 v =
-            in ? *reinterpret_cast<const float2*>(c32 + r * p.n + col) : make_float2(0.0f, 0.0f);
+        float2 v;
+        if constexpr (kTransposeC) {
+          // col is even and so is split: col + 1 lies in the same part. Element (row0 + r, col)
+          // and the next column's, m apart (at 0 where not loaded).
+          const float* const from = p.f32(col < p.split) + (in ? transposed_at(r, col) : 0);
+          v = in ? make_float2(from[0], from[p.m]) : make_float2(0.0f, 0.0f);
+        } else {
+          v = in ? *reinterpret_cast<const float2*>(c32 + r * p.n + col) : make_float2(0.0f, 0.0f);
+        }
         acc.d[4 * j + 2 * half] = v.x;
         acc.d[4 * j + 2 * half + 1] = v.y;
       }
@@ -351,6 +376,30 @@ __global__ void __launch_bounds__(kThreads, 1)
       pending_c16 = c16;
       pending_row0 = row0;
       pending_col0 = tile.col0;
+    } else if constexpr (kTransposeC) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = frag_row(t128, 2 * half);
+#pragma unroll
+        for (int j = 0; j < kMmaN / 8; ++j) {
+          const int col = tile.col0 + frag_col(t128, j, 0);
+          if (row0 + r >= p.m || col >= p.n || tile.ghost) continue;
+          const bool part0 = col < p.split;
+          float* const to32 = p.f32(part0);
+          std::uint16_t* const to16 = p.bf16(part0);
+          const float lo = acc.d[4 * j + 2 * half], hi = acc.d[4 * j + 2 * half + 1];
+          const std::int64_t at_lo = transposed_at(r, col), at_hi = transposed_at(r, col + 1);
+          if (to32 != nullptr) {
+            to32[at_lo] = lo;
+            to32[at_hi] = hi;
+          }
+          if (to16 != nullptr) {
+            const std::uint32_t w = pack_bf16x2(lo, hi);
+            to16[at_lo] = static_cast<std::uint16_t>(w);
+            to16[at_hi] = static_cast<std::uint16_t>(w >> 16);
+          }
+        }
+      }
     } else {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {

@@ -191,6 +191,14 @@ struct GroupedBackwardArgs {
   // gather loses: NOTES.md, sessions 42-43); 0: never; 1: always (at any I: each column tile
   // gathers the rows). The bits are the same either way.
   std::int64_t dwd_gather = -1;
+  // Optional (cuda), with weight_route: bf16 [num_routes / topk, H], the token rows x's table rows
+  // came from (x_tokens[weight_route[r] / topk]; zeros for a route outside [0, num_routes)).
+  std::uintptr_t x_tokens = 0;
+  // How the weight gradients dWg, dWu are computed (cuda; the bits are the same in every mode):
+  // 0: C = [d_a, d_b]^T x, [2I, H] tiles; 1: C^T = x^T [d_a, d_b], [H, 2I] tiles stored
+  // transposed, x from its table-ordered rows; 2: as 1 with x's rows gathered from x_tokens by
+  // dW1's producers (`x` not read).
+  std::int64_t dw1_mode = 0;
   // Optional (cuda), with weight_route: fp32 [num_routes]. Given, each row's d_w is also stored
   // at its route (route order: the router weights' gradient, no gather from table order); a
   // route no row lists is not written. out_d_w may then be 0 (no table-ordered d_w), unless

@@ -191,6 +191,8 @@ def grouped_backward(
     weight_route: torch.Tensor | None = None,
     dy_tokens: torch.Tensor | None = None,
     dwd_gather: int = -1,
+    x_tokens: torch.Tensor | None = None,
+    dw1_mode: int = 0,
 ) -> GroupedBackward:
     """The SwiGLU experts' backward on rows [offsets[e], offsets[e+1]) for each local expert e.
 
@@ -219,6 +221,13 @@ def grouped_backward(
     I <= 256 and the device's memory bandwidth is below 4 TB/s, 0: never, 1: always); otherwise the
     g GEMM stores them into dy_MH in table order for dWd. The bits are the same either way. dy_MH
     is never read (out.dx may be it); on the CPU the rows are copied into dy_MH first.
+
+    `dw1_mode` (CUDA; the CPU computes dWg, dWu from x_MH as the reference does): how dWg and dWu
+    are computed, the same bits in every mode: 0 as [d_a, d_b]^T x ([2I, H] tiles); 1 as
+    x^T [d_a, d_b] ([H, 2I] tiles stored transposed, x then being the operand dWd's dy is); 2 as 1
+    with x's rows gathered by dW1 itself from `x_tokens` (bf16 [T, H], with weight_route and T*K
+    routes: row r's x is x_tokens[weight_route[r] // K], zeros for a route outside [0, T*K)), x_MH
+    then not read.
     """
     dev, M, H, El, I = _check_rows_and_weights(x_MH, offsets_El1, w_gate_EIH, w_up_EIH, w_down_EHI)
     rows_I = [("M", M), ("I", I)]
@@ -251,6 +260,25 @@ def grouped_backward(
             assert route_valid is not None and route_at is not None
             zero = torch.zeros((), dtype=BF16)
             dy_MH.copy_(torch.where(route_valid[:, None], dy_tokens[route_at // (num_routes // T)], zero))
+    if dw1_mode not in (0, 1, 2) or isinstance(dw1_mode, bool):
+        raise ValueError(f"dw1_mode must be 0, 1 or 2, got {dw1_mode!r}")
+    if x_tokens is not None:
+        if dw1_mode != 2:
+            raise ValueError("x_tokens is read only with dw1_mode=2 (x gathered by route)")
+        if weight_route is None:
+            raise ValueError("x_tokens needs weight_route (each row's route)")
+        x_tokens = check_tensor("x_tokens", x_tokens, dtypes=(BF16,), shape=[("T", None), ("H", H)], device=dev)
+        T = x_tokens.shape[0]
+        if T == 0 or num_routes % T != 0:
+            raise ValueError(f"x_tokens: router_weights must hold T*K routes for T = {T} tokens, got {num_routes}")
+        if dy_tokens is not None and dy_tokens.shape[0] != T:
+            raise ValueError(f"x_tokens and dy_tokens must have the same tokens, got {T} and {dy_tokens.shape[0]}")
+        if dev.type != "cuda":  # the rows the kernel would gather, in a table-ordered array of their own
+            assert route_valid is not None and route_at is not None
+            zero = torch.zeros((), dtype=BF16)
+            x_MH = torch.where(route_valid[:, None], x_tokens[route_at // (num_routes // T)], zero)
+    elif dw1_mode == 2:
+        raise ValueError("dw1_mode=2 needs x_tokens (the token rows x's rows are gathered from)")
     if acc is None and wgrad_out is None:
         raise ValueError("acc or wgrad_out must be given: where the weight gradients go")
     if carry_in and acc is None:
@@ -300,7 +328,8 @@ def grouped_backward(
         launch_backward(x_MH, offsets_El1, a_MI, b_MI, dy_MH, router_weights_M, w_gate_EIH, w_up_EIH, w_down_EHI,
                         out, scratch if cuda else None, acc, wgrad_out, limit=limit, num_sms=num_sms,
                         carry_in=carry_in, zero_outside=fresh, weight_route=weight_route if cuda else None,
-                        dy_tokens=dy_tokens if cuda else None, dwd_gather=dwd_gather)  # fmt: skip
+                        dy_tokens=dy_tokens if cuda else None, dwd_gather=dwd_gather,
+                        x_tokens=x_tokens if cuda else None, dw1_mode=dw1_mode if cuda else 0)  # fmt: skip
     return out
 
 
@@ -335,13 +364,16 @@ def launch_backward(
     weight_route: torch.Tensor | None = None,
     dy_tokens: torch.Tensor | None = None,
     dwd_gather: int = -1,
+    x_tokens: torch.Tensor | None = None,
+    dw1_mode: int = 0,
 ) -> None:
     """mok_bf16.grouped_backward into `out`, `acc` and `wgrad_out` on the current device, without
     grouped_backward's checks, allocations or device guard: for tensors made to shape by their
     caller on the device it made current (the native backend's own: the wrapper's checks cost
     ~170 us of host before the first launch, NOTES.md session 30). At least one row (M > 0);
     `scratch` given on CUDA; weight_route and dy_tokens (CUDA only: the kernels read through the
-    routes) and dwd_gather as grouped_backward takes them. mok_bf16 still checks the addresses and sizes."""
+    routes), dwd_gather, x_tokens and dw1_mode as grouped_backward takes them. mok_bf16 still checks
+    the addresses and sizes."""
     import mok_bf16
 
     M, H = x_MH.shape
@@ -349,7 +381,8 @@ def launch_backward(
     dev = x_MH.device
     cuda = dev.type == "cuda"
     num_routes = 0 if weight_route is None or router_weights is None else router_weights.shape[0]
-    topk = 1 if dy_tokens is None or dy_tokens.shape[0] == 0 else num_routes // dy_tokens.shape[0]
+    tokens = dy_tokens if dy_tokens is not None else x_tokens
+    topk = 1 if tokens is None or tokens.shape[0] == 0 else num_routes // tokens.shape[0]
     g_ptr, hw_ptr, d_ab_ptr = (0, 0, 0) if scratch is None else (t.data_ptr() for t in scratch)
     acc_ptrs = (0, 0, 0) if acc is None else tuple(t.data_ptr() for t in acc)
     out_ptrs = (0, 0, 0) if wgrad_out is None else tuple(t.data_ptr() for t in wgrad_out)
@@ -390,6 +423,8 @@ def launch_backward(
         dy_tokens=0 if dy_tokens is None else dy_tokens.data_ptr(),
         topk=topk,
         dwd_gather=dwd_gather,
+        x_tokens=0 if x_tokens is None else x_tokens.data_ptr(),
+        dw1_mode=dw1_mode,
     )
 
 
