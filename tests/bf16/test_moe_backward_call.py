@@ -67,7 +67,10 @@ class Case:
         )  # fmt: skip
         used = (self.row_route >= 0)[:, None]
         rnd = lambda *s: torch.randn(*s, generator=gen).to(BF16).to(dev)  # noqa: E731
-        self.x, self.a, self.b = (torch.where(used, rnd(C, n), 0) for n in (H, I, I))
+        self.a, self.b = (torch.where(used, rnd(C, n), 0) for n in (I, I))
+        # x's token rows, and each table row's x (its route's token row; zeros where no route).
+        self.x_tokens = rnd(T, H)
+        self.x = torch.where(used, self.x_tokens[self.row_route.clamp(min=0).long() // K], 0)
         self.dy = rnd(T, H)
         self.w = torch.rand(T, K, generator=gen).to(dev)
         self.weights = tuple(
@@ -103,11 +106,12 @@ def separate_calls(c: Case, dtype, base, limit):
     return dx, d_router, grads
 
 
-def one_call(c: Case, dtype, base, limit):
+def one_call(c: Case, dtype, base, limit, gather_x=False):
+    """backward_call with x's rows in table order, or (gather_x) gathered by dW1 from the token rows."""
     grads = c.wgrads(dtype)
     dx, d_router = backward_call(
-        c.offsets, c.row_route, c.route_row, c.x, c.a, c.b, c.dy, c.w, c.weights, grads, base, limit=limit,
-        stream=c.stream(),
+        c.offsets, c.row_route, c.route_row, None if gather_x else c.x, c.a, c.b, c.dy, c.w, c.weights, grads, base,
+        x_TH=c.x_tokens if gather_x else None, limit=limit, stream=c.stream(),
     )  # fmt: skip
     return dx, d_router, grads
 
@@ -125,14 +129,17 @@ GPU_CASES = [
 
 
 @needs_gpu
+@pytest.mark.parametrize("gather_x", [False, True], ids=["x-in-table-order", "x-gathered"])
 @pytest.mark.parametrize("dtype", [BF16, torch.float32], ids=["bf16-wgrads", "fp32-wgrads"])
 @pytest.mark.parametrize("with_base", [False, True], ids=["no-base", "base"])
 @pytest.mark.parametrize("T,H,I,El,K,align,routing", GPU_CASES)
-def test_gpu_moe_backward_call_is_the_separate_calls(T, H, I, El, K, align, routing, with_base, dtype):
+def test_gpu_moe_backward_call_is_the_separate_calls(T, H, I, El, K, align, routing, with_base, dtype, gather_x):
+    """The one call against the separate ones (x in table order there), the call reading x's rows
+    in table order or gathering them by route from the token rows in dW1 (no table-ordered x)."""
     c = Case(T, H, I, El, K, align, routing, seed=T)
     base = c.base if with_base else None
     limit = 7.0 if T % 2 else None
-    want, got = separate_calls(c, dtype, base, limit), one_call(c, dtype, base, limit)
+    want, got = separate_calls(c, dtype, base, limit), one_call(c, dtype, base, limit, gather_x)
     torch.cuda.synchronize()
     for name, w, g in zip(("dx", "d_router", "dWg", "dWu", "dWd"), (*want[:2], *want[2]), (*got[:2], *got[2]),
                           strict=True):  # fmt: skip
@@ -172,7 +179,7 @@ def raw_args(**change):
     p = t.data_ptr()
     args = dict(
         entry_points=core_entry_points(), device="cuda", offsets32=p, offsets=p, x=p, a=p, b=p, dy=p,
-        router_weights=p, weight_route=p, dy_tokens=p, num_tokens=4, topk=2, w_gate=p, w_up=p, w_down=p,
+        router_weights=p, weight_route=p, dy_tokens=p, x_tokens=0, num_tokens=4, topk=2, w_gate=p, w_up=p, w_down=p,
         out_d_router=p, acc_gate=0, acc_up=0, acc_down=0, out_gate=p, out_up=p, out_down=p, scratch_g=p,
         scratch_hw=p, scratch_d_ab=p, num_rows=64, hidden=64, inner=64, num_experts=2, limit=None, out=p, base=0,
         route_row=p, error=0, error_mirror=0, stream=0,
@@ -205,6 +212,8 @@ def test_moe_backward_call_refuses_another_object_as_entry_points():
         (dict(offsets32=0), "offsets32 must not be 0"),
         (dict(offsets=2), "offsets must be aligned to 8"),
         (dict(num_experts=2000), "num_experts must be in"),
+        (dict(x=0), "x must not be 0"),
+        (dict(x_tokens=2), "x_tokens must be aligned to 16"),
         (dict(error_mirror=4096), "error and error_mirror must both be given"),
     ],
 )
@@ -223,3 +232,12 @@ def test_grouped_backward_d_w_by_route_needs_the_routes():
     with pytest.raises(ValueError, match="out_d_w_routes needs weight_route"):
         mok_bf16.grouped_backward("cpu", p, offsets.data_ptr(), p, p, p, p, p, p, p, p, p, p, p, p, 0, 0, 0, False,
                                   0, 0, 0, 8, 64, 64, 2, out_d_w_routes=p)  # fmt: skip
+
+
+def test_backward_call_takes_x_in_table_order_or_by_token_not_both():
+    """grouped.backward_call: x_CH (table order) or x_TH (dW1 gathers by route), exactly one."""
+    t = torch.zeros(8, 64, dtype=BF16)
+    for x_CH, x_TH in ((None, None), (t, t)):
+        with pytest.raises(ValueError, match="x_CH.*or the token rows .x_TH., one of them"):
+            backward_call(t, t, t, x_CH, t, t, t, torch.zeros(4, 2), (t, t, t), (t, t, t), None, x_TH=x_TH,
+                          limit=None, stream=0)  # fmt: skip

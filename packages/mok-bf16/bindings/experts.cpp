@@ -404,8 +404,8 @@ void register_experts(pybind11::module_& m) {
       [](const py::capsule& entry_points, const std::string& device, std::uintptr_t offsets32,
          std::uintptr_t offsets, std::uintptr_t x, std::uintptr_t a_, std::uintptr_t b_,
          std::uintptr_t dy, std::uintptr_t router_weights, std::uintptr_t weight_route,
-         std::uintptr_t dy_tokens, std::int64_t num_tokens, std::int64_t topk,
-         std::uintptr_t w_gate, std::uintptr_t w_up, std::uintptr_t w_down,
+         std::uintptr_t dy_tokens, std::uintptr_t x_tokens, std::int64_t num_tokens,
+         std::int64_t topk, std::uintptr_t w_gate, std::uintptr_t w_up, std::uintptr_t w_down,
          std::uintptr_t out_d_router, std::uintptr_t acc_gate, std::uintptr_t acc_up,
          std::uintptr_t acc_down, std::uintptr_t out_gate, std::uintptr_t out_up,
          std::uintptr_t out_down, std::uintptr_t scratch_g, std::uintptr_t scratch_hw,
@@ -443,6 +443,8 @@ void register_experts(pybind11::module_& m) {
         e.weight_route = weight_route;
         e.num_routes = num_tokens * topk;
         e.dy_tokens = dy_tokens;
+        e.x_tokens = x_tokens;
+        e.dw1_mode = x_tokens != 0 ? 2 : 0;
         e.topk = topk;
         core::CombineArgs& m_ = c.combine;
         m_.out = out;
@@ -465,7 +467,9 @@ void register_experts(pybind11::module_& m) {
       "written: dx's rows, after serving as scratch; dy itself is read by route), router_weights "
       "(fp32 "
       "[num_tokens * topk]) and dy_tokens (bf16 [num_tokens, hidden]) read by each row's route "
-      "(weight_route: the table's row_route), num_tokens, topk, the weights, out_d_router (fp32 "
+      "(weight_route: the table's row_route), x_tokens (bf16 [num_tokens, hidden], the forward's "
+      "token rows, or 0: given, dW1 gathers x's rows from them by route, dw1_mode 2, and x may be "
+      "0), num_tokens, topk, the weights, out_d_router (fp32 "
       "[num_tokens * topk], written: each route's d_w, 0 for a route no row lists), the weight "
       "gradients (acc_* fp32 and/or out_* bf16, nothing carried in), the scratch (scratch_g, "
       "scratch_hw, scratch_d_ab), num_rows, hidden, inner, num_experts, limit, then "

@@ -243,10 +243,11 @@ void grouped_forward(std::string_view device, const GroupedForwardArgs& a, std::
   if (gemm || rows) grouped_forward_cpu(a);
 }
 
-void grouped_backward(std::string_view device, const GroupedBackwardArgs& a,
-                      std::uintptr_t stream) {
-  constexpr std::string_view fn = "grouped_backward";
-  const Device kind = parse_device(device, fn);
+namespace {
+
+// grouped_backward's checks of its arguments on the host (before anything is launched), the
+// messages naming `fn`.
+void check_grouped_backward(std::string_view fn, Device kind, const GroupedBackwardArgs& a) {
   const ExpertShape& s = a.shape;
   check_shape(fn, s);
   check_limit(fn, a.limit);
@@ -256,7 +257,8 @@ void grouped_backward(std::string_view device, const GroupedBackwardArgs& a,
   const bool gemm = rows && s.hidden > 0 && s.inner > 0;
   const bool cuda = kind == Device::kCuda;
   const std::uintptr_t al = cuda ? 16 : 2;
-  check_pointer(fn, "x", a.x, al, rows && s.hidden > 0);
+  // (x is not read where dW1 gathers its rows from x_tokens)
+  check_pointer(fn, "x", a.x, al, rows && s.hidden > 0 && !(cuda && a.dw1_mode == 2));
   check_pointer(fn, "offsets", a.offsets, 8, true);
   check_pointer(fn, "a", a.a, al, rows && s.inner > 0);
   check_pointer(fn, "b", a.b, al, rows && s.inner > 0);
@@ -338,6 +340,16 @@ void grouped_backward(std::string_view device, const GroupedBackwardArgs& a,
   } else if (a.x_tokens != 0) {
     invalid(fn, "x_tokens is read only with dw1_mode 2");
   }
+}
+
+}  // namespace
+
+void grouped_backward(std::string_view device, const GroupedBackwardArgs& a,
+                      std::uintptr_t stream) {
+  constexpr std::string_view fn = "grouped_backward";
+  const Device kind = parse_device(device, fn);
+  const ExpertShape& s = a.shape;
+  check_grouped_backward(fn, kind, a);
   if (run_on_cuda(fn, kind, a, stream,
                   [](const auto& args, std::uintptr_t st) { grouped_backward_cuda(args, st); })) {
     return;
@@ -347,7 +359,8 @@ void grouped_backward(std::string_view device, const GroupedBackwardArgs& a,
     zero_outside_cpu(a.out_dx, 2 * s.hidden, a.offsets, s);
     zero_outside_cpu(a.out_d_w, 4, a.offsets, s);
   }
-  if (weights || rows) grouped_backward_cpu(a);
+  const bool weights = s.hidden > 0 && s.inner > 0 && s.num_experts > 0;
+  if (weights || s.num_rows > 0) grouped_backward_cpu(a);
 }
 
 void moe_forward_call(const core::EntryPoints& core, std::string_view device, MoeForwardCallArgs a,
@@ -424,6 +437,7 @@ void moe_backward_call(const core::EntryPoints& core, std::string_view device,
   if (e.num_routes < 1 || e.num_routes > std::numeric_limits<std::int32_t>::max()) {
     invalid(fn, "num_routes must be in [1, 2^31)" + got(e.num_routes));
   }
+  check_grouped_backward(fn, Device::kCuda, e);  // all of them before the first launch
 #if MOK_WITH_CUDA
   moe_backward_prepare_cuda(a.offsets32, e.offsets, e.shape.num_experts, e.out_d_w_routes,
                             e.num_routes, stream);

@@ -344,7 +344,9 @@ void grouped_backward_cuda(const GroupedBackwardArgs& args, std::uintptr_t strea
   // being A: read from its table-ordered rows (1) or gathered by route from x_tokens (2), as dWd
   // gathers dy. The same products, each element's sum in the same order.
   const CUtensorMap map_dab_rows = hopper::make_tensor_map(ptr(args.scratch_d_ab), M, 2 * I, 64);
-  const CUtensorMap map_x_rows = hopper::make_tensor_map(ptr(args.x), M, H, 64);
+  // (x may be 0 where dW1 gathers its rows: the map is then never read)
+  const CUtensorMap map_x_rows =
+      args.x != 0 ? hopper::make_tensor_map(ptr(args.x), M, H, 64) : map_dab_rows;
   const bool transposed = args.dw1_mode != 0;
   gemm::WgradProblem gate_up{
       offsets, s.num_rows, Ei, transposed ? Hi : 2 * Ii, transposed ? 2 * Ii : Hi, Ii, {}};

@@ -432,7 +432,7 @@ def backward_call(
     offsets32_El1: torch.Tensor,
     row_route_C: torch.Tensor,
     route_row_TK: torch.Tensor,
-    x_CH: torch.Tensor,
+    x_CH: torch.Tensor | None,
     a_CI: torch.Tensor,
     b_CI: torch.Tensor,
     dy_TH: torch.Tensor,
@@ -441,6 +441,7 @@ def backward_call(
     wgrads: Wgrads,
     base_TH: torch.Tensor | None,
     *,
+    x_TH: torch.Tensor | None = None,
     limit: float | None,
     error: int = 0,
     mirror: int = 0,
@@ -460,14 +461,17 @@ def backward_call(
     contiguous, the routed weights bf16 contiguous, and `wgrads` the weight gradients written
     whole (bf16, or fp32 for fp32 parameters). T >= 1. error and mirror: the transport's error
     words' address and its ErrorMirror's device address, to which the combine publishes the words
-    (0 and 0: none)."""
+    (0 and 0: none). x_CH None: dW1 gathers x's rows by route from x_TH (bf16 [T, H] contiguous,
+    the forward's token rows; grouped_backward's dw1_mode 2), the forward having stored none."""
     import mok_bf16
 
-    C, H = x_CH.shape
+    C, H = a_CI.shape[0], dy_TH.shape[1]
+    if (x_CH is None) == (x_TH is None):
+        raise ValueError("backward_call takes x's rows in table order (x_CH) or the token rows (x_TH), one of them")
     T, K = router_weights_TK.shape
     wg, wu, wd = weights
     El, inner = wg.shape[:2]
-    dev = x_CH.device
+    dev = dy_TH.device
     # One scratch allocation: dy's rows in table order (then dx's), g (fp32), bf16(w h), [d_a, d_b]
     # and the int64 offsets; every part 16-byte aligned (H and I are multiples of 64).
     parts = (C * H * 2, C * inner * 4, C * inner * 2, C * inner * 4, 8 * (El + 1))
@@ -482,8 +486,9 @@ def backward_call(
     acc = tuple(t.data_ptr() for t in wgrads) if fp32 else (0, 0, 0)
     out = (0, 0, 0) if fp32 else tuple(t.data_ptr() for t in wgrads)
     mok_bf16.moe_backward_call(
-        core_entry_points(), "cuda", offsets32_El1.data_ptr(), offsets64, x_CH.data_ptr(), a_CI.data_ptr(),
-        b_CI.data_ptr(), dys, router_weights_TK.data_ptr(), row_route_C.data_ptr(), dy_TH.data_ptr(), T, K,
+        core_entry_points(), "cuda", offsets32_El1.data_ptr(), offsets64, 0 if x_CH is None else x_CH.data_ptr(),
+        a_CI.data_ptr(), b_CI.data_ptr(), dys, router_weights_TK.data_ptr(), row_route_C.data_ptr(), dy_TH.data_ptr(),
+        0 if x_TH is None else x_TH.data_ptr(), T, K,
         wg.data_ptr(), wu.data_ptr(), wd.data_ptr(), d_router.data_ptr(), *acc, *out, g, hw, d_ab, C, H, inner, El,
         limit, dx.data_ptr(), 0 if base_TH is None else base_TH.data_ptr(), route_row_TK.data_ptr(), error, mirror,
         stream,
