@@ -238,6 +238,6 @@ def test_backward_call_takes_x_in_table_order_or_by_token_not_both():
     """grouped.backward_call: x_CH (table order) or x_TH (dW1 gathers by route), exactly one."""
     t = torch.zeros(8, 64, dtype=BF16)
     for x_CH, x_TH in ((None, None), (t, t)):
-        with pytest.raises(ValueError, match="x_CH.*or the token rows .x_TH., one of them"):
+        with pytest.raises(ValueError, match=r"x_CH.*or the token rows .x_TH., one of them"):
             backward_call(t, t, t, x_CH, t, t, t, torch.zeros(4, 2), (t, t, t), (t, t, t), None, x_TH=x_TH,
                           limit=None, stream=0)  # fmt: skip
