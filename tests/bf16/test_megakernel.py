@@ -269,6 +269,34 @@ def test_megakernel_issued_with_the_schedule_is_the_two_calls(T, H, I, E, K, Is,
 
 
 @needs_gpu
+@pytest.mark.parametrize("T,H,I,E,K,Is,routing,limit", CASES)
+def test_megakernel_stores_no_x_where_the_backward_gathers_it(T, H, I, E, K, Is, routing, limit):
+    """Where the one-call backward's dW1 gathers x's rows by route (I <= GATHER_X_MAX_INNER, the
+    lane's conditions), mok.moe's eager forward keeps no routed x (less saved memory by C x H bf16)
+    and its gradients are bitwise those of a forward that stored x (build_schedule then forward)."""
+    from mok_torch import functional
+
+    inp = make_inputs(T, H, I, E, K, Is, routing, seed=T + 5).to("cuda")
+    cfg = cuda_config(swiglu_limit=limit)
+    ws = mok.create_workspace(cfg, None, device="cuda", max_tokens=T, hidden_size=H, topk=K, num_experts=E)
+    assert native.NativeBackend._gathers_x(cfg, ws, I) == (I <= native.GATHER_X_MAX_INNER), "the lane's conditions"
+    # (with a shared expert the forward is not the one-call lane: x is stored)
+    gathers = I <= native.GATHER_X_MAX_INNER and Is == 0
+    args = (inp.x_TH, inp.router_weights_TK, inp.routed, inp.shared)
+    sched, _, ctx = functional.schedule_and_forward(cfg, ws, inp.top_experts_TK, *args)
+    stored = mok.forward(cfg, ws, mok.build_schedule(ws, cfg, inp.top_experts_TK), *args)[1]
+    assert (ctx.x_routed_MH is None) == gathers
+    if gathers:
+        assert stored.saved_bytes() - ctx.saved_bytes() == stored.x_routed_MH.numel() * 2
+    got = mok.backward(cfg, ws, sched, ctx, inp.dy_TH, *args)
+    want = mok.backward(cfg, ws, sched, stored, inp.dy_TH, *args)
+    for a, b in zip(torch.utils._pytree.tree_leaves(tuple(want)), torch.utils._pytree.tree_leaves(tuple(got)),
+                    strict=True):  # fmt: skip
+        assert torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
+                           b.view(torch.int16) if b.dtype == torch.bfloat16 else b)  # fmt: skip
+
+
+@needs_gpu
 @pytest.mark.parametrize("T,H,I,E,K,Is,routing,limit", CASES[:4])
 def test_megakernel_matches_fp64_loop(T, H, I, E, K, Is, routing, limit):
     inp = make_inputs(T, H, I, E, K, Is, routing, seed=T + 2)

@@ -179,7 +179,8 @@ class Layer(torch.autograd.Function):
     ) -> torch.Tensor:  # fmt: skip
         routed, shared = weights[:3], weights[3:]
         sched, y, fctx = ops.run_schedule_forward(cfg, ws, top_experts, x, router_weights, routed, shared, signature)  # type: ignore[arg-type]
-        ctx.meta = (cfg, ws, sched, fctx.backend, fctx.shared_a_TIs is not None, signature)
+        has_x = fctx.x_routed_MH is not None
+        ctx.meta = (cfg, ws, sched, fctx.backend, fctx.shared_a_TIs is not None, has_x, signature)
         # What the context keeps as a view is copied: a view of a workspace buffer would be
         # rewritten by the next call before this backward runs, one of a larger tensor would keep
         # all of it. Fresh tensors (the usual case) are kept as they are, with no copy.
@@ -187,6 +188,8 @@ class Layer(torch.autograd.Function):
         kept = [t.clone() if t is not None and t._base is not None and t.numel() else t for t in parts]
         if kept[3] is None or kept[4] is None:  # (save_for_backward takes no None)
             kept[3:] = [x.new_empty(0, dtype=torch.bfloat16)] * 2
+        if kept[0] is None:
+            kept[0] = x.new_empty(0, dtype=torch.bfloat16)
         ctx.save_for_backward(x, router_weights, *weights, *kept)
         return y
 
@@ -194,9 +197,11 @@ class Layer(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         x, router_weights, *rest = ctx.saved_tensors
         weights, (x_routed, a, b, shared_a, shared_b) = rest[:6], rest[6:]
-        cfg, ws, sched, backend, has_shared, signature = ctx.meta
+        cfg, ws, sched, backend, has_shared, has_x, signature = ctx.meta
         if not has_shared:
             shared_a = shared_b = None
+        if not has_x:
+            x_routed = None
         fctx = ForwardContext(sched, backend, x_routed, a, b, shared_a, shared_b)
         # The forward's signature decides the backward's metadata checks too: the saved tensors are
         # the ones it checked, and autograd gives dy the shape, dtype and device of y.

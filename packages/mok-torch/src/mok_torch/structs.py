@@ -105,14 +105,15 @@ class ForwardContext:
     Only macrobatch 0 of the routed rows is kept (the ring ends holding it); the backward
     pass replays the others. Nothing of size rows x H is kept beyond `x_routed_MH`.
 
-        x_routed_MH: routed input rows of macrobatch 0 (bf16).
+        x_routed_MH: routed input rows of macrobatch 0 (bf16), or None where the backward reads
+            them by route from the layer's input itself (the native backend's one-call lane).
         a_MI, b_MI: gate and up pre-activations of those rows (bf16).
         shared_a_TIs, shared_b_TIs: the shared expert's pre-activations (None without one).
     """
 
     schedule: Schedule
     backend: str
-    x_routed_MH: torch.Tensor
+    x_routed_MH: torch.Tensor | None
     a_MI: torch.Tensor
     b_MI: torch.Tensor
     shared_a_TIs: torch.Tensor | None

@@ -222,6 +222,11 @@ MEGAKERNEL_MAX_HIDDEN = 4096  # exclusive
 # and the copy engine's loads (the pull 133 us against +53 us in the GEMM at qwen3-30b-a3b,
 # session 16), at H = 7168 slower (the gathered GEMM +1.27 ms against a 0.47 ms pull).
 GATHER_DY_MAX_HIDDEN = MEGAKERNEL_MAX_HIDDEN  # exclusive
+# In the one-call backward the weight gradient dW1 gathers x's rows by route from the layer's input
+# (grouped_backward's dw1_mode 2), so that the forward's megakernel stores no routed x (C x H bf16:
+# its bytes and the context's memory), where I is at most this: dW1's [H, 2I] tiles then gather each
+# row at most twice (NOTES.md, session 44).
+GATHER_X_MAX_INNER = 256  # inclusive
 
 
 def expert_path(cfg: MoKConfig, ws: Workspace, inner: int) -> ExpertPath:
@@ -763,10 +768,11 @@ class NativeBackend:
                 _log_path(cfg, ws, path, "forward")
                 T, K = top_experts_TK.shape
                 addr, _, tensors = _table_arrays(ws, T, K, one_buffer=True)
+                store_x = not (context and T > 0 and self._gathers_x(cfg, ws, routed[2].shape[2]))
                 outputs, y = megakernel.forward_call(
                     ws, addr, top_experts_TK, x_TH, router_weights_TK, routed, tr.view["rows"], tr.error,
                     self._schedule_scratch(ws), limit=cfg.swiglu_limit, timeout_ns=tr.timeout_ns, context=context,
-                    mirror=tr.mirror_address, stream=tr._stream(),
+                    mirror=tr.mirror_address, stream=tr._stream(), store_x=store_x,
                 )  # fmt: skip
                 # (its combine published the error words: no _after_call)
                 if outputs is None:  # a forward that no backward follows: nothing reads the schedule
@@ -1334,6 +1340,12 @@ class NativeBackend:
         ws.state["backward lane"] = (cfg, inner, lane)
         return lane
 
+    @classmethod
+    def _gathers_x(cls, cfg: MoKConfig, ws: Workspace, inner: int) -> bool:
+        """Whether a backward on `ws` with `cfg` (routed inner size `inner`) gathers x's rows by route
+        in dW1 (GATHER_X_MAX_INNER), its forward then storing no routed x."""
+        return inner <= GATHER_X_MAX_INNER and cls._backward_lane(cfg, ws, inner)
+
     def _backward_call(
         self, cfg: MoKConfig, ws: Workspace, tr: Transport, sched: Schedule, ctx: ForwardContext, dy_TH: torch.Tensor,
         x_TH: torch.Tensor, router_weights_TK: torch.Tensor, routed: Weights3, shared: Weights3 | None,
@@ -1342,7 +1354,8 @@ class NativeBackend:
         """The direct backward (see _backward) in one extension call (grouped.backward_call): the
         shared expert's first (its dx is the combine's base), then the table's offsets widened, the
         routed kernels reading dy and the router weights by route, d_router stored by route and the
-        combine of dx, which publishes the error words, with the bits of _backward's walk."""
+        combine of dx, which publishes the error words, with the bits of _backward's walk. A context
+        without x's rows (the forward stored none: _gathers_x) has dW1 gather them from x_TH."""
         _log_path(cfg, ws, expert_path(cfg, ws, routed[2].shape[2]), "backward")
         C, H, El = ws.capacity, ws.hidden_size, ws.num_local_experts
         dxs, d_shared = self._shared_backward(cfg, x_TH, dy_TH, ctx.shared_a_TIs, ctx.shared_b_TIs, shared, wgrad_dtype)
@@ -1353,10 +1366,12 @@ class NativeBackend:
         w = router_weights_TK
         if w.dtype != torch.float32 or not w.is_contiguous():
             w = w.float().contiguous()
+        x_rows = None if ctx.x_routed_MH is None else ctx.x_routed_MH[:C]
         dx, d_router = backward_call(
-            sched.expert_offsets_El1, sched.row_route_C, sched.route_row_TK, ctx.x_routed_MH[:C], ctx.a_MI[:C],
-            ctx.b_MI[:C], dy_TH.contiguous(), w, weights, grads, dxs, limit=cfg.swiglu_limit, error=tr.error_ptr,
-            mirror=tr.mirror_address, stream=tr._stream(),
+            sched.expert_offsets_El1, sched.row_route_C, sched.route_row_TK, x_rows, ctx.a_MI[:C],
+            ctx.b_MI[:C], dy_TH.contiguous(), w, weights, grads, dxs, x_TH=None if x_rows is not None else
+            _bf16_rows(x_TH), limit=cfg.swiglu_limit, error=tr.error_ptr, mirror=tr.mirror_address,
+            stream=tr._stream(),
         )  # fmt: skip
         # (its combine published the error words: no _after_call)
         dtype = router_weights_TK.dtype

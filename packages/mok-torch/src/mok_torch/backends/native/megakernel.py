@@ -48,7 +48,9 @@ class Outputs(NamedTuple):
 
     a: torch.Tensor  # [C, I] bf16, zero past the last segment
     b: torch.Tensor  # [C, I] bf16, zero past the last segment
-    x: torch.Tensor  # [C, H] bf16: x[route // K] of each row, zero for padding and past the last segment
+    # [C, H] bf16: x[route // K] of each row, zero for padding and past the last segment; None where
+    # the launch stored none (the backward's dW1 then gathers the rows by route from x itself)
+    x: torch.Tensor | None
 
 
 def task_state(ws: Workspace) -> torch.Tensor:
@@ -71,12 +73,13 @@ def _scratch_h(ws: Workspace, inner: int) -> torch.Tensor:
     return h
 
 
-def _outputs(C: int, H: int, inner: int, device: torch.device) -> Outputs:
-    """A launch's context arrays for C table rows, uninitialised (the launch writes every row)."""
+def _outputs(C: int, H: int, inner: int, device: torch.device, store_x: bool = True) -> Outputs:
+    """A launch's context arrays for C table rows, uninitialised (the launch writes every row); no x
+    rows unless store_x."""
     return Outputs(
         torch.empty(C, inner, dtype=BF16, device=device),
         torch.empty(C, inner, dtype=BF16, device=device),
-        torch.empty(C, H, dtype=BF16, device=device),
+        torch.empty(C, H, dtype=BF16, device=device) if store_x else None,
     )
 
 
@@ -132,7 +135,7 @@ def moe_forward(
         raise ValueError(f"rows must be in [0, capacity = {ws.capacity}] and given on the CPU only, got {rows}")
     C = ws.capacity if rows is None else rows
     out = _outputs(C, H, inner, dev) if context else None
-    a, b, x_rows = (0, 0, 0) if out is None else (t.data_ptr() for t in out)
+    a, b, x_rows = (0, 0, 0) if out is None else (0 if t is None else t.data_ptr() for t in out)
     h = _scratch_h(ws, inner)  # (the capacity's rows: C of them are used)
     across: dict[str, int] = {}
     if ranks is not None:  # every rank's token rows: the table's routes reach max_tokens * K
@@ -167,6 +170,7 @@ def forward_call(
     context: bool,
     mirror: int,
     stream: int,
+    store_x: bool = True,
 ) -> tuple[Outputs | None, torch.Tensor]:
     """One rank's forward in one extension call (mok_bf16.moe_forward_call): the schedule table from
     the routes in place, moe_forward on it (its route rows into `rows`, the transport's), and the
@@ -181,7 +185,8 @@ def forward_call(
     scratch the workspace's schedule scratch (0 on the CPU); mirror the transport's ErrorMirror's device
     address, to which the combine publishes the error words (0: none). On the CPU only without `context`
     (there the context's rows are the table's in use, read on the host before they are allocated:
-    moe_forward's `rows`)."""
+    moe_forward's `rows`). store_x False: the context keeps no x rows (Outputs.x None), the megakernel
+    stores none."""
     import mok_bf16
 
     wg, wu, wd = routed
@@ -190,8 +195,8 @@ def forward_call(
     dev = x_TH.device
     cpu = dev.type == "cpu"
     C = ws.capacity
-    out = _outputs(C, H, inner, dev) if context else None
-    a, b, x_rows = (0, 0, 0) if out is None else (t.data_ptr() for t in out)
+    out = _outputs(C, H, inner, dev, store_x) if context else None
+    a, b, x_rows = (0, 0, 0) if out is None else (0 if t is None else t.data_ptr() for t in out)
     y = torch.empty(T, H, dtype=BF16, device=dev)
     w = router_weights_TK.float().reshape(-1).contiguous()
     mok_bf16.moe_forward_call(
