@@ -270,30 +270,28 @@ def test_megakernel_issued_with_the_schedule_is_the_two_calls(T, H, I, E, K, Is,
 
 @needs_gpu
 @pytest.mark.parametrize("T,H,I,E,K,Is,routing,limit", CASES)
-def test_megakernel_stores_no_x_where_the_backward_gathers_it(T, H, I, E, K, Is, routing, limit):
-    """Where the one-call backward's dW1 gathers x's rows by route (I <= GATHER_X_MAX_INNER, the
-    lane's conditions), mok.moe's eager forward keeps no routed x (less saved memory by C x H bf16)
-    and its gradients are bitwise those of a forward that stored x (build_schedule then forward)."""
+def test_megakernel_stores_no_x_where_the_backward_gathers_it(T, H, I, E, K, Is, routing, limit, monkeypatch):
+    """Where the one-call backward's dW1 gathers x's rows by route (I <= GATHER_X_MAX_INNER, off by
+    default: set to 256 here), mok.moe's eager forward keeps no routed x (less saved memory by C x H
+    bf16), and its schedule, y and gradients are bitwise those of build_schedule then forward, which
+    stores x (assert_fused_forward_is_the_two_calls). With a shared expert the forward is not the
+    one-call lane and stores x."""
     from mok_torch import functional
 
-    inp = make_inputs(T, H, I, E, K, Is, routing, seed=T + 5).to("cuda")
+    monkeypatch.setattr(native, "GATHER_X_MAX_INNER", 256)
+    inp = make_inputs(T, H, I, E, K, Is, routing, seed=T + 5)
     cfg = cuda_config(swiglu_limit=limit)
     ws = mok.create_workspace(cfg, None, device="cuda", max_tokens=T, hidden_size=H, topk=K, num_experts=E)
-    assert native.NativeBackend._gathers_x(cfg, ws, I) == (I <= native.GATHER_X_MAX_INNER), "the lane's conditions"
-    # (with a shared expert the forward is not the one-call lane: x is stored)
-    gathers = I <= native.GATHER_X_MAX_INNER and Is == 0
-    args = (inp.x_TH, inp.router_weights_TK, inp.routed, inp.shared)
-    sched, _, ctx = functional.schedule_and_forward(cfg, ws, inp.top_experts_TK, *args)
-    stored = mok.forward(cfg, ws, mok.build_schedule(ws, cfg, inp.top_experts_TK), *args)[1]
+    assert native.NativeBackend._gathers_x(cfg, ws, I) == (I <= 256), "the lane's conditions"
+    gathers = I <= 256 and Is == 0
+    dev = inp.to("cuda")
+    args = (dev.x_TH, dev.router_weights_TK, dev.routed, dev.shared)
+    ctx = functional.schedule_and_forward(cfg, ws, dev.top_experts_TK, *args)[2]
     assert (ctx.x_routed_MH is None) == gathers
     if gathers:
+        stored = mok.forward(cfg, ws, mok.build_schedule(ws, cfg, dev.top_experts_TK), *args)[1]
         assert stored.saved_bytes() - ctx.saved_bytes() == stored.x_routed_MH.numel() * 2
-    got = mok.backward(cfg, ws, sched, ctx, inp.dy_TH, *args)
-    want = mok.backward(cfg, ws, sched, stored, inp.dy_TH, *args)
-    for a, b in zip(torch.utils._pytree.tree_leaves(tuple(want)), torch.utils._pytree.tree_leaves(tuple(got)),
-                    strict=True):  # fmt: skip
-        assert torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
-                           b.view(torch.int16) if b.dtype == torch.bfloat16 else b)  # fmt: skip
+    assert_fused_forward_is_the_two_calls(inp, cfg, device="cuda")
 
 
 @needs_gpu

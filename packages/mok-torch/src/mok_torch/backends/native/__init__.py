@@ -222,11 +222,13 @@ MEGAKERNEL_MAX_HIDDEN = 4096  # exclusive
 # and the copy engine's loads (the pull 133 us against +53 us in the GEMM at qwen3-30b-a3b,
 # session 16), at H = 7168 slower (the gathered GEMM +1.27 ms against a 0.47 ms pull).
 GATHER_DY_MAX_HIDDEN = MEGAKERNEL_MAX_HIDDEN  # exclusive
-# In the one-call backward the weight gradient dW1 gathers x's rows by route from the layer's input
-# (grouped_backward's dw1_mode 2), so that the forward's megakernel stores no routed x (C x H bf16:
-# its bytes and the context's memory), where I is at most this: dW1's [H, 2I] tiles then gather each
-# row at most twice (NOTES.md, session 44).
-GATHER_X_MAX_INNER = 256  # inclusive
+# In the one-call backward the weight gradient dW1 can gather x's rows by route from the layer's
+# input (grouped_backward's dw1_mode 2), so that the forward's megakernel stores no routed x (C x H
+# bf16: its bytes and the context's memory), where I is at most this. Measured on an H100 at
+# sonic-7b (NOTES.md, session 44): the forward 1.45 -> 1.33 ms back to back and the peak 2411 -> 1787
+# MiB, but dW1 as x^T [d_a, d_b] with its transposed element-wise stores 463 -> 745 us, so a
+# forward + backward 3.61 -> 3.77 ms. Off (0) until dW1's transposed epilogue keeps pace.
+GATHER_X_MAX_INNER = 0  # inclusive
 
 
 def expert_path(cfg: MoKConfig, ws: Workspace, inner: int) -> ExpertPath:
