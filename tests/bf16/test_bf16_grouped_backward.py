@@ -603,18 +603,41 @@ def test_dw1_modes_give_the_same_bits(device, lengths, H, I, K, carried):
                                v.view(torch.int16 if v.dtype == BF16 else torch.int32))  # fmt: skip
 
 
-def test_bad_x_tokens_and_dw1_mode_raise_naming_the_argument():
+def bad_token_rows_call(name: str):
+    """grouped_backward with token rows `name` (dy_tokens, or x_tokens with dw1_mode 2) on a small
+    case, its routes and weights replaceable."""
     d = make([5, 3], 64, 64, seed=1)
     acc = accumulators(d)
     route = torch.arange(8, dtype=torch.int32)
     w = torch.rand(8)
 
-    def call(x_tokens=None, dw1_mode=2, weight_route=route, w=w, dy_tokens=None):
+    def call(rows=None, weight_route=route, **kw):
+        kw.setdefault(name, rows)
+        if name == "x_tokens":
+            kw.setdefault("dw1_mode", 2)
         return grouped_backward(
-            d["x"], d["offsets"], d["a"], d["b"], d["dy"], w, d["wg"], d["wu"], d["wd"], acc,
-            weight_route=weight_route, x_tokens=x_tokens, dw1_mode=dw1_mode, dy_tokens=dy_tokens,
+            d["x"], d["offsets"], d["a"], d["b"], d["dy"], w if weight_route is not None else d["w"], d["wg"],
+            d["wu"], d["wd"], acc, weight_route=weight_route, **kw,
         )  # fmt: skip
 
+    return call
+
+
+@pytest.mark.parametrize("name", ["dy_tokens", "x_tokens"])
+def test_bad_token_rows_raise_naming_the_argument(name):
+    call = bad_token_rows_call(name)
+    with pytest.raises(ValueError, match=f"{name} needs weight_route"):
+        call(torch.zeros(4, 64, dtype=BF16), weight_route=None)
+    with pytest.raises(TypeError, match=f"{name} must have dtype bfloat16"):
+        call(torch.zeros(4, 64))
+    with pytest.raises(ValueError, match=rf"{name} must have shape \[T, H\]"):
+        call(torch.zeros(4, 32, dtype=BF16))
+    with pytest.raises(ValueError, match="T\\*K routes for T = 3 tokens"):
+        call(torch.zeros(3, 64, dtype=BF16))
+
+
+def test_bad_dw1_mode_raises_naming_the_argument():
+    call = bad_token_rows_call("x_tokens")
     for bad in (3, -1, True, 0.5):
         with pytest.raises(ValueError, match="dw1_mode must be 0, 1 or 2"):
             call(dw1_mode=bad)
@@ -622,14 +645,6 @@ def test_bad_x_tokens_and_dw1_mode_raise_naming_the_argument():
         call()
     with pytest.raises(ValueError, match="x_tokens is read only with dw1_mode=2"):
         call(torch.zeros(4, 64, dtype=BF16), dw1_mode=1)
-    with pytest.raises(ValueError, match="x_tokens needs weight_route"):
-        call(torch.zeros(4, 64, dtype=BF16), weight_route=None, w=d["w"])
-    with pytest.raises(TypeError, match="x_tokens must have dtype bfloat16"):
-        call(torch.zeros(4, 64))
-    with pytest.raises(ValueError, match=r"x_tokens must have shape \[T, H\]"):
-        call(torch.zeros(4, 32, dtype=BF16))
-    with pytest.raises(ValueError, match="T\\*K routes for T = 3 tokens"):
-        call(torch.zeros(3, 64, dtype=BF16))
     with pytest.raises(ValueError, match="x_tokens and dy_tokens must have the same tokens"):
         call(torch.zeros(4, 64, dtype=BF16), dy_tokens=torch.zeros(2, 64, dtype=BF16))
 
@@ -652,28 +667,6 @@ def test_mok_bf16_rejects_a_bad_dw1_mode_naming_it():
         mok_bf16.grouped_backward("cpu", *ptrs, dw1_mode=2, x_tokens=d["x"].data_ptr())
     with pytest.raises(ValueError, match="x_tokens is read only with dw1_mode 2"):
         mok_bf16.grouped_backward("cpu", *ptrs, x_tokens=d["x"].data_ptr())
-
-
-def test_bad_dy_tokens_raise_naming_the_argument():
-    d = make([5, 3], 64, 64, seed=1)
-    acc = accumulators(d)
-    route = torch.arange(8, dtype=torch.int32)
-    w = torch.rand(8)
-
-    def call(dy_tokens, weight_route=route, w=w):
-        return grouped_backward(
-            d["x"], d["offsets"], d["a"], d["b"], d["dy"], w, d["wg"], d["wu"], d["wd"], acc,
-            weight_route=weight_route, dy_tokens=dy_tokens,
-        )  # fmt: skip
-
-    with pytest.raises(ValueError, match="dy_tokens needs weight_route"):
-        call(torch.zeros(4, 64, dtype=BF16), weight_route=None, w=d["w"])
-    with pytest.raises(TypeError, match="dy_tokens must have dtype bfloat16"):
-        call(torch.zeros(4, 64))
-    with pytest.raises(ValueError, match=r"dy_tokens must have shape \[T, H\]"):
-        call(torch.zeros(4, 32, dtype=BF16))
-    with pytest.raises(ValueError, match="T\\*K routes for T = 3 tokens"):
-        call(torch.zeros(3, 64, dtype=BF16))
 
 
 @pytest.mark.parametrize("dwd_gather", [2, -2, True, 0.5])

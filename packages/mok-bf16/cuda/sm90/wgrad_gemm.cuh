@@ -376,30 +376,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       pending_c16 = c16;
       pending_row0 = row0;
       pending_col0 = tile.col0;
-    } else if constexpr (kTransposeC) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r = frag_row(t128, 2 * half);
-#pragma unroll
-        for (int j = 0; j < kMmaN / 8; ++j) {
-          const int col = tile.col0 + frag_col(t128, j, 0);
-          if (row0 + r >= p.m || col >= p.n || tile.ghost) continue;
-          const bool part0 = col < p.split;
-          float* const to32 = p.f32(part0);
-          std::uint16_t* const to16 = p.bf16(part0);
-          const float lo = acc.d[4 * j + 2 * half], hi = acc.d[4 * j + 2 * half + 1];
-          const std::int64_t at_lo = transposed_at(r, col), at_hi = transposed_at(r, col + 1);
-          if (to32 != nullptr) {
-            to32[at_lo] = lo;
-            to32[at_hi] = hi;
-          }
-          if (to16 != nullptr) {
-            const std::uint32_t w = pack_bf16x2(lo, hi);
-            to16[at_lo] = static_cast<std::uint16_t>(w);
-            to16[at_hi] = static_cast<std::uint16_t>(w >> 16);
-          }
-        }
-      }
     } else {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
@@ -409,11 +385,27 @@ __global__ void __launch_bounds__(kThreads, 1)
           const int col = tile.col0 + frag_col(t128, j, 0);
           if (row0 + r >= p.m || col >= p.n || tile.ghost) continue;
           const float lo = acc.d[4 * j + 2 * half], hi = acc.d[4 * j + 2 * half + 1];
-          if (c32 != nullptr) {
-            *reinterpret_cast<float2*>(c32 + r * p.n + col) = make_float2(lo, hi);
-          }
-          if (c16 != nullptr) {
-            *reinterpret_cast<std::uint32_t*>(c16 + r * p.n + col) = pack_bf16x2(lo, hi);
+          if constexpr (kTransposeC) {  // each element on its own, in its column's part
+            const bool part0 = col < p.split;
+            float* const to32 = p.f32(part0);
+            std::uint16_t* const to16 = p.bf16(part0);
+            const std::int64_t at_lo = transposed_at(r, col), at_hi = transposed_at(r, col + 1);
+            if (to32 != nullptr) {
+              to32[at_lo] = lo;
+              to32[at_hi] = hi;
+            }
+            if (to16 != nullptr) {
+              const std::uint32_t w = pack_bf16x2(lo, hi);
+              to16[at_lo] = static_cast<std::uint16_t>(w);
+              to16[at_hi] = static_cast<std::uint16_t>(w >> 16);
+            }
+          } else {
+            if (c32 != nullptr) {
+              *reinterpret_cast<float2*>(c32 + r * p.n + col) = make_float2(lo, hi);
+            }
+            if (c16 != nullptr) {
+              *reinterpret_cast<std::uint32_t*>(c16 + r * p.n + col) = pack_bf16x2(lo, hi);
+            }
           }
         }
       }
