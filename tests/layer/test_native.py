@@ -890,3 +890,17 @@ def no_numpy_scenario(rank: int, world: int, group, device: str) -> bool:
 
 def test_cpu_transport_rendezvous_needs_no_numpy():
     assert all(run_ranks(2, "test_native.no_numpy_scenario", "cpu"))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_a_context_without_routed_x_outside_its_lane_raises(backend):
+    """A context whose forward kept no routed x (the one-call lane's, where dW1 gathers x) handed
+    to a backward that reads the saved rows is a ValueError saying so, not a crash."""
+    inp = make_inputs(24, 32, 16, 4, 2, 0, "balanced", seed=4)
+    cfg = config(backend=backend, expert_alignment=8)
+    ws = mok.get_workspace(cfg, None, device="cpu", max_tokens=24, hidden_size=32, topk=2, num_experts=4)
+    sched = mok.build_schedule(ws, cfg, inp.top_experts_TK)
+    _, ctx = mok.forward(cfg, ws, sched, inp.x_TH, inp.router_weights_TK, inp.routed, inp.shared)
+    ctx = dataclasses.replace(ctx, x_routed_MH=None)
+    with pytest.raises(ValueError, match="keeps no routed x rows"):
+        mok.backward(cfg, ws, sched, ctx, inp.dy_TH, inp.x_TH, inp.router_weights_TK, inp.routed, inp.shared)

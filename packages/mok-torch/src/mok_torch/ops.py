@@ -250,7 +250,7 @@ def forward_op(
     shared_a = x.new_empty(0, dtype=BF16) if ctx.shared_a_TIs is None else ctx.shared_a_TIs
     shared_b = x.new_empty(0, dtype=BF16) if ctx.shared_b_TIs is None else ctx.shared_b_TIs
     C = schedule[1].shape[0]  # row_src_rank_C: the table's capacity
-    routed_rows = [_capacity_rows(t, C) for t in (ctx.x_routed_MH, ctx.a_MI, ctx.b_MI)]
+    routed_rows = [_capacity_rows(t, C) for t in (ctx.routed_x(), ctx.a_MI, ctx.b_MI)]
     outputs = [y, *routed_rows, shared_a, shared_b]
     inputs = tuple(
         t for t in (x, router_weights, wg, wu, wd, wg_s, wu_s, wd_s, top_experts, *schedule) if t is not None

@@ -119,6 +119,16 @@ class ForwardContext:
     shared_a_TIs: torch.Tensor | None
     shared_b_TIs: torch.Tensor | None
 
+    def routed_x(self) -> torch.Tensor:
+        """x_routed_MH, for a backward that reads the saved rows (every backward but the native
+        backend's one-call lane, which the forward that keeps none chose for this context)."""
+        if self.x_routed_MH is None:
+            raise ValueError(
+                "this context keeps no routed x rows (its forward left them to the one-call backward's "
+                "gather): run its backward with the config and workspace of its forward"
+            )
+        return self.x_routed_MH
+
     def saved_bytes(self) -> int:
         """Bytes of saved activations this context holds."""
         tensors = [self.x_routed_MH, self.a_MI, self.b_MI, self.shared_a_TIs, self.shared_b_TIs]

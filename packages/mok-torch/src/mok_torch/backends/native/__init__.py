@@ -1453,10 +1453,10 @@ class NativeBackend:
                 n, nw = hi - lo, self._movers(cfg, ws, backward=True)
                 mx_bytes = (n, _mx_row_bytes(H))
                 if m == 0:
-                    xs = ctx.x_routed_MH[:n]
+                    xs = ctx.routed_x()[:n]
                     if xs.stride(0) % 16:  # a saved copy of packed rows (the autograd op clones them)
                         xs = torch.zeros(mx_bytes, dtype=torch.uint8, device=dev)
-                        xs[:, : H + H // 32] = ctx.x_routed_MH[:n, : H + H // 32]
+                        xs[:, : H + H // 32] = ctx.routed_x()[:n, : H + H // 32]
                 else:
                     xs = self._mx_rows(cfg, tr, sched, torch.zeros(mx_bytes, dtype=torch.uint8, device=dev), lo, K, nw)
                 dy_buf = torch.zeros(mx_bytes, dtype=torch.uint8, device=dev)
@@ -1475,7 +1475,7 @@ class NativeBackend:
                 n, nw = hi - lo, self._movers(cfg, ws, backward=True)
                 pushed = cfg.dispatch == "push"  # the GEMMs read pushed rows where they are
                 if m == 0:
-                    xs = ctx.x_routed_MH[:n]
+                    xs = ctx.routed_x()[:n]
                 elif pushed:  # replay: the re-dispatched x; a replay recomputes a, b
                     xs = self._received(cfg, tr, "x_recv", lo, hi)
                 else:
@@ -1541,7 +1541,7 @@ class NativeBackend:
                 ring = slice(mlo - lo, mhi - lo)
                 x_kernel = None  # MXFP8 rows the FP8 kernels read, for a replay's pre-activations
                 if m == 0:
-                    xs = ctx.x_routed_MH[ring]
+                    xs = ctx.routed_x()[ring]
                 elif fp8_cores:
                     x_kernel = torch.zeros(mhi - mlo, _mx_row_bytes(H), dtype=torch.uint8, device=dev)
                     x_kernel = self._mx_rows(cfg, tr, sched, x_kernel, mlo, K, nw)

@@ -159,7 +159,7 @@ class ReferenceBackend:
                 block = plan.block(mlo, mhi, dy_TH.device)
                 w = weights.select(block.first, block.last)
                 if m == 0:
-                    xs = activation_values(cfg, block.gather(ctx.x_routed_MH, lo), H)
+                    xs = activation_values(cfg, block.gather(ctx.routed_x(), lo), H)
                     a, b = block.gather(ctx.a_MI, lo), block.gather(ctx.b_MI, lo)
                 else:
                     assert x_C is not None
