@@ -649,24 +649,31 @@ def test_bad_dw1_mode_raises_naming_the_argument():
         call(torch.zeros(4, 64, dtype=BF16), dy_tokens=torch.zeros(2, 64, dtype=BF16))
 
 
-def test_mok_bf16_rejects_a_bad_dw1_mode_naming_it():
-    """The extension checks dw1_mode and x_tokens too (a caller past the wrapper)."""
-    d = make([5, 3], 64, 64, seed=1)
+def extension_args(d: dict) -> tuple:
+    """mok_bf16.grouped_backward's positional arguments on the CPU for case `d` (fresh outputs and
+    accumulators), and the tensors they address (to keep alive)."""
     acc = accumulators(d)
     out = GroupedBackward(torch.zeros_like(d["dy"]), torch.zeros(d["dy"].shape[0]))
     M, H = d["x"].shape
     El, I = d["wg"].shape[:2]
-    ptrs = (
-        d["x"].data_ptr(), d["offsets"].data_ptr(), d["a"].data_ptr(), d["b"].data_ptr(), d["dy"].data_ptr(),
+    args = (
+        "cpu", d["x"].data_ptr(), d["offsets"].data_ptr(), d["a"].data_ptr(), d["b"].data_ptr(), d["dy"].data_ptr(),
         d["w"].data_ptr(), d["wg"].data_ptr(), d["wu"].data_ptr(), d["wd"].data_ptr(), out.dx.data_ptr(),
         out.d_w.data_ptr(), *(t.data_ptr() for t in acc), 0, 0, 0, True, 0, 0, 0, M, H, I, El,
     )  # fmt: skip
+    return args, (acc, out)
+
+
+def test_mok_bf16_rejects_a_bad_dw1_mode_naming_it():
+    """The extension checks dw1_mode and x_tokens too (a caller past the wrapper)."""
+    d = make([5, 3], 64, 64, seed=1)
+    args, _keep = extension_args(d)
     with pytest.raises(ValueError, match="dw1_mode must be 0, 1"):
-        mok_bf16.grouped_backward("cpu", *ptrs, dw1_mode=3)
+        mok_bf16.grouped_backward(*args, dw1_mode=3)
     with pytest.raises(ValueError, match=r"dw1_mode 2 .* is for 'cuda'"):
-        mok_bf16.grouped_backward("cpu", *ptrs, dw1_mode=2, x_tokens=d["x"].data_ptr())
+        mok_bf16.grouped_backward(*args, dw1_mode=2, x_tokens=d["x"].data_ptr())
     with pytest.raises(ValueError, match="x_tokens is read only with dw1_mode 2"):
-        mok_bf16.grouped_backward("cpu", *ptrs, x_tokens=d["x"].data_ptr())
+        mok_bf16.grouped_backward(*args, x_tokens=d["x"].data_ptr())
 
 
 @pytest.mark.parametrize("dwd_gather", [2, -2, True, 0.5])
@@ -681,18 +688,9 @@ def test_bad_dwd_gather_raises_naming_the_argument(dwd_gather):
 
 def test_mok_bf16_rejects_a_bad_dwd_gather_naming_it():
     """The extension checks it too (a caller of mok_bf16.grouped_backward past the wrapper)."""
-    d = make([5, 3], 64, 64, seed=1)
-    acc = accumulators(d)
-    out = GroupedBackward(torch.zeros_like(d["dy"]), torch.zeros(d["dy"].shape[0]))
-    M, H = d["x"].shape
-    El, I = d["wg"].shape[:2]
+    args, _keep = extension_args(make([5, 3], 64, 64, seed=1))
     with pytest.raises(ValueError, match="dwd_gather must be -1"):
-        mok_bf16.grouped_backward(
-            "cpu", d["x"].data_ptr(), d["offsets"].data_ptr(), d["a"].data_ptr(), d["b"].data_ptr(),
-            d["dy"].data_ptr(), d["w"].data_ptr(), d["wg"].data_ptr(), d["wu"].data_ptr(), d["wd"].data_ptr(),
-            out.dx.data_ptr(), out.d_w.data_ptr(), *(t.data_ptr() for t in acc), 0, 0, 0, True, 0, 0, 0,
-            M, H, I, El, dwd_gather=3,
-        )  # fmt: skip
+        mok_bf16.grouped_backward(*args, dwd_gather=3)
 
 
 def test_bad_weight_route_raises_naming_the_argument():

@@ -170,6 +170,31 @@ class GroupedScratch(NamedTuple):
 Wgrads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
+def _rows_by_route(
+    name: str,
+    tokens: torch.Tensor,
+    weight_route: torch.Tensor | None,
+    num_routes: int,
+    H: int,
+    dev: torch.device,
+    route_valid: torch.Tensor | None,
+    route_at: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token rows [T, H] read by each table row's route (dy_tokens, x_tokens), checked; with, off
+    CUDA, those rows in table order (zeros for a route outside [0, T*K)), else None."""
+    if weight_route is None:
+        raise ValueError(f"{name} needs weight_route (each row's route)")
+    tokens = check_tensor(name, tokens, dtypes=(BF16,), shape=[("T", None), ("H", H)], device=dev)
+    T = tokens.shape[0]
+    if T == 0 or num_routes % T != 0:
+        raise ValueError(f"{name}: router_weights must hold T*K routes for T = {T} tokens, got {num_routes}")
+    if dev.type == "cuda":
+        return tokens, None
+    assert route_valid is not None and route_at is not None
+    zero = torch.zeros((), dtype=BF16)
+    return tokens, torch.where(route_valid[:, None], tokens[route_at // (num_routes // T)], zero)
+
+
 def grouped_backward(
     x_MH: torch.Tensor,
     offsets_El1: torch.Tensor,
@@ -250,33 +275,22 @@ def grouped_backward(
     elif router_weights_M is not None:
         check_tensor("router_weights", router_weights_M, dtypes=(torch.float32,), shape=[("M", M)], device=dev)
     if dy_tokens is not None:
-        if weight_route is None:
-            raise ValueError("dy_tokens needs weight_route (each row's route)")
-        dy_tokens = check_tensor("dy_tokens", dy_tokens, dtypes=(BF16,), shape=[("T", None), ("H", H)], device=dev)
-        T = dy_tokens.shape[0]
-        if T == 0 or num_routes % T != 0:
-            raise ValueError(f"dy_tokens: router_weights must hold T*K routes for T = {T} tokens, got {num_routes}")
-        if dev.type != "cuda":  # as the kernels: a route outside [0, T*K) reads zeros
-            assert route_valid is not None and route_at is not None
-            zero = torch.zeros((), dtype=BF16)
-            dy_MH.copy_(torch.where(route_valid[:, None], dy_tokens[route_at // (num_routes // T)], zero))
+        dy_tokens, table = _rows_by_route(
+            "dy_tokens", dy_tokens, weight_route, num_routes, H, dev, route_valid, route_at
+        )
+        if table is not None:  # as the kernels: a route outside [0, T*K) reads zeros
+            dy_MH.copy_(table)
     if dw1_mode not in (0, 1, 2) or isinstance(dw1_mode, bool):
         raise ValueError(f"dw1_mode must be 0, 1 or 2, got {dw1_mode!r}")
     if x_tokens is not None:
         if dw1_mode != 2:
             raise ValueError("x_tokens is read only with dw1_mode=2 (x gathered by route)")
-        if weight_route is None:
-            raise ValueError("x_tokens needs weight_route (each row's route)")
-        x_tokens = check_tensor("x_tokens", x_tokens, dtypes=(BF16,), shape=[("T", None), ("H", H)], device=dev)
+        x_tokens, table = _rows_by_route("x_tokens", x_tokens, weight_route, num_routes, H, dev, route_valid, route_at)
         T = x_tokens.shape[0]
-        if T == 0 or num_routes % T != 0:
-            raise ValueError(f"x_tokens: router_weights must hold T*K routes for T = {T} tokens, got {num_routes}")
         if dy_tokens is not None and dy_tokens.shape[0] != T:
             raise ValueError(f"x_tokens and dy_tokens must have the same tokens, got {T} and {dy_tokens.shape[0]}")
-        if dev.type != "cuda":  # the rows the kernel would gather, in a table-ordered array of their own
-            assert route_valid is not None and route_at is not None
-            zero = torch.zeros((), dtype=BF16)
-            x_MH = torch.where(route_valid[:, None], x_tokens[route_at // (num_routes // T)], zero)
+        if table is not None:  # the rows the kernel would gather, in a table-ordered array of their own
+            x_MH = table
     elif dw1_mode == 2:
         raise ValueError("dw1_mode=2 needs x_tokens (the token rows x's rows are gathered from)")
     if acc is None and wgrad_out is None:
