@@ -6,6 +6,7 @@ that a GPU call need not compile them (the build took 61-68 s of a call's device
     python3 tools/gpu_wheels.py build --base main     # here: main's wheels in .whl/mok-base
     python3 tools/gpu_wheels.py build --base main --patch prepared/x.patch --out .whl/mok-x
                                                       # here: main + a prepared patch, a third build
+                                                      # (--patch again: more patches, in order)
     python3 tools/gpu_wheels.py check                 # there: exit 0 if the wheels fit the tree
     python3 tools/gpu_wheels.py commit                # there: the commit the tree was built at
 
@@ -16,7 +17,8 @@ Python glue with its kernels), and lists every source file of the three packages
 SOURCES. `build --base REV` builds commit REV's packages the same way (in a temporary git worktree,
 removed after) into .whl/mok-base: the other side of tools/gpu-check's `ab` stage, which installs
 each folder's wheels in turns on one machine; with `--patch FILE` the patch is applied to REV's
-tree first (`git apply`) and `--out DIR` names another folder, so that a prepared experiment is a
+tree first (`git apply`; several `--patch`, in the order given: a kernel patch and a switch that
+turns its lane on) and `--out DIR` names another folder, so that a prepared experiment is a
 third build of the same `ab` call (MOK_AB=".whl/mok-base .whl/mok .whl/mok-x"). `check` holds
 the tree against that list: the wheels count only when every listed file is there with the same
 bytes and no other source file exists (build outputs, caches and egg-info are not sources).
@@ -127,14 +129,14 @@ def commit() -> int:
     return 0
 
 
-def build_base(python: str, rev: str, patch: Path | None = None, out: Path | None = None) -> None:
-    """Commit `rev`'s wheels (with `patch` applied, if given) into `out` (default .whl/mok-base),
-    built in a temporary worktree (removed after, whether the build passes or not)."""
+def build_base(python: str, rev: str, patches: list[Path] | None = None, out: Path | None = None) -> None:
+    """Commit `rev`'s wheels (with `patches` applied in order, if given) into `out` (default
+    .whl/mok-base), built in a temporary worktree (removed after, whether the build passes or not)."""
     tmp = Path(tempfile.mkdtemp(prefix="mok-base-"))
     tree = tmp / "tree"
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", str(tree), rev], check=True)
     try:
-        if patch is not None:
+        for patch in patches or []:
             subprocess.run(["git", "-C", str(tree), "apply", str(patch.resolve())], check=True)
         build(python, tree, BASE_OUT if out is None else out)
     finally:
@@ -166,7 +168,13 @@ def main() -> int:
     b = sub.add_parser("build")
     b.add_argument("--python", default="python3.12", help="a Python of the GPU machines' version (default python3.12)")
     b.add_argument("--base", metavar="REV", help="build commit REV (e.g. main) into .whl/mok-base instead")
-    b.add_argument("--patch", metavar="FILE", type=Path, help="with --base: apply FILE to REV's tree first")
+    b.add_argument(
+        "--patch",
+        metavar="FILE",
+        type=Path,
+        action="append",
+        help="with --base: apply FILE to REV's tree first (repeatable: applied in order)",
+    )
     b.add_argument("--out", metavar="DIR", type=Path, help="with --base: the folder (default .whl/mok-base)")
     sub.add_parser("check")
     sub.add_parser("commit")

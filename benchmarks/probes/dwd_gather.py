@@ -3,9 +3,10 @@ a time, on the same build: the backward's kernels as the layer at one rank runs 
 token, each table row's route, bf16 weight gradients from +0), with `dwd_gather` 0 and 1. With
 --dw1: dWd as the device's default, and dW1 in its three modes instead (`dw1_mode` 0: [d_a, d_b]^T x
 from x's table-ordered rows; 1: x^T [d_a, d_b] stored transposed; 2: as 1 with x gathered by route
-from the token rows, as the forward's megakernel would then not store them).
+from the token rows, as the forward's megakernel would then not store them). With --fp32: the weight
+gradients into fp32 accumulators (from +0, no bf16 rounding: fp32 parameters' path) instead of bf16.
 
-    python3 benchmarks/probes/dwd_gather.py [shape ...] [--ncu] [--dw1]
+    python3 benchmarks/probes/dwd_gather.py [shape ...] [--ncu] [--dw1] [--fp32]
 
 Prints, per shape and mode, each kernel's mean time under torch.profiler and the call's time by
 CUDA events back to back. With --ncu: each mode's backward once (after one warm-up call, which
@@ -34,7 +35,7 @@ ALIGN = 128
 ITERS = 5
 
 
-def problem(T: int, H: int, I: int, E: int, K: int, dev: str = "cuda") -> dict:
+def problem(T: int, H: int, I: int, E: int, K: int, dev: str = "cuda", fp32: bool = False) -> dict:
     g = torch.Generator(device=dev).manual_seed(0)
     experts = torch.rand(T, E, device=dev, generator=g).topk(K, dim=1).indices.flatten()  # route t*K+k
     order = torch.sort(experts, stable=True).indices  # routes in expert order
@@ -57,16 +58,18 @@ def problem(T: int, H: int, I: int, E: int, K: int, dev: str = "cuda") -> dict:
         dy=torch.empty(M, H, dtype=BF16, device=dev),
         w=torch.rand(T * K, device=dev, generator=g), wg=(rnd(E, I, H) / H**0.5).to(BF16),
         wu=(rnd(E, I, H) / H**0.5).to(BF16), wd=(rnd(E, H, I) / I**0.5).to(BF16), offsets=offsets,
-        route=route, tokens=rnd(T, H).to(BF16), out=tuple(torch.empty(s, dtype=BF16, device=dev)
-                                                         for s in ((E, I, H), (E, I, H), (E, H, I))),
+        route=route, tokens=rnd(T, H).to(BF16), fp32=fp32,
+        out=tuple(torch.empty(s, dtype=torch.float32 if fp32 else BF16, device=dev)
+                  for s in ((E, I, H), (E, I, H), (E, H, I))),
     )  # fmt: skip
 
 
 def backward(d: dict, mode: int, dw1: bool = False) -> None:
     """One backward: dwd_gather=mode, or with dw1 the default dWd and dw1_mode=mode."""
     modes = dict(dw1_mode=mode, x_tokens=d["x_tokens"] if mode == 2 else None) if dw1 else dict(dwd_gather=mode)
-    grouped_backward(d["x"], d["offsets"], d["a"], d["b"], d["dy"], d["w"], d["wg"], d["wu"], d["wd"], None,
-                     carry_in=False, wgrad_out=d["out"], weight_route=d["route"], dy_tokens=d["tokens"],
+    acc, out = (d["out"], None) if d["fp32"] else (None, d["out"])
+    grouped_backward(d["x"], d["offsets"], d["a"], d["b"], d["dy"], d["w"], d["wg"], d["wu"], d["wd"], acc,
+                     carry_in=False, wgrad_out=out, weight_route=d["route"], dy_tokens=d["tokens"],
                      **modes)  # fmt: skip
 
 
@@ -74,9 +77,10 @@ def main(argv: list[str]) -> None:
     names = [a for a in argv if not a.startswith("--")] or ["sonic-7b"]
     ncu = "--ncu" in argv
     dw1 = "--dw1" in argv
+    fp32 = "--fp32" in argv
     modes, label = ((0, 1, 2), "dw1_mode") if dw1 else ((0, 1), "dwd_gather")
     for shape in resolve_shapes(",".join(names), 1):
-        d = problem(shape.tokens, shape.hidden, shape.inner, shape.experts, shape.topk)
+        d = problem(shape.tokens, shape.hidden, shape.inner, shape.experts, shape.topk, fp32=fp32)
         M = d["x"].shape[0]
         if ncu:
             backward(d, 0, dw1)
@@ -111,11 +115,13 @@ def main(argv: list[str]) -> None:
                 backward(d, mode, dw1)
             end.record()
             torch.cuda.synchronize()
-            digests.append(tuple(t.view(torch.int16).sum(dtype=torch.int64).item() for t in d["out"]))
+            bits = torch.int32 if fp32 else torch.int16
+            digests.append(tuple(t.view(bits).sum(dtype=torch.int64).item() for t in d["out"]))
             kernels = "  ".join(
                 f"{k.replace(' ', '')[:40]}={v:.0f}" for k, v in sorted(per.items(), key=lambda kv: -kv[1])
             )
-            print(f"{shape.name} rows {M} {label}={mode}: {start.elapsed_time(end) * 100:.0f} us a backward "
+            kind = " fp32" if fp32 else ""
+            print(f"{shape.name} rows {M} {label}={mode}{kind}: {start.elapsed_time(end) * 100:.0f} us a backward "
                   f"back to back; kernels (us): {kernels}", flush=True)  # fmt: skip
         same = all(d == digests[0] for d in digests)
         print(f"{shape.name}: weight gradients' checksums {'equal' if same else 'DIFFER'}")
