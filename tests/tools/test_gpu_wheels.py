@@ -113,9 +113,40 @@ def test_base_with_a_patch_builds_the_patched_commit_into_its_folder(tool, monke
         seen.update(source=(tree / "packages/a/src/k.cu").read_text(), out=out)
 
     monkeypatch.setattr(tool, "build", build)
-    tool.build_base("python3", "HEAD", patch, root / ".whl" / "mok-x")
+    tool.build_base("python3", "HEAD", [patch], root / ".whl" / "mok-x")
     assert seen == {"source": "// patched\n", "out": root / ".whl" / "mok-x"}
     assert (root / "packages/a/src/k.cu").read_text() == "// packages/a\n"
+    assert len(git("worktree", "list").splitlines()) == 1
+
+
+def test_base_with_two_patches_applies_them_in_order(tool, monkeypatch, tmp_path):
+    """`--patch A --patch B`: B is made against REV + A (a kernel patch, then the switch that turns
+    its lane on), so it applies only after A; given the other way round the build fails."""
+    root = tool.ROOT
+    git = committed(root, "packages")
+    k = root / "packages/a/src/k.cu"
+    k.write_text("// kernel\n")
+    first = tmp_path / "a.patch"
+    first.write_text(git("diff"))
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "a")
+    k.write_text("// kernel\n// lane on\n")
+    second = tmp_path / "b.patch"
+    second.write_text(git("diff"))
+    git("checkout", "-q", "--", "packages")
+    git("reset", "-q", "--hard", "HEAD~1")
+    seen = {}
+
+    def build(python: str, tree: Path, out: Path) -> None:
+        seen.update(source=(tree / "packages/a/src/k.cu").read_text(), out=out)
+
+    monkeypatch.setattr(tool, "build", build)
+    tool.build_base("python3", "HEAD", [first, second], root / ".whl" / "mok-x")
+    assert seen == {"source": "// kernel\n// lane on\n", "out": root / ".whl" / "mok-x"}
+    seen.clear()
+    with pytest.raises(subprocess.CalledProcessError):
+        tool.build_base("python3", "HEAD", [second, first], root / ".whl" / "mok-y")
+    assert seen == {}
+    assert k.read_text() == "// packages/a\n"
     assert len(git("worktree", "list").splitlines()) == 1
 
 
