@@ -580,17 +580,20 @@ def test_dw1_modes_give_the_same_bits(device, lengths, H, I, K, carried):
     inside a column tile where I is not a multiple of 256, a partial and a ghost row tile where H
     is not a multiple of 256) and 2 (the same with x's rows gathered by route from the token rows:
     padding rows and a route past T*K read zeros) give every output bitwise as mode 0 does, with
-    bf16 outputs only and with fp32 accumulators carried in."""
+    bf16 outputs only and with fp32 accumulators carried in (distinct values, so that a carried
+    element read from another's place, as a transposed load could, changes the bits)."""
     d = make(lengths, H, I, seed=19)
     M = d["x"].shape[0]
     route, x_T, w_TK, table_x = token_routes(M, H, K, seed=20)
     d["x"] = table_x
     d = to(d, device)
+    g = torch.Generator().manual_seed(21)
+    start = tuple(torch.randn(t.shape, generator=g).to(device) for t in accumulators(d)) if carried else ()
     results = []
     for mode in (0, 1, 2):
         x = torch.full((M, H), float("nan"), dtype=BF16, device=device) if mode == 2 else d["x"]
         out16 = accumulators(d, fill=3.0, dtype=BF16)
-        acc = accumulators(d, fill=0.5) if carried else None
+        acc = tuple(t.clone() for t in start) if carried else None
         got = grouped_backward(
             x, d["offsets"], d["a"], d["b"], d["dy"], w_TK.to(device), d["wg"], d["wu"], d["wd"], acc,
             carry_in=carried, wgrad_out=out16, weight_route=route.to(device),
