@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
 # The GPU call that measures the prepared patches (README.md here), in one command, ordered by what
 # decides most, each step under its own timeout: a call cut short still brings back the first
-# answers in $OUT (dw1.txt, bits.txt, kernels.txt, timers.txt, bench.tgz, log: six files).
+# answers in $OUT (dw1.txt, bits.txt, kernels.txt, timers.txt, gswiglu.txt, bench.tgz, log: seven
+# files).
 #
-#   prepared/call.sh build          here, before the call: the five wheel folders under .whl/
+#   prepared/call.sh build          here, before the call: the six wheel folders under .whl/
 #                                   (each from a clean checkout of main with the patches applied;
 #                                   ~3-4 min each on two cores; a Python 3.12 with scikit-build-core,
 #                                   pybind11, cmake and ninja: $MOK_WHEEL_PYTHON)
-#   prepared/call.sh                on the GPU machine (device `run`, carry [".whl"]); then
+#   prepared/call.sh [STEP ...]     on the GPU machine (device `run`, carry [".whl"]): the steps
+#                                   named (g, 1 .. 6 below), or all of them in that order; then
 #   prepared/call.sh summary [DIR]  the bits per case and build, the tests' lines (DIR: default $OUT)
 #
 # Folders: mok-base (main), mok (dw1-transposed-epilogue), mok-x (epilogue + gather-x-lane),
-# mok-f (epilogue + dw1-transposed-fp32), mok-pp (megakernel-pingpong-down).
+# mok-f (epilogue + dw1-transposed-fp32), mok-pp (megakernel-pingpong-down), mok-g
+# (g-swiglu-pingpong).
 set -o pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = build ]; then
@@ -27,6 +30,7 @@ mok $e
 mok-x $e prepared/gather-x-lane.patch
 mok-f $e prepared/dw1-transposed-fp32.patch
 mok-pp prepared/megakernel-pingpong-down.patch
+mok-g prepared/g-swiglu-pingpong.patch
 LIST
   exit 0
 fi
@@ -78,29 +82,46 @@ mkdir -p /tmp/b
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,power.draw --format=csv >>"$L"
 echo "## committed-dw1" >>"$OUT/bits.txt"
 cat benchmarks/results/profiles/2026-12-07_nvidia-h100_bits-digest-dw1.txt >>"$OUT/bits.txt"
-# 1. The turned-over dW1's deferred epilogue against main: its times, its tests (the modes bitwise).
 BACKWARD="tests/bf16/test_bf16_grouped_backward.py tests/bf16/test_moe_backward_call.py"
-wheels mok; mark dw1 mok; dw1 "mok bf16" sonic-7b qwen3-30b-a3b --dw1
-mark tests mok; tests reference 150 $BACKWARD
-wheels mok-base; mark dw1 base; dw1 "base bf16" sonic-7b qwen3-30b-a3b --dw1; bits base
-# 2. The lane (the forward stores no routed x, dW1 gathers it): its tests, its bits, a bench round.
-wheels mok-x; mark lane tests; tests cuda 180 tests/bf16/test_megakernel.py tests/layer/test_determinism.py
-bits mok-x
-bench mok-base 1; bench mok-x 1
-# 3. The g GEMM with dy in table order (no gather), main's build, against the layer's gathered one.
-wheels mok-base; mark kernels
-timeout 90 python3 $P/experts_kernels.py 1536 256 128 196608 2048 768 128 65536 >"$OUT/kernels.txt" 2>&1
-# 4. fp32 weight gradients: the epilogue alone, main, the fp32 form (and its tests).
-wheels mok; mark fp32; dw1 "mok fp32" sonic-7b --dw1 --fp32
-wheels mok-base; dw1 "base fp32" sonic-7b --dw1 --fp32
-wheels mok-f; dw1 "mok-f fp32" sonic-7b --dw1 --fp32; mark tests mok-f
-tests reference 150 tests/bf16/test_bf16_grouped_backward.py
-# 5. Ping-pong down tasks: the megakernel's tests, its bits, its timers against main's.
-wheels mok-pp; mark pp tests; tests cuda 150 tests/bf16/test_megakernel.py; bits mok-pp
-for b in mok-pp mok-base; do
-  wheels $b; mark timers $b; echo "## $b" >>"$OUT/timers.txt"
-  timeout 90 python3 $P/megakernel_timers.py sonic-7b qwen3-30b-a3b >>"$OUT/timers.txt" 2>&1
+step_g() {  # The g GEMM with the SwiGLU backward in its epilogue, in ping-pong: tests, bits, times.
+  wheels mok-g; mark g tests; tests reference 200 $BACKWARD
+  mark g layer tests; tests cuda 150 tests/layer/test_determinism.py
+  bits mok-g
+  for b in mok-g mok-base; do
+    wheels $b; mark g times $b; echo "## $b" >>"$OUT/gswiglu.txt"
+    timeout 100 python3 $P/dwd_gather.py sonic-7b qwen3-30b-a3b >>"$OUT/gswiglu.txt" 2>&1
+  done
+  bits mok-base
+}
+step_1() {  # The turned-over dW1's deferred epilogue against main: its times, its tests.
+  wheels mok; mark dw1 mok; dw1 "mok bf16" sonic-7b qwen3-30b-a3b --dw1
+  mark tests mok; tests reference 150 $BACKWARD
+  wheels mok-base; mark dw1 base; dw1 "base bf16" sonic-7b qwen3-30b-a3b --dw1; bits base
+}
+step_2() {  # The lane (the forward stores no routed x, dW1 gathers it): tests, bits, a bench round.
+  wheels mok-x; mark lane tests; tests cuda 180 tests/bf16/test_megakernel.py tests/layer/test_determinism.py
+  bits mok-x
+  bench mok-base 1; bench mok-x 1
+}
+step_3() {  # The g GEMM with dy in table order (no gather), main's build, against the gathered one.
+  wheels mok-base; mark kernels
+  timeout 90 python3 $P/experts_kernels.py 1536 256 128 196608 2048 768 128 65536 >"$OUT/kernels.txt" 2>&1
+}
+step_4() {  # fp32 weight gradients: the epilogue alone, main, the fp32 form (and its tests).
+  wheels mok; mark fp32; dw1 "mok fp32" sonic-7b --dw1 --fp32
+  wheels mok-base; dw1 "base fp32" sonic-7b --dw1 --fp32
+  wheels mok-f; dw1 "mok-f fp32" sonic-7b --dw1 --fp32; mark tests mok-f
+  tests reference 150 tests/bf16/test_bf16_grouped_backward.py
+}
+step_5() {  # Ping-pong down tasks: the megakernel's tests, its bits, its timers against main's.
+  wheels mok-pp; mark pp tests; tests cuda 150 tests/bf16/test_megakernel.py; bits mok-pp
+  for b in mok-pp mok-base; do
+    wheels $b; mark timers $b; echo "## $b" >>"$OUT/timers.txt"
+    timeout 90 python3 $P/megakernel_timers.py sonic-7b qwen3-30b-a3b >>"$OUT/timers.txt" 2>&1
+  done
+}
+step_6() { bench mok-base 2; bench mok-x 2; }  # the second bench round
+for step in "${@:-g 1 2 3 4 5 6}"; do
+  for s in $step; do "step_$s"; done
 done
-# 6. The second bench round.
-bench mok-base 2; bench mok-x 2
 mark done

@@ -50,3 +50,11 @@ def test_the_call_refuses_to_run_without_out():
     result = subprocess.run(["bash", str(CALL)], capture_output=True, text=True, env=env)
     assert result.returncode != 0
     assert "OUT" in result.stderr
+
+
+def test_every_step_it_runs_by_default_is_defined():
+    text = CALL.read_text()
+    default = re.search(r'"\$\{@:-([\w ]+)\}"', text)
+    assert default is not None
+    for step in default.group(1).split():
+        assert re.search(rf"^step_{step}\(\) \{{", text, re.MULTILINE), step
