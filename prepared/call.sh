@@ -83,7 +83,8 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,power.draw --fo
 echo "## committed-dw1" >>"$OUT/bits.txt"
 cat benchmarks/results/profiles/2026-12-07_nvidia-h100_bits-digest-dw1.txt >>"$OUT/bits.txt"
 BACKWARD="tests/bf16/test_bf16_grouped_backward.py tests/bf16/test_moe_backward_call.py"
-step_g() {  # The g GEMM with the SwiGLU backward in its epilogue, in ping-pong: tests, times, bits.
+step_g() {  # The g GEMM with the SwiGLU backward in its epilogue, in ping-pong: tests, times, bits,
+  # then the sanitizers over the backward (its kernel is named for their GEMM filter).
   local patch=prepared/g-swiglu-pingpong.patch
   wheels mok-g; mark g tests
   git apply --include='tests/*' $patch >>"$L" 2>&1 || echo "the patch's tests did not apply" >>"$L"
@@ -96,6 +97,7 @@ step_g() {  # The g GEMM with the SwiGLU backward in its epilogue, in ping-pong:
   bits mok-base
   wheels mok-g; mark g layer tests; tests cuda 150 tests/layer/test_determinism.py
   bits mok-g
+  mark g sanitizers; tests cuda 240 tests/bf16/test_megakernel.py -k "sanitizer and True"
 }
 step_1() {  # The turned-over dW1's deferred epilogue against main: its times, its tests.
   wheels mok; mark dw1 mok; dw1 "mok bf16" sonic-7b qwen3-30b-a3b --dw1
