@@ -9,7 +9,8 @@
 #                                   ~3-4 min each on two cores; a Python 3.12 with scikit-build-core,
 #                                   pybind11, cmake and ninja: $MOK_WHEEL_PYTHON)
 #   prepared/call.sh [STEP ...]     on the GPU machine (device `run`, carry [".whl"]): the steps
-#                                   named (g, 1 .. 6 below), or all of them in that order; then
+#                                   named (g, 1 .. 6 below; gt: g's times and bits alone), or
+#                                   g and 1 .. 6 in that order; then
 #   prepared/call.sh summary [DIR]  the bits per case and build, the tests' lines (DIR: default $OUT)
 #
 # Folders: mok-base (main), mok (dw1-transposed-epilogue), mok-x (epilogue + gather-x-lane),
@@ -83,20 +84,22 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,power.draw --fo
 echo "## committed-dw1" >>"$OUT/bits.txt"
 cat benchmarks/results/profiles/2026-12-07_nvidia-h100_bits-digest-dw1.txt >>"$OUT/bits.txt"
 BACKWARD="tests/bf16/test_bf16_grouped_backward.py tests/bf16/test_moe_backward_call.py"
-step_g() {  # The g GEMM with the SwiGLU backward in its epilogue, in ping-pong: tests, times, bits,
-  # then the sanitizers over the backward (its kernel is named for their GEMM filter).
-  local patch=prepared/g-swiglu-pingpong.patch
-  wheels mok-g; mark g tests
-  git apply --include='tests/*' $patch >>"$L" 2>&1 || echo "the patch's tests did not apply" >>"$L"
-  tests reference 150 $BACKWARD
-  git apply -R --include='tests/*' $patch >>"$L" 2>&1 || echo "the patch's tests did not come off" >>"$L"
+step_gt() {  # The g GEMM with the SwiGLU backward in ping-pong: its times against main's, the bits.
   for b in mok-g mok-base; do
     wheels $b; mark g times $b; echo "## $b" >>"$OUT/gswiglu.txt"
     timeout 100 python3 $P/dwd_gather.py sonic-7b qwen3-30b-a3b >>"$OUT/gswiglu.txt" 2>&1
   done
-  bits mok-base
-  wheels mok-g; mark g layer tests; tests cuda 150 tests/layer/test_determinism.py
-  bits mok-g
+  bits mok-base; wheels mok-g; bits mok-g
+}
+step_g() {  # ... then its tests: the backward's on the reference backend (the patch's tests applied
+  # for the run), the layer's determinism on the cuda backend, the sanitizers over the backward
+  # (its kernel is named for their GEMM filter).
+  local patch=prepared/g-swiglu-pingpong.patch
+  step_gt; mark g tests
+  git apply --include='tests/*' $patch >>"$L" 2>&1 || echo "the patch's tests did not apply" >>"$L"
+  tests reference 150 $BACKWARD
+  git apply -R --include='tests/*' $patch >>"$L" 2>&1 || echo "the patch's tests did not come off" >>"$L"
+  mark g layer tests; tests cuda 150 tests/layer/test_determinism.py
   mark g sanitizers; tests cuda 240 tests/bf16/test_megakernel.py -k "sanitizer and True"
 }
 step_1() {  # The turned-over dW1's deferred epilogue against main: its times, its tests.
