@@ -4,7 +4,7 @@
 # answers in $OUT (dw1.txt, bits.txt, kernels.txt, timers.txt, gswiglu.txt, bench.tgz, log: seven
 # files).
 #
-#   prepared/call.sh build          here, before the call: the six wheel folders under .whl/
+#   prepared/call.sh build          here, before the call: the seven wheel folders under .whl/
 #                                   (each from a clean checkout of main with the patches applied;
 #                                   ~3-4 min each on two cores; a Python 3.12 with scikit-build-core,
 #                                   pybind11, cmake and ninja: $MOK_WHEEL_PYTHON)
@@ -15,7 +15,7 @@
 #
 # Folders: mok-base (main), mok (dw1-transposed-epilogue), mok-x (epilogue + gather-x-lane),
 # mok-f (epilogue + dw1-transposed-fp32), mok-pp (megakernel-pingpong-down), mok-g
-# (g-swiglu-pingpong).
+# (g-swiglu-pingpong), mok-gp (g-swiglu-pingpong + g-swiglu-pairs).
 set -o pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = build ]; then
@@ -32,6 +32,7 @@ mok-x $e prepared/gather-x-lane.patch
 mok-f $e prepared/dw1-transposed-fp32.patch
 mok-pp prepared/megakernel-pingpong-down.patch
 mok-g prepared/g-swiglu-pingpong.patch
+mok-gp prepared/g-swiglu-pingpong.patch prepared/g-swiglu-pairs.patch
 LIST
   exit 0
 fi
@@ -84,21 +85,28 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,power.draw --fo
 echo "## committed-dw1" >>"$OUT/bits.txt"
 cat benchmarks/results/profiles/2026-12-07_nvidia-h100_bits-digest-dw1.txt >>"$OUT/bits.txt"
 BACKWARD="tests/bf16/test_bf16_grouped_backward.py tests/bf16/test_moe_backward_call.py"
-step_gt() {  # The g GEMM with the SwiGLU backward in ping-pong: its times against main's, the bits.
-  for b in mok-g mok-base; do
+step_gt() {  # The g GEMM with the SwiGLU backward in ping-pong, alone and in pairs sharing B: its
+  # times against main's, in turns, then the bits of each build.
+  for b in mok-g mok-gp mok-base mok-gp mok-g; do
     wheels $b; mark g times $b; echo "## $b" >>"$OUT/gswiglu.txt"
     timeout 100 python3 $P/dwd_gather.py sonic-7b qwen3-30b-a3b >>"$OUT/gswiglu.txt" 2>&1
   done
-  bits mok-base; wheels mok-g; bits mok-g
+  for b in mok-base mok-g mok-gp; do wheels $b; bits $b; done
 }
-step_g() {  # ... then its tests: the backward's on the reference backend (the patch's tests applied
-  # for the run), the layer's determinism on the cuda backend, the sanitizers over the backward
-  # (its kernel is named for their GEMM filter).
-  local patch=prepared/g-swiglu-pingpong.patch
-  step_gt; mark g tests
-  git apply --include='tests/*' $patch >>"$L" 2>&1 || echo "the patch's tests did not apply" >>"$L"
+g_tests() {  # g_tests BUILD PATCH...: the backward's tests on the reference backend under BUILD's
+  # wheels, the patches' tests applied for the run
+  wheels "$1"; mark g tests "$1"
+  git apply --include='tests/*' "${@:2}" >>"$L" 2>&1 || echo "the patches' tests did not apply" >>"$L"
   tests reference 150 $BACKWARD
-  git apply -R --include='tests/*' $patch >>"$L" 2>&1 || echo "the patch's tests did not come off" >>"$L"
+  git apply -R --include='tests/*' "${@:2}" >>"$L" 2>&1 || echo "the patches' tests did not come off" >>"$L"
+}
+step_g() {  # ... then the tests: the backward's under each build, the layer's determinism on the
+  # cuda backend and the sanitizers over the backward (its kernel is named for their GEMM filter)
+  # under the pairs' build, whose kernel runs clusters (the tests' one-SM cases the kernel alone).
+  local g=prepared/g-swiglu-pingpong.patch
+  step_gt
+  g_tests mok-g $g
+  g_tests mok-gp $g prepared/g-swiglu-pairs.patch
   mark g layer tests; tests cuda 150 tests/layer/test_determinism.py
   mark g sanitizers; tests cuda 240 tests/bf16/test_megakernel.py -k "sanitizer and True"
 }
