@@ -319,6 +319,76 @@ void register_experts(pybind11::module_& m) {
       "timeout_ns records a timeout with `stage` and `rank`). H and I multiples of 64, El <= "
       "1024. Raises ValueError naming a bad argument.");
   m.def(
+      "moe_backward",
+      [](const std::string& device, std::uintptr_t x, std::uintptr_t a, std::uintptr_t b,
+         std::uintptr_t row_route, std::uintptr_t offsets, std::uintptr_t w_gate,
+         std::uintptr_t w_up, std::uintptr_t w_down, std::uintptr_t dy,
+         std::uintptr_t router_weights, std::uintptr_t out_dx_rows, std::uintptr_t out_d_router,
+         std::uintptr_t acc_gate, std::uintptr_t acc_up, std::uintptr_t acc_down,
+         std::uintptr_t out_gate, std::uintptr_t out_up, std::uintptr_t out_down, bool carry_in,
+         std::int64_t capacity, std::int64_t num_tokens, std::int64_t hidden, std::int64_t inner,
+         std::int64_t num_experts, std::int64_t topk, std::optional<double> limit,
+         std::int64_t world_size, std::uintptr_t row_src, std::uintptr_t dy_ranks,
+         std::uintptr_t weights_ranks, std::uintptr_t out_dx_rows_ranks,
+         std::uintptr_t out_d_router_ranks, std::int64_t num_threads, std::uintptr_t stream) {
+        MoeBackwardArgs m;
+        m.x = x;
+        m.a = a;
+        m.b = b;
+        m.row_route = row_route;
+        m.offsets = offsets;
+        m.w_gate = w_gate;
+        m.w_up = w_up;
+        m.w_down = w_down;
+        m.dy = dy;
+        m.router_weights = router_weights;
+        m.out_dx_rows = out_dx_rows;
+        m.out_d_router = out_d_router;
+        m.acc_gate = acc_gate;
+        m.acc_up = acc_up;
+        m.acc_down = acc_down;
+        m.out_gate = out_gate;
+        m.out_up = out_up;
+        m.out_down = out_down;
+        m.carry_in = carry_in;
+        m.shape = {capacity, hidden, inner, num_experts};
+        m.num_tokens = num_tokens;
+        m.topk = topk;
+        m.limit = core::swiglu_limit("moe_backward", limit);
+        m.world_size = world_size;
+        m.row_src = row_src;
+        m.dy_ranks = dy_ranks;
+        m.weights_ranks = weights_ranks;
+        m.out_dx_rows_ranks = out_dx_rows_ranks;
+        m.out_d_router_ranks = out_d_router_ranks;
+        m.num_threads = num_threads;
+        moe_backward(device, m, stream);
+      },
+      py::arg("device"), py::arg("x"), py::arg("a"), py::arg("b"), py::arg("row_route"),
+      py::arg("offsets"), py::arg("w_gate"), py::arg("w_up"), py::arg("w_down"), py::arg("dy"),
+      py::arg("router_weights"), py::arg("out_dx_rows"), py::arg("out_d_router"),
+      py::arg("acc_gate"), py::arg("acc_up"), py::arg("acc_down"), py::arg("out_gate"),
+      py::arg("out_up"), py::arg("out_down"), py::arg("carry_in"), py::arg("capacity"),
+      py::arg("num_tokens"), py::arg("hidden"), py::arg("inner"), py::arg("num_experts"),
+      py::arg("topk"), py::arg("limit") = py::none(), py::arg("world_size") = 1,
+      py::arg("row_src") = 0, py::arg("dy_ranks") = 0, py::arg("weights_ranks") = 0,
+      py::arg("out_dx_rows_ranks") = 0, py::arg("out_d_router_ranks") = 0,
+      py::arg("num_threads") = 1, py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+      "The routed experts' backward of a layer call in one call, the mirror of moe_forward, on "
+      "\"cpu\" (on \"cuda\" one rank's backward is moe_backward_call). For each row r of the "
+      "schedule table's segments (offsets: int32 [El + 1]; row_route: int32 [C], route t*K + k or "
+      "-1 for padding): dy_r = dy[route / K] (bf16 [T, H]), w_r = router_weights[route] (fp32 "
+      "[T*K]; 0: ones), the grouped backward on the table's rows (x, a, b: the forward's context, "
+      "bf16 [C, H], [C, I], [C, I]), dx_r stored at out_dx_rows[route] (bf16 [T*K, H]) and d_w_r "
+      "at out_d_router[route] (fp32 [T*K]; 0: not stored); the weight gradients as "
+      "grouped_backward's (acc_*: fp32 accumulators, carried in with carry_in; out_*: bf16). The "
+      "bits of grouped_backward on the same rows in table order. With world_size > 1 row r's "
+      "source is rank row_src[r] (int32 [C]): its dy, weights, dx rows and d_router are that "
+      "rank's, at the addresses in dy_ranks, weights_ranks, out_dx_rows_ranks and "
+      "out_d_router_ranks (int64 [R] each; the last 0: not stored), and dy, router_weights, "
+      "out_dx_rows, out_d_router are not read; a route outside [0, T*K) or a source outside [0, "
+      "R) is a padding row. Raises ValueError naming a bad argument.");
+  m.def(
       "moe_forward_call",
       [](const py::capsule& entry_points, const std::string& device, std::uintptr_t routes,
          bool routes_int64, std::int64_t num_tokens, std::int64_t max_tokens, std::int64_t topk,

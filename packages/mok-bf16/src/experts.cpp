@@ -342,6 +342,19 @@ void check_grouped_backward(std::string_view fn, Device kind, const GroupedBackw
   }
 }
 
+// A schedule table's int32 offsets, read on the host: non-decreasing within [0, capacity].
+void check_table_offsets(std::string_view fn, std::uintptr_t offsets, const ExpertShape& s) {
+  const auto* off = reinterpret_cast<const std::int32_t*>(offsets);
+  for (std::int64_t e = 0; e <= s.num_experts; ++e) {
+    const std::int64_t lo = e == 0 ? 0 : off[e - 1];
+    if (off[e] < lo || off[e] > s.num_rows) {
+      invalid(fn,
+              "offsets must be non-decreasing within [0, capacity = " + std::to_string(s.num_rows) +
+                  "]: offsets[" + std::to_string(e) + "]" + got(off[e]));
+    }
+  }
+}
+
 }  // namespace
 
 void grouped_backward(std::string_view device, const GroupedBackwardArgs& a,
@@ -491,15 +504,7 @@ void moe_forward(std::string_view device, const MoeForwardArgs& a, std::uintptr_
     need("w_up", a.w_up, true);
     need("w_down", a.w_down, true);
     need("scratch_h", a.scratch_h, any);
-    const auto* off = reinterpret_cast<const std::int32_t*>(a.offsets);
-    for (std::int64_t e = 0; e <= s.num_experts; ++e) {
-      const std::int64_t lo = e == 0 ? 0 : off[e - 1];
-      if (off[e] < lo || off[e] > s.num_rows) {
-        invalid(fn, "offsets must be non-decreasing within [0, capacity = " +
-                        std::to_string(s.num_rows) + "]: offsets[" + std::to_string(e) + "]" +
-                        got(off[e]));
-      }
-    }
+    check_table_offsets(fn, a.offsets, s);
     moe_forward_cpu(a);
     return;
   }
@@ -536,6 +541,65 @@ void moe_forward(std::string_view device, const MoeForwardArgs& a, std::uintptr_
       "moe_forward: mok-bf16 was built without CUDA (MOK_CUDA=OFF, or no nvcc when it was "
       "built)");
 #endif
+}
+
+void moe_backward(std::string_view device, const MoeBackwardArgs& a, std::uintptr_t stream) {
+  constexpr std::string_view fn = "moe_backward";
+  (void)stream;  // "cpu" only
+  if (parse_device(device, fn) != Device::kCpu) {
+    invalid(fn,
+            "device must be \"cpu\" (on \"cuda\" one rank's backward is moe_backward_call; the "
+            "kernels do not take per-rank arguments yet), got \"" +
+                std::string(device) + "\"");
+  }
+  const ExpertShape& s = a.shape;
+  check_shape(fn, s);
+  check_limit(fn, a.limit);
+  check_threads(fn, a.num_threads);
+  if (a.num_tokens < 0) invalid(fn, "num_tokens must be >= 0" + got(a.num_tokens));
+  if (a.topk < 1) invalid(fn, "topk must be >= 1" + got(a.topk));
+  if (a.num_tokens > std::numeric_limits<std::int32_t>::max() / a.topk) {
+    invalid(fn, "num_tokens * topk must fit int32 (the table's routes)");
+  }
+  if (a.world_size < 1) invalid(fn, "world_size must be >= 1" + got(a.world_size));
+  const bool ranks = a.world_size > 1;
+  const bool rows = s.num_rows > 0;
+  const bool tokens = a.num_tokens > 0;
+  const bool weights = s.hidden > 0 && s.inner > 0 && s.num_experts > 0;
+  check_pointer(fn, "x", a.x, 2, rows && s.hidden > 0);
+  check_pointer(fn, "a", a.a, 2, rows && s.inner > 0);
+  check_pointer(fn, "b", a.b, 2, rows && s.inner > 0);
+  check_pointer(fn, "row_route", a.row_route, 4, rows);
+  check_pointer(fn, "offsets", a.offsets, 4, true);
+  check_pointer(fn, "w_gate", a.w_gate, 2, weights);
+  check_pointer(fn, "w_up", a.w_up, 2, weights);
+  check_pointer(fn, "w_down", a.w_down, 2, weights);
+  // At one rank the arrays themselves; across ranks their addresses (the one-rank ones unread).
+  check_pointer(fn, "dy", a.dy, 2, tokens && !ranks);
+  check_pointer(fn, "router_weights", a.router_weights, 4, false);
+  check_pointer(fn, "out_dx_rows", a.out_dx_rows, 2, tokens && !ranks);
+  check_pointer(fn, "out_d_router", a.out_d_router, 4, false);
+  check_pointer(fn, "row_src", a.row_src, 4, ranks && rows);
+  check_pointer(fn, "dy_ranks", a.dy_ranks, 8, ranks);
+  check_pointer(fn, "weights_ranks", a.weights_ranks, 8, ranks);
+  check_pointer(fn, "out_dx_rows_ranks", a.out_dx_rows_ranks, 8, ranks);
+  check_pointer(fn, "out_d_router_ranks", a.out_d_router_ranks, 8, false);
+  // Each weight gradient goes to its fp32 accumulator, its bf16 output, or both (as
+  // grouped_backward): the accumulator is needed to carry C in, or where no output is given.
+  const struct {
+    const char* acc_name;
+    std::uintptr_t acc;
+    const char* out_name;
+    std::uintptr_t out;
+  } wgrads[3] = {{"acc_gate", a.acc_gate, "out_gate", a.out_gate},
+                 {"acc_up", a.acc_up, "out_up", a.out_up},
+                 {"acc_down", a.acc_down, "out_down", a.out_down}};
+  for (const auto& w : wgrads) {
+    check_pointer(fn, w.acc_name, w.acc, 4, weights && (a.carry_in || w.out == 0));
+    check_pointer(fn, w.out_name, w.out, 2, false);
+  }
+  check_table_offsets(fn, a.offsets, s);
+  if (weights || rows) moe_backward_cpu(a);
 }
 
 }  // namespace mok::bf16

@@ -110,6 +110,28 @@ struct RowsByExpert {
   }
 };
 
+// Table row r's route and, in `rank`, its source rank (0 at one rank), or -1: a padding row (a
+// route outside [0, routes) or a source outside [0, world_size): nothing read, nothing stored).
+std::int64_t row_source(const std::int32_t* row_route, const std::int32_t* row_src,
+                        std::int64_t world_size, std::int64_t routes, std::int64_t r,
+                        std::int64_t& rank) {
+  const std::int64_t route = row_route[r];
+  rank = world_size > 1 ? row_src[r] : 0;
+  if (route < 0 || route >= routes || rank < 0 || rank >= world_size) return -1;
+  return route;
+}
+
+// Each rank's array from an int64 [world_size] table of addresses, or the one rank's own.
+template <class T>
+T* rank_array(std::uintptr_t ranks, std::uintptr_t own, std::int64_t world_size,
+              std::int64_t rank) {
+  if (world_size > 1) {
+    return reinterpret_cast<T*>(
+        static_cast<std::uintptr_t>(reinterpret_cast<const std::int64_t*>(ranks)[rank]));
+  }
+  return reinterpret_cast<T*>(own);
+}
+
 }  // namespace
 
 // ------------------------------------------------------------------ forward
@@ -373,18 +395,13 @@ void moe_forward_cpu(const MoeForwardArgs& args) {
   const auto* off32 = reinterpret_cast<const std::int32_t*>(args.offsets);
   const auto* row_route = reinterpret_cast<const std::int32_t*>(args.row_route);
   const auto* row_src = reinterpret_cast<const std::int32_t*>(args.row_src);
-  const auto* x_ranks = reinterpret_cast<const std::int64_t*>(args.x_ranks);
-  const auto* out_ranks = reinterpret_cast<const std::int64_t*>(args.out_rows_ranks);
   const std::int64_t first = off32[0], last = off32[El];
   std::vector<std::int64_t> offsets(static_cast<std::size_t>(El + 1));
   for (std::int64_t e = 0; e <= El; ++e) offsets[static_cast<std::size_t>(e)] = off32[e];
 
   // Row r's source rank and route, or -1: a padding row (what the GPU's gather reads as zeros).
-  const auto source = [&](std::int64_t r, std::int64_t& rank) -> std::int64_t {
-    const std::int64_t route = row_route[r];
-    rank = R > 1 ? row_src[r] : 0;
-    if (route < 0 || route >= routes || rank < 0 || rank >= R) return -1;
-    return route;
+  const auto source = [&](std::int64_t r, std::int64_t& rank) {
+    return row_source(row_route, row_src, R, routes, r, rank);
   };
   const auto scratch = [C](std::vector<u16>& v, std::uintptr_t given, std::int64_t cols) {
     if (given != 0) return reinterpret_cast<u16*>(given);
@@ -404,8 +421,7 @@ void moe_forward_cpu(const MoeForwardArgs& args) {
         std::fill(to, to + H, u16{0});
         continue;
       }
-      const auto* from =
-          reinterpret_cast<const u16*>(R > 1 ? static_cast<std::uintptr_t>(x_ranks[rank]) : args.x);
+      const auto* from = rank_array<const u16>(args.x_ranks, args.x, R, rank);
       std::copy(from + route / K * H, from + (route / K + 1) * H, to);
     }
   });
@@ -435,9 +451,87 @@ void moe_forward_cpu(const MoeForwardArgs& args) {
       std::int64_t rank = 0;
       const std::int64_t route = source(r, rank);
       if (route < 0) continue;
-      auto* to = reinterpret_cast<u16*>(R > 1 ? static_cast<std::uintptr_t>(out_ranks[rank])
-                                              : args.out_rows);
+      auto* to = rank_array<u16>(args.out_rows_ranks, args.out_rows, R, rank);
       std::copy(y_tmp.data() + r * H, y_tmp.data() + (r + 1) * H, to + route * H);
+    }
+  });
+}
+
+// ------------------------------------------------------------------ the whole backward
+
+// moe_backward on the CPU: each table row's dy and router weight gathered from its source (in
+// table order), the segments through grouped_backward_cpu (so the bits of the CPU chain, which
+// moves the same rows into table order first), then each row's dx and d_w stored at its route in
+// its source's arrays. Offsets checked by the caller.
+void moe_backward_cpu(const MoeBackwardArgs& args) {
+  const std::int64_t C = args.shape.num_rows, H = args.shape.hidden;
+  const std::int64_t El = args.shape.num_experts, K = args.topk, R = args.world_size;
+  const std::int64_t routes = args.num_tokens * K;
+  const auto* off32 = reinterpret_cast<const std::int32_t*>(args.offsets);
+  const auto* row_route = reinterpret_cast<const std::int32_t*>(args.row_route);
+  const auto* row_src = reinterpret_cast<const std::int32_t*>(args.row_src);
+  const std::int64_t first = off32[0], last = off32[El];
+  std::vector<std::int64_t> offsets(static_cast<std::size_t>(El + 1));
+  for (std::int64_t e = 0; e <= El; ++e) offsets[static_cast<std::size_t>(e)] = off32[e];
+  const bool weighted = R > 1 || args.router_weights != 0;
+  const auto source = [&](std::int64_t r, std::int64_t& rank) {
+    return row_source(row_route, row_src, R, routes, r, rank);
+  };
+
+  // dy and w in table order (zeros and weight 0 for padding rows and rows outside the segments).
+  std::vector<u16> dy(static_cast<std::size_t>(C * H), 0), dx(static_cast<std::size_t>(C * H));
+  std::vector<float> w(weighted ? static_cast<std::size_t>(C) : 0, 0.0f),
+      d_w(static_cast<std::size_t>(C));
+  parallel_ranges(last - first, args.num_threads, [&](std::int64_t lo, std::int64_t hi) {
+    for (std::int64_t r = first + lo; r < first + hi; ++r) {
+      std::int64_t rank = 0;
+      const std::int64_t route = source(r, rank);
+      if (route < 0) continue;
+      const u16* from = rank_array<const u16>(args.dy_ranks, args.dy, R, rank) + route / K * H;
+      std::copy(from, from + H, dy.data() + r * H);
+      if (weighted) {
+        w[static_cast<std::size_t>(r)] =
+            rank_array<const float>(args.weights_ranks, args.router_weights, R, rank)[route];
+      }
+    }
+  });
+  GroupedBackwardArgs g;
+  g.x = args.x;
+  g.offsets = reinterpret_cast<std::uintptr_t>(offsets.data());
+  g.a = args.a;
+  g.b = args.b;
+  g.dy = reinterpret_cast<std::uintptr_t>(dy.data());
+  g.router_weights = weighted ? reinterpret_cast<std::uintptr_t>(w.data()) : 0;
+  g.w_gate = args.w_gate;
+  g.w_up = args.w_up;
+  g.w_down = args.w_down;
+  g.out_dx = reinterpret_cast<std::uintptr_t>(dx.data());
+  g.out_d_w = reinterpret_cast<std::uintptr_t>(d_w.data());
+  g.acc_gate = args.acc_gate;
+  g.acc_up = args.acc_up;
+  g.acc_down = args.acc_down;
+  g.out_gate = args.out_gate;
+  g.out_up = args.out_up;
+  g.out_down = args.out_down;
+  g.carry_in = args.carry_in;
+  g.shape = args.shape;
+  g.limit = args.limit;
+  g.num_threads = args.num_threads;
+  grouped_backward_cpu(g);
+  // Each route's dx row and d_w where its source reads them (rows of different routes: no two
+  // rows collide).
+  const bool d_router = R > 1 ? args.out_d_router_ranks != 0 : args.out_d_router != 0;
+  parallel_ranges(last - first, args.num_threads, [&](std::int64_t lo, std::int64_t hi) {
+    for (std::int64_t r = first + lo; r < first + hi; ++r) {
+      std::int64_t rank = 0;
+      const std::int64_t route = source(r, rank);
+      if (route < 0) continue;
+      u16* to = rank_array<u16>(args.out_dx_rows_ranks, args.out_dx_rows, R, rank);
+      std::copy(dx.data() + r * H, dx.data() + (r + 1) * H, to + route * H);
+      if (d_router) {
+        rank_array<float>(args.out_d_router_ranks, args.out_d_router, R, rank)[route] =
+            d_w[static_cast<std::size_t>(r)];
+      }
     }
   });
 }

@@ -26,6 +26,10 @@ They run on the CPU (``device="cpu"``); ``"cuda"`` raises RuntimeError.
   by address); the bits of ``grouped_forward`` on the same device.
 - ``moe_forward_call``: one rank's schedule table, ``moe_forward`` on it and mok-core's combine in
   one call (mok-core's two through ``mok_core.entry_points()``): the host's one crossing per forward.
+- ``moe_backward``: the routed experts' backward of a whole layer call in one call on ``"cpu"``,
+  the mirror of ``moe_forward``: each row's dy and router weight read from its source rank, its dx
+  row and d_w stored at its route there (at one rank or across ranks, by address); the bits of
+  ``grouped_backward``.
 - ``moe_backward_call``: one rank's direct backward in one call on ``"cuda"``: the table's offsets
   widened, ``grouped_backward`` reading dy and the router weights by route and storing d_w by route,
   and mok-core's combine of dx: the host's one crossing per backward.
@@ -41,6 +45,7 @@ from ._C import (
     exp_f64,
     grouped_backward,
     grouped_forward,
+    moe_backward,
     moe_backward_call,
     moe_forward,
     moe_forward_call,
@@ -60,6 +65,7 @@ __all__ = [
     "exp_f64",
     "grouped_backward",
     "grouped_forward",
+    "moe_backward",
     "moe_backward_call",
     "moe_forward",
     "moe_forward_call",

@@ -299,6 +299,61 @@ void grouped_backward(std::string_view device, const GroupedBackwardArgs& args,
 
 void moe_forward(std::string_view device, const MoeForwardArgs& args, std::uintptr_t stream);
 
+// moe_backward: the routed experts' backward of a whole layer call in one call, from each route's
+// dy and router weight where its source rank keeps them to one dx row and one d_router value per
+// route where that rank reads them (the mirror of moe_forward; the protocol a backward megakernel
+// across ranks would take: each table row read from its source rank by address, each result
+// stored into that rank's arrays, no row moved into table order by the transport):
+//
+//   for every row r of local expert e's segment (route = row_route[r], source s = row_src[r]):
+//     dy_r = dy_s[route / K], w_r = router_weights_s[route] (a padding row: zeros, weight 0),
+//     grouped_backward's arithmetic on the table's rows (x, a, b: the forward's context),
+//     out_dx_rows_s[route] = dx_r, out_d_router_s[route] = d_w_r (padding rows go nowhere),
+//
+// the weight gradients this rank's experts' (C carried in, or +0, as grouped_backward). At one
+// rank (world_size 1) s is 0 and the arrays are dy, router_weights, out_dx_rows and
+// out_d_router; across ranks they are the ranks' addresses in dy_ranks, weights_ranks,
+// out_dx_rows_ranks and out_d_router_ranks (int64 [world_size] each, as the transport maps its
+// peers' segments; the caller's barriers order them: the sources' rows written before, the
+// results read after), and a route outside [0, num_tokens * K) or a source outside [0,
+// world_size) is a padding row. router_weights 0 (one rank): every weight 1. out_d_router(_ranks)
+// 0: d_router not stored. The bits are those of grouped_backward on the same rows in table order
+// ("cpu": the reference arithmetic), whatever num_threads. "cpu" only: on "cuda" one rank's
+// backward is moe_backward_call; the kernels do not take per-rank arguments yet.
+struct MoeBackwardArgs {
+  std::uintptr_t x = 0;               // bf16 [C, H]: each table row's x (moe_forward's out_x)
+  std::uintptr_t a = 0;               // bf16 [C, I]
+  std::uintptr_t b = 0;               // bf16 [C, I]
+  std::uintptr_t row_route = 0;       // int32 [C]
+  std::uintptr_t offsets = 0;         // int32 [El + 1]: segment starts, non-decreasing, in [0, C]
+  std::uintptr_t w_gate = 0;          // bf16 [El, I, H]
+  std::uintptr_t w_up = 0;            // bf16 [El, I, H]
+  std::uintptr_t w_down = 0;          // bf16 [El, H, I]
+  std::uintptr_t dy = 0;              // bf16 [T, H] (one rank)
+  std::uintptr_t router_weights = 0;  // fp32 [T * K] (one rank), or 0: ones
+  std::uintptr_t out_dx_rows = 0;     // bf16 [T * K, H] (one rank): one dx row per route
+  std::uintptr_t out_d_router = 0;    // fp32 [T * K] (one rank), or 0
+  std::uintptr_t acc_gate = 0;        // fp32 [El, I, H], or 0 (then out_gate)
+  std::uintptr_t acc_up = 0;          // fp32 [El, I, H], or 0 (then out_up)
+  std::uintptr_t acc_down = 0;        // fp32 [El, H, I], or 0 (then out_down)
+  std::uintptr_t out_gate = 0;        // bf16 [El, I, H], or 0
+  std::uintptr_t out_up = 0;          // bf16 [El, I, H], or 0
+  std::uintptr_t out_down = 0;        // bf16 [El, H, I], or 0
+  bool carry_in = false;              // start from the accumulators' values
+  ExpertShape shape;                  // num_rows = C (the table's capacity)
+  std::int64_t num_tokens = 0;        // T (across ranks: the most tokens a rank brings)
+  std::int64_t topk = 0;              // K
+  SwigluLimit limit;
+  std::int64_t world_size = 1;
+  std::uintptr_t row_src = 0;             // int32 [C] (world_size > 1)
+  std::uintptr_t dy_ranks = 0;            // int64 [world_size]: bf16 [>= T, H] each
+  std::uintptr_t weights_ranks = 0;       // int64 [world_size]: fp32 [>= T * K] each
+  std::uintptr_t out_dx_rows_ranks = 0;   // int64 [world_size]: bf16 [>= T * K, H] each
+  std::uintptr_t out_d_router_ranks = 0;  // int64 [world_size]: fp32 [>= T * K] each, or 0
+  std::int64_t num_threads = 1;           // CPU threads
+};
+void moe_backward(std::string_view device, const MoeBackwardArgs& args, std::uintptr_t stream);
+
 // One rank's forward in one call from Python (docs/megakernel.md, "The host"): mok-core's schedule
 // table from the routes in place (`table`: local_routes, world_size 1), then moe_forward on it
 // (`experts`: its row_route and offsets the table's, its rows the combine's), then mok-core's
@@ -338,6 +393,7 @@ void swiglu_backward_cpu(const SwigluBackwardArgs& args);
 void grouped_forward_cpu(const GroupedForwardArgs& args);
 void grouped_backward_cpu(const GroupedBackwardArgs& args);
 void moe_forward_cpu(const MoeForwardArgs& args);
+void moe_backward_cpu(const MoeBackwardArgs& args);
 // The CUDA implementations (built with CUDA only), for checked arguments.
 void grouped_forward_cuda(const GroupedForwardArgs& args, std::uintptr_t stream);
 void grouped_backward_cuda(const GroupedBackwardArgs& args, std::uintptr_t stream);
