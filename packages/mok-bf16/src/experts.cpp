@@ -1,5 +1,6 @@
 // The expert entry points' host side: argument checks and the device dispatch.
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -245,6 +246,20 @@ void grouped_forward(std::string_view device, const GroupedForwardArgs& a, std::
 
 namespace {
 
+// The weight gradients' targets (gate, up, down): each goes to its fp32 accumulator, its bf16
+// output, or both; the accumulator is needed to carry C in, or where no output is given (when
+// `weights`: the gradients exist, C or +0, even without rows).
+void check_wgrad_targets(std::string_view fn, const std::array<std::uintptr_t, 3>& acc,
+                         const std::array<std::uintptr_t, 3>& out, bool weights, bool carry_in,
+                         std::uintptr_t acc_align, std::uintptr_t out_align) {
+  static constexpr const char* kAcc[3] = {"acc_gate", "acc_up", "acc_down"};
+  static constexpr const char* kOut[3] = {"out_gate", "out_up", "out_down"};
+  for (int i = 0; i < 3; ++i) {
+    check_pointer(fn, kAcc[i], acc[i], acc_align, weights && (carry_in || out[i] == 0));
+    check_pointer(fn, kOut[i], out[i], out_align, false);
+  }
+}
+
 // grouped_backward's checks of its arguments on the host (before anything is launched), the
 // messages naming `fn`.
 void check_grouped_backward(std::string_view fn, Device kind, const GroupedBackwardArgs& a) {
@@ -270,21 +285,10 @@ void check_grouped_backward(std::string_view fn, Device kind, const GroupedBackw
   check_pointer(fn, "out_dx", a.out_dx, al, rows && s.hidden > 0);
   check_pointer(fn, "out_d_w", a.out_d_w, 4, rows && (a.out_d_w_routes == 0 || a.zero_outside));
   check_pointer(fn, "out_d_w_routes", a.out_d_w_routes, 4, false);
-  // Each weight gradient goes to its fp32 accumulator, its bf16 output, or both.
-  const struct {
-    const char* acc_name;
-    std::uintptr_t acc;
-    const char* out_name;
-    std::uintptr_t out;
-  } wgrads[3] = {{"acc_gate", a.acc_gate, "out_gate", a.out_gate},
-                 {"acc_up", a.acc_up, "out_up", a.out_up},
-                 {"acc_down", a.acc_down, "out_down", a.out_down}};
   // The weight gradients exist (C, or +0) even without rows.
   const bool weights = s.hidden > 0 && s.inner > 0 && s.num_experts > 0;
-  for (const auto& w : wgrads) {
-    check_pointer(fn, w.acc_name, w.acc, cuda ? 16 : 4, weights && (a.carry_in || w.out == 0));
-    check_pointer(fn, w.out_name, w.out, cuda ? 16 : 2, false);
-  }
+  check_wgrad_targets(fn, {a.acc_gate, a.acc_up, a.acc_down}, {a.out_gate, a.out_up, a.out_down},
+                      weights, a.carry_in, cuda ? 16 : 4, cuda ? 16 : 2);
   if (cuda && !rows && weights) {
     // No kernel runs without rows, so nothing would write C (or +0) to the outputs.
     invalid(fn,
@@ -584,20 +588,8 @@ void moe_backward(std::string_view device, const MoeBackwardArgs& a, std::uintpt
   check_pointer(fn, "weights_ranks", a.weights_ranks, 8, ranks);
   check_pointer(fn, "out_dx_rows_ranks", a.out_dx_rows_ranks, 8, ranks);
   check_pointer(fn, "out_d_router_ranks", a.out_d_router_ranks, 8, false);
-  // Each weight gradient goes to its fp32 accumulator, its bf16 output, or both (as
-  // grouped_backward): the accumulator is needed to carry C in, or where no output is given.
-  const struct {
-    const char* acc_name;
-    std::uintptr_t acc;
-    const char* out_name;
-    std::uintptr_t out;
-  } wgrads[3] = {{"acc_gate", a.acc_gate, "out_gate", a.out_gate},
-                 {"acc_up", a.acc_up, "out_up", a.out_up},
-                 {"acc_down", a.acc_down, "out_down", a.out_down}};
-  for (const auto& w : wgrads) {
-    check_pointer(fn, w.acc_name, w.acc, 4, weights && (a.carry_in || w.out == 0));
-    check_pointer(fn, w.out_name, w.out, 2, false);
-  }
+  check_wgrad_targets(fn, {a.acc_gate, a.acc_up, a.acc_down}, {a.out_gate, a.out_up, a.out_down},
+                      weights, a.carry_in, 4, 2);
   check_table_offsets(fn, a.offsets, s);
   if (weights || rows) moe_backward_cpu(a);
 }

@@ -110,16 +110,36 @@ struct RowsByExpert {
   }
 };
 
-// Table row r's route and, in `rank`, its source rank (0 at one rank), or -1: a padding row (a
-// route outside [0, routes) or a source outside [0, world_size): nothing read, nothing stored).
-std::int64_t row_source(const std::int32_t* row_route, const std::int32_t* row_src,
-                        std::int64_t world_size, std::int64_t routes, std::int64_t r,
-                        std::int64_t& rank) {
-  const std::int64_t route = row_route[r];
-  rank = world_size > 1 ? row_src[r] : 0;
-  if (route < 0 || route >= routes || rank < 0 || rank >= world_size) return -1;
-  return route;
-}
+// A schedule table as the whole-layer calls read it on the host: its int32 offsets widened to the
+// grouped entry points' int64, the rows in use [first, last), and each row's route and source.
+struct HostTable {
+  std::vector<std::int64_t> offsets;
+  std::int64_t first, last;
+  const std::int32_t* row_route;
+  const std::int32_t* row_src;
+  std::int64_t world_size, routes;
+
+  HostTable(std::uintptr_t offsets32, std::int64_t num_experts, std::uintptr_t route,
+            std::uintptr_t src, std::int64_t ranks, std::int64_t num_routes)
+      : offsets(static_cast<std::size_t>(num_experts + 1)),
+        row_route(reinterpret_cast<const std::int32_t*>(route)),
+        row_src(reinterpret_cast<const std::int32_t*>(src)),
+        world_size(ranks),
+        routes(num_routes) {
+    const auto* off = reinterpret_cast<const std::int32_t*>(offsets32);
+    for (std::int64_t e = 0; e <= num_experts; ++e) offsets[static_cast<std::size_t>(e)] = off[e];
+    first = off[0];
+    last = off[num_experts];
+  }
+  // Row r's route and, in `rank`, its source rank (0 at one rank), or -1: a padding row (a route
+  // outside [0, routes) or a source outside [0, world_size): nothing read, nothing stored).
+  std::int64_t source(std::int64_t r, std::int64_t& rank) const {
+    const std::int64_t route = row_route[r];
+    rank = world_size > 1 ? row_src[r] : 0;
+    if (route < 0 || route >= routes || rank < 0 || rank >= world_size) return -1;
+    return route;
+  }
+};
 
 // Each rank's array from an int64 [world_size] table of addresses, or the one rank's own.
 template <class T>
@@ -391,18 +411,10 @@ void grouped_backward_cpu(const GroupedBackwardArgs& args) {
 void moe_forward_cpu(const MoeForwardArgs& args) {
   const std::int64_t C = args.shape.num_rows, H = args.shape.hidden, I = args.shape.inner;
   const std::int64_t El = args.shape.num_experts, K = args.topk, R = args.world_size;
-  const std::int64_t routes = args.num_tokens * K;
-  const auto* off32 = reinterpret_cast<const std::int32_t*>(args.offsets);
-  const auto* row_route = reinterpret_cast<const std::int32_t*>(args.row_route);
-  const auto* row_src = reinterpret_cast<const std::int32_t*>(args.row_src);
-  const std::int64_t first = off32[0], last = off32[El];
-  std::vector<std::int64_t> offsets(static_cast<std::size_t>(El + 1));
-  for (std::int64_t e = 0; e <= El; ++e) offsets[static_cast<std::size_t>(e)] = off32[e];
-
   // Row r's source rank and route, or -1: a padding row (what the GPU's gather reads as zeros).
-  const auto source = [&](std::int64_t r, std::int64_t& rank) {
-    return row_source(row_route, row_src, R, routes, r, rank);
-  };
+  const HostTable table(args.offsets, El, args.row_route, args.row_src, R, args.num_tokens * K);
+  const std::int64_t first = table.first, last = table.last;
+  const auto source = [&](std::int64_t r, std::int64_t& rank) { return table.source(r, rank); };
   const auto scratch = [C](std::vector<u16>& v, std::uintptr_t given, std::int64_t cols) {
     if (given != 0) return reinterpret_cast<u16*>(given);
     v.assign(static_cast<std::size_t>(C * cols), 0);
@@ -433,7 +445,7 @@ void moe_forward_cpu(const MoeForwardArgs& args) {
   }
   GroupedForwardArgs g;
   g.x = reinterpret_cast<std::uintptr_t>(xr);
-  g.offsets = reinterpret_cast<std::uintptr_t>(offsets.data());
+  g.offsets = reinterpret_cast<std::uintptr_t>(table.offsets.data());
   g.w_gate = args.w_gate;
   g.w_up = args.w_up;
   g.w_down = args.w_down;
@@ -466,17 +478,10 @@ void moe_forward_cpu(const MoeForwardArgs& args) {
 void moe_backward_cpu(const MoeBackwardArgs& args) {
   const std::int64_t C = args.shape.num_rows, H = args.shape.hidden;
   const std::int64_t El = args.shape.num_experts, K = args.topk, R = args.world_size;
-  const std::int64_t routes = args.num_tokens * K;
-  const auto* off32 = reinterpret_cast<const std::int32_t*>(args.offsets);
-  const auto* row_route = reinterpret_cast<const std::int32_t*>(args.row_route);
-  const auto* row_src = reinterpret_cast<const std::int32_t*>(args.row_src);
-  const std::int64_t first = off32[0], last = off32[El];
-  std::vector<std::int64_t> offsets(static_cast<std::size_t>(El + 1));
-  for (std::int64_t e = 0; e <= El; ++e) offsets[static_cast<std::size_t>(e)] = off32[e];
+  const HostTable table(args.offsets, El, args.row_route, args.row_src, R, args.num_tokens * K);
+  const std::int64_t first = table.first, last = table.last;
+  const auto source = [&](std::int64_t r, std::int64_t& rank) { return table.source(r, rank); };
   const bool weighted = R > 1 || args.router_weights != 0;
-  const auto source = [&](std::int64_t r, std::int64_t& rank) {
-    return row_source(row_route, row_src, R, routes, r, rank);
-  };
 
   // dy and w in table order (zeros and weight 0 for padding rows and rows outside the segments).
   std::vector<u16> dy(static_cast<std::size_t>(C * H), 0), dx(static_cast<std::size_t>(C * H));
@@ -497,7 +502,7 @@ void moe_backward_cpu(const MoeBackwardArgs& args) {
   });
   GroupedBackwardArgs g;
   g.x = args.x;
-  g.offsets = reinterpret_cast<std::uintptr_t>(offsets.data());
+  g.offsets = reinterpret_cast<std::uintptr_t>(table.offsets.data());
   g.a = args.a;
   g.b = args.b;
   g.dy = reinterpret_cast<std::uintptr_t>(dy.data());
