@@ -63,8 +63,10 @@ def test_expert_path_is_decided_in_one_place():
         ws = mok.create_workspace(cfg, None, device=dev, max_tokens=64, hidden_size=128, topk=2, num_experts=4)
         path = native.expert_path(cfg, ws, 128)
         assert path.forward in ("megakernel", "tensor-cores", "fp8-cores", "cpu-kernels", "reference")
-        if dev.type == "cpu":  # the CPU's megakernel is a forward (moe_forward); the backward the chain's
-            assert path.backward in ("cpu-kernels", "reference") and path.forward in ("megakernel", path.backward)
+        if dev.type == "cpu":  # the CPU's megakernel: moe_forward, and moe_backward or the chain after it
+            assert path.backward in ("megakernel", "cpu-kernels", "reference")
+            assert path.forward in ("megakernel", path.backward)
+            assert path.backward != "megakernel" or path.forward == "megakernel"
     assert set(native.describe_expert_paths(dev)) == {"bf16", "mxfp8"}
 
 
@@ -76,15 +78,17 @@ def test_cpu_takes_moe_forward_where_it_can():
     """On the CPU the forward runs mok_bf16.moe_forward (the megakernel's call, the bits of
     "cpu-kernels") in BF16 without a backward replay; across ranks only with a pull dispatch and
     a push combine (the form that reads x_src and stores into `rows` by address: tests/layer/
-    test_native.py runs it at EP 2 and 3)."""
+    test_native.py runs it at EP 2 and 3). Its backward is mok_bf16.moe_backward where the combine
+    pushes, else the chain."""
 
     def path(**kw):
         cfg = mok.MoKConfig(backend="cpu", **kw)
         ws = mok.create_workspace(cfg, None, device="cpu", max_tokens=64, hidden_size=128, topk=2, num_experts=4)
         return tuple(native.expert_path(cfg, ws, 128))
 
-    assert path() == ("megakernel", "cpu-kernels")
-    assert path(dispatch="push", combine="pull") == ("megakernel", "cpu-kernels")  # one rank: nothing moves
+    assert path() == ("megakernel", "megakernel")  # the backward: mok_bf16.moe_backward, the mirror
+    assert path(dispatch="push") == ("megakernel", "megakernel")  # one rank: nothing moves
+    assert path(dispatch="push", combine="pull") == ("megakernel", "cpu-kernels")  # the backward's chain
     assert path(megakernel=False) == ("cpu-kernels", "cpu-kernels")
     assert path(macrobatch_size=128) == ("cpu-kernels", "cpu-kernels")  # a replay keeps the chain
     assert path(precision="mxfp8")[0] != "megakernel"

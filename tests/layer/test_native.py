@@ -114,11 +114,13 @@ def test_cpu_backend_across_processes(world):
 def cpu_megakernel_scenario(rank: int, world: int, group, device: str) -> dict:
     """Each config at EP `world` through the native CPU backend, counting the calls of moe_forward
     across ranks (the megakernel's form that reads every rank's x_src and stores into its `rows`
-    by address) and of the chain's ring: {config index: (results, calls across ranks, ring calls)}."""
+    by address), of the chain's ring and of moe_backward (the backward's mirror): {config index:
+    (results, calls across ranks, ring calls, backward calls)}."""
     from mok_torch.backends.native import NativeBackend, megakernel
 
-    calls = {"ranks": 0, "ring": 0}
+    calls = {"ranks": 0, "ring": 0, "backward": 0}
     real_launch, real_ring = megakernel.moe_forward, NativeBackend._routed_forward
+    real_backward = megakernel.moe_backward
 
     def launch(*a, **k):
         calls["ranks"] += k.get("ranks") is not None
@@ -128,15 +130,20 @@ def cpu_megakernel_scenario(rank: int, world: int, group, device: str) -> dict:
         calls["ring"] += 1
         return real_ring(self, *a, **k)
 
+    def backward(*a, **k):
+        calls["backward"] += 1
+        return real_backward(*a, **k)
+
     megakernel.moe_forward = launch  # this worker process only
+    megakernel.moe_backward = backward
     NativeBackend._routed_forward = ring  # type: ignore[method-assign]
     inp = make_inputs(T_GLOBAL, 32, 16, 6, 2, 8, "skewed", seed=9)
     out = {}
     for i, kw in enumerate(MEGAKERNEL_EP_CONFIGS):
-        calls.update(ranks=0, ring=0)
+        calls.update(ranks=0, ring=0, backward=0)
         res = run_functional(inp, config(backend="cpu", **kw), group=group, rank=rank, world=world,
                              tokens=_slice(world, rank), max_tokens=T_GLOBAL, device="cpu")  # fmt: skip
-        out[i] = (res, calls["ranks"], calls["ring"])
+        out[i] = (res, calls["ranks"], calls["ring"], calls["backward"])
     return out
 
 
@@ -152,8 +159,9 @@ MEGAKERNEL_EP_CONFIGS = [
 @pytest.mark.parametrize("world", [2, 3])
 def test_cpu_megakernel_across_processes(world):
     """At EP 2 and 3 (one rank without tokens at 3) the CPU forward runs moe_forward across ranks
-    where the config allows it (once a forward: the ring never runs; the backward's ring is the
-    chain's) and the chain elsewhere; every rank's y, dx and gradients bitwise the reference's."""
+    where the config allows it (once a forward: the ring never runs) and its backward
+    moe_backward's mirror (once), the chain elsewhere; every rank's y, dx and gradients bitwise
+    the reference's."""
     if not native.megakernel.available(torch.device("cpu")):
         pytest.skip("needs mok-bf16's CPU moe_forward (mok-bf16 not installed)")
     results = run_ranks(world, "test_native.cpu_megakernel_scenario", "cpu")
@@ -161,11 +169,34 @@ def test_cpu_megakernel_across_processes(world):
     for i, kw in enumerate(MEGAKERNEL_EP_CONFIGS):
         fused = kw.get("megakernel", True) and kw.get("dispatch", "pull") == "pull"
         for rank, r in enumerate(results):
-            _, across, ring = r[i]
-            assert (across, ring) == ((1, 0) if fused else (0, 1)), (world, rank, kw, across, ring)
+            _, across, ring, backward = r[i]
+            want = (1, 0, 1) if fused else (0, 1, 0)
+            assert (across, ring, backward) == want, (world, rank, kw, across, ring, backward)
         ref = run_functional(inp, config(backend="reference", **kw), device="cpu", max_tokens=T_GLOBAL)
         merged = {k: torch.cat([r[i][0][k] for r in results]) for k in CONTRACT_KEYS}
         assert_bitwise(ref, merged, CONTRACT_KEYS, what=f"EP {world} {kw}: ")
+
+
+@pytest.mark.parametrize(
+    "kw, calls",
+    [(dict(expert_alignment=4), 1), (dict(expert_alignment=1, dispatch="push"), 1),
+     (dict(expert_alignment=4, combine="pull"), 0), (dict(expert_alignment=4, megakernel=False), 0)],
+    ids=["push", "push-dispatch-align1", "pull-combine", "chain"],
+)  # fmt: skip
+def test_cpu_backward_at_one_rank_is_moe_backward_where_the_forward_is_moe_forward(kw, calls, monkeypatch):
+    """At one rank the CPU backward after moe_forward's call is moe_backward's (once, dy and the
+    weights read where the caller has them, dx and d_w into the push combine's fields); with a
+    pull combine or without the megakernel the chain runs. Bitwise the reference either way."""
+    if not native.megakernel.available(torch.device("cpu")):
+        pytest.skip("needs mok-bf16's CPU moe_forward and moe_backward (mok-bf16 not installed)")
+    seen = []
+    real = native.megakernel.moe_backward
+    monkeypatch.setattr(native.megakernel, "moe_backward", lambda *a, **k: seen.append(1) or real(*a, **k))
+    inp = make_inputs(37, 32, 16, 6, 2, 8, "skewed", seed=12)
+    got = run_functional(inp, config(backend="cpu", **kw), device="cpu")
+    assert len(seen) == calls
+    ref = run_functional(inp, config(backend="reference", **kw), device="cpu")
+    assert_bitwise(ref, got, CONTRACT_KEYS, what=f"one rank {kw}: ")
 
 
 def route_rows_scenario(rank: int, world: int, group, device: str) -> bool:

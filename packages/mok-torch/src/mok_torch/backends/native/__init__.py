@@ -14,7 +14,9 @@ logger, listed by `mok info`):
   of "tensor-cores". On the CPU (BF16 with mok-bf16, no backward replay; across ranks a pull
   dispatch and a push combine) the same call runs on the host (`mok_bf16.moe_forward("cpu")`,
   every rank's x read from its x_src and each y stored into its source rank's rows by address,
-  between barriers 3 and 4), with the bits of "cpu-kernels", which runs its backward.
+  between barriers 3 and 4), with the bits of "cpu-kernels"; its backward is the mirror
+  (`mok_bf16.moe_backward("cpu")`: each row's dy and weight read from its source rank, its dx and
+  d_w pushed to its route there) where the combine pushes, else the "cpu-kernels" chain.
 - "tensor-cores" (cuda, BF16, sm_90, H and I multiples of 64): mok-bf16's grouped GEMMs
   (`grouped.py`) between the transport's pulls and pushes, a whole macrobatch per call:
   deterministic and invariant as the contract says, but not bitwise the reference
@@ -200,7 +202,7 @@ class ExpertPath(NamedTuple):
     """The implementations of a call's routed experts (the module docstring lists them)."""
 
     forward: str  # "megakernel", "tensor-cores", "fp8-cores", "cpu-kernels" or "reference"
-    backward: str  # "tensor-cores", "fp8-cores", "cpu-kernels" or "reference"
+    backward: str  # "megakernel" (the CPU: moe_backward), "tensor-cores", "fp8-cores", "cpu-kernels" or "reference"
 
 
 def static_ring_plan(cfg: MoKConfig, ws: Workspace, inner: int) -> RingPlan:
@@ -247,7 +249,11 @@ def _expert_path(cfg: MoKConfig, ws: Workspace, inner: int) -> ExpertPath:
     if dev.type == "cpu":
         compiled = _mxfp8_kernels("cpu") if cfg.precision == "mxfp8" else _expert_kernels("cpu")
         path = "cpu-kernels" if compiled is not None else "reference"
-        return ExpertPath("megakernel" if _cpu_megakernel(cfg, ws, path) else path, path)
+        if not _cpu_megakernel(cfg, ws, path):
+            return ExpertPath(path, path)
+        # The backward is the forward call's mirror (mok_bf16.moe_backward) where the combine pushes
+        # (its dx and d_w go into the source ranks' `rows` and `d_w`); else the chain.
+        return ExpertPath("megakernel", "megakernel" if cfg.combine == "push" else path)
     if gpu_mxfp8_forward_kernels(cfg, dev, H, inner, El):
         return ExpertPath("fp8-cores", "fp8-cores")
     if not gpu_forward_kernels(cfg, dev, H, inner, El):
@@ -1448,7 +1454,17 @@ class NativeBackend:
                           dy=None if gather_dy or scatter_dy else dy_TH, w=None if direct else w_TK)  # fmt: skip
         tr.barrier(5)
         table_dx = table_dw = None
-        for m, (lo, hi) in enumerate(plan.macrobatches()):  # first to last
+        # On the CPU after the megakernel's call (expert_path: BF16, no replay, a push combine) the
+        # backward is its mirror, one call: each row's dy and weight read from its source rank, its
+        # dx and d_w pushed to its route there (mok_bf16.moe_backward).
+        host_call = path.backward == "megakernel" and dev.type == "cpu"
+        if host_call:
+            saved = (ctx.routed_x(), ctx.a_MI, ctx.b_MI)
+            dy = _bf16_rows(dy_TH).contiguous()
+            dwg, dwu, d_down = megakernel.moe_backward(ws, sched, saved, routed, tr.ptrs, tr.view, dy, w_TK,
+                                                       limit=cfg.swiglu_limit)  # fmt: skip
+            d_gate_up = torch.cat((dwg, dwu), dim=1)
+        for m, (lo, hi) in enumerate(() if host_call else plan.macrobatches()):  # first to last
             if fp8_backward:
                 n, nw = hi - lo, self._movers(cfg, ws, backward=True)
                 mx_bytes = (n, _mx_row_bytes(H))

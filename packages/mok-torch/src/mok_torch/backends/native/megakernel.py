@@ -1,4 +1,5 @@
-"""The forward megakernel on tensors: `mok_bf16.moe_forward`, with its outputs and task state.
+"""The forward megakernel on tensors: `mok_bf16.moe_forward`, with its outputs and task state
+(and, on the CPU, the backward's mirror of its host protocol: `moe_backward`).
 
 One persistent launch runs every routed expert tile of a layer call (docs/megakernel.md): the
 gate/up tiles gather their x rows from the token rows by the schedule table (and store them in
@@ -23,6 +24,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ...structs import Schedule
 from ...workspace import Workspace
 from .transport import core_entry_points, current_stream_handle
 
@@ -152,6 +154,47 @@ def moe_forward(
         num_threads=max(1, torch.get_num_threads()), **across,
     )  # fmt: skip
     return out
+
+
+def moe_backward(
+    ws: Workspace,
+    sched: Schedule,
+    context: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    routed: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    ptrs: dict[str, torch.Tensor],
+    view: dict[str, torch.Tensor],
+    dy_TH: torch.Tensor,
+    w_TK: torch.Tensor,
+    *,
+    limit: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The routed experts' backward of one call on the host in one call (`mok_bf16.moe_backward`,
+    "cpu": the mirror of the forward's per-rank form): each table row's dy and router weight read
+    from its source rank's `dy_src` and `w_src` (at one rank dy_TH and w_TK themselves: bf16 [T, H]
+    and fp32 [T*K], contiguous), its dx row and d_w stored into that rank's `rows` and `d_w` at its
+    route (a push combine's fields: the caller's barriers order them), the weight gradients of this
+    rank's experts from +0. context: the forward's (x, a, b) rows in table order (the capacity's
+    first rows the forward ran); sched: the call's Schedule; ptrs / view: the transport's fields by
+    rank (int64 [R] addresses) and this rank's own. Returns the fp32 weight gradients (dWg, dWu
+    [El, I, H], dWd [El, H, I])."""
+    import mok_bf16
+
+    x, a, b = context
+    wg, wu, wd = (w.contiguous() for w in routed)
+    El, inner, H = wg.shape
+    acc = [torch.empty(El, inner, H), torch.empty(El, inner, H), torch.empty(El, H, inner)]
+    R = ws.world_size
+    T = ws.max_tokens if R > 1 else sched.num_tokens
+    mok_bf16.moe_backward(
+        "cpu", x.data_ptr(), a.data_ptr(), b.data_ptr(), sched.row_route_C.data_ptr(),
+        sched.expert_offsets_El1.data_ptr(), wg.data_ptr(), wu.data_ptr(), wd.data_ptr(),
+        dy_TH.data_ptr(), w_TK.data_ptr(), view["rows"].data_ptr(), view["d_w"].data_ptr(),
+        *(t.data_ptr() for t in acc), 0, 0, 0, False, a.shape[0], T, H, inner, El, ws.topk, limit=limit,
+        world_size=R, row_src=sched.row_src_rank_C.data_ptr(), dy_ranks=ptrs["dy_src"].data_ptr(),
+        weights_ranks=ptrs["w_src"].data_ptr(), out_dx_rows_ranks=ptrs["rows"].data_ptr(),
+        out_d_router_ranks=ptrs["d_w"].data_ptr(), num_threads=max(1, torch.get_num_threads()),
+    )  # fmt: skip
+    return acc[0], acc[1], acc[2]
 
 
 def forward_call(
