@@ -139,6 +139,18 @@ struct HostTable {
     if (route < 0 || route >= routes || rank < 0 || rank >= world_size) return -1;
     return route;
   }
+  // fn(r, rank, route) for every row in use that has a route (padding rows skipped), rows split
+  // among num_threads threads (each row once: the callers' rows and routes never collide).
+  template <class Fn>
+  void for_each_route(std::int64_t num_threads, const Fn& fn) const {
+    parallel_ranges(last - first, num_threads, [&](std::int64_t lo, std::int64_t hi) {
+      for (std::int64_t r = first + lo; r < first + hi; ++r) {
+        std::int64_t rank = 0;
+        const std::int64_t route = source(r, rank);
+        if (route >= 0) fn(r, rank, route);
+      }
+    });
+  }
 };
 
 // Each rank's array from an int64 [world_size] table of addresses, or the one rank's own.
@@ -411,10 +423,8 @@ void grouped_backward_cpu(const GroupedBackwardArgs& args) {
 void moe_forward_cpu(const MoeForwardArgs& args) {
   const std::int64_t C = args.shape.num_rows, H = args.shape.hidden, I = args.shape.inner;
   const std::int64_t El = args.shape.num_experts, K = args.topk, R = args.world_size;
-  // Row r's source rank and route, or -1: a padding row (what the GPU's gather reads as zeros).
   const HostTable table(args.offsets, El, args.row_route, args.row_src, R, args.num_tokens * K);
   const std::int64_t first = table.first, last = table.last;
-  const auto source = [&](std::int64_t r, std::int64_t& rank) { return table.source(r, rank); };
   const auto scratch = [C](std::vector<u16>& v, std::uintptr_t given, std::int64_t cols) {
     if (given != 0) return reinterpret_cast<u16*>(given);
     v.assign(static_cast<std::size_t>(C * cols), 0);
@@ -427,7 +437,8 @@ void moe_forward_cpu(const MoeForwardArgs& args) {
   parallel_ranges(C, args.num_threads, [&](std::int64_t lo, std::int64_t hi) {
     for (std::int64_t r = lo; r < hi; ++r) {
       std::int64_t rank = 0;
-      const std::int64_t route = r < first || r >= last ? -1 : source(r, rank);
+      // A padding row (route -1) reads zeros, as the GPU's gather does.
+      const std::int64_t route = r < first || r >= last ? -1 : table.source(r, rank);
       u16* to = xr + r * H;
       if (route < 0) {
         std::fill(to, to + H, u16{0});
@@ -458,15 +469,11 @@ void moe_forward_cpu(const MoeForwardArgs& args) {
   g.num_threads = args.num_threads;
   if (last > first) grouped_forward_cpu(g);
   // Each route's row where its source reads it (rows of different routes: no two rows collide).
-  parallel_ranges(last - first, args.num_threads, [&](std::int64_t lo, std::int64_t hi) {
-    for (std::int64_t r = first + lo; r < first + hi; ++r) {
-      std::int64_t rank = 0;
-      const std::int64_t route = source(r, rank);
-      if (route < 0) continue;
-      auto* to = rank_array<u16>(args.out_rows_ranks, args.out_rows, R, rank);
-      std::copy(y_tmp.data() + r * H, y_tmp.data() + (r + 1) * H, to + route * H);
-    }
-  });
+  table.for_each_route(
+      args.num_threads, [&](std::int64_t r, std::int64_t rank, std::int64_t route) {
+        auto* to = rank_array<u16>(args.out_rows_ranks, args.out_rows, R, rank);
+        std::copy(y_tmp.data() + r * H, y_tmp.data() + (r + 1) * H, to + route * H);
+      });
 }
 
 // ------------------------------------------------------------------ the whole backward
@@ -479,27 +486,21 @@ void moe_backward_cpu(const MoeBackwardArgs& args) {
   const std::int64_t C = args.shape.num_rows, H = args.shape.hidden;
   const std::int64_t El = args.shape.num_experts, K = args.topk, R = args.world_size;
   const HostTable table(args.offsets, El, args.row_route, args.row_src, R, args.num_tokens * K);
-  const std::int64_t first = table.first, last = table.last;
-  const auto source = [&](std::int64_t r, std::int64_t& rank) { return table.source(r, rank); };
   const bool weighted = R > 1 || args.router_weights != 0;
 
   // dy and w in table order (zeros and weight 0 for padding rows and rows outside the segments).
   std::vector<u16> dy(static_cast<std::size_t>(C * H), 0), dx(static_cast<std::size_t>(C * H));
   std::vector<float> w(weighted ? static_cast<std::size_t>(C) : 0, 0.0f),
       d_w(static_cast<std::size_t>(C));
-  parallel_ranges(last - first, args.num_threads, [&](std::int64_t lo, std::int64_t hi) {
-    for (std::int64_t r = first + lo; r < first + hi; ++r) {
-      std::int64_t rank = 0;
-      const std::int64_t route = source(r, rank);
-      if (route < 0) continue;
-      const u16* from = rank_array<const u16>(args.dy_ranks, args.dy, R, rank) + route / K * H;
-      std::copy(from, from + H, dy.data() + r * H);
-      if (weighted) {
-        w[static_cast<std::size_t>(r)] =
-            rank_array<const float>(args.weights_ranks, args.router_weights, R, rank)[route];
-      }
-    }
-  });
+  table.for_each_route(
+      args.num_threads, [&](std::int64_t r, std::int64_t rank, std::int64_t route) {
+        const u16* from = rank_array<const u16>(args.dy_ranks, args.dy, R, rank) + route / K * H;
+        std::copy(from, from + H, dy.data() + r * H);
+        if (weighted) {
+          w[static_cast<std::size_t>(r)] =
+              rank_array<const float>(args.weights_ranks, args.router_weights, R, rank)[route];
+        }
+      });
   GroupedBackwardArgs g;
   g.x = args.x;
   g.offsets = reinterpret_cast<std::uintptr_t>(table.offsets.data());
@@ -526,19 +527,15 @@ void moe_backward_cpu(const MoeBackwardArgs& args) {
   // Each route's dx row and d_w where its source reads them (rows of different routes: no two
   // rows collide).
   const bool d_router = R > 1 ? args.out_d_router_ranks != 0 : args.out_d_router != 0;
-  parallel_ranges(last - first, args.num_threads, [&](std::int64_t lo, std::int64_t hi) {
-    for (std::int64_t r = first + lo; r < first + hi; ++r) {
-      std::int64_t rank = 0;
-      const std::int64_t route = source(r, rank);
-      if (route < 0) continue;
-      u16* to = rank_array<u16>(args.out_dx_rows_ranks, args.out_dx_rows, R, rank);
-      std::copy(dx.data() + r * H, dx.data() + (r + 1) * H, to + route * H);
-      if (d_router) {
-        rank_array<float>(args.out_d_router_ranks, args.out_d_router, R, rank)[route] =
-            d_w[static_cast<std::size_t>(r)];
-      }
-    }
-  });
+  table.for_each_route(
+      args.num_threads, [&](std::int64_t r, std::int64_t rank, std::int64_t route) {
+        u16* to = rank_array<u16>(args.out_dx_rows_ranks, args.out_dx_rows, R, rank);
+        std::copy(dx.data() + r * H, dx.data() + (r + 1) * H, to + route * H);
+        if (d_router) {
+          rank_array<float>(args.out_d_router_ranks, args.out_d_router, R, rank)[route] =
+              d_w[static_cast<std::size_t>(r)];
+        }
+      });
 }
 
 }  // namespace mok::bf16

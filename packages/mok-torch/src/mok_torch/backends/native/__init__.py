@@ -1450,14 +1450,17 @@ class NativeBackend:
         # Else at one rank in one macrobatch dy's rows are scattered into the table (each read
         # once; scatters_token_rows), not sent to dy_src and pulled.
         scatter_dy = gpu_backward and not gather_dy and ws.world_size == 1 and macro >= rows
-        self._send_inputs(cfg, ws, tr, sched, x=x_TH if replay else None,
-                          dy=None if gather_dy or scatter_dy else dy_TH, w=None if direct else w_TK)  # fmt: skip
-        tr.barrier(5)
-        table_dx = table_dw = None
         # On the CPU after the megakernel's call (expert_path: BF16, no replay, a push combine) the
         # backward is its mirror, one call: each row's dy and weight read from its source rank, its
-        # dx and d_w pushed to its route there (mok_bf16.moe_backward).
+        # dx and d_w pushed to its route there (mok_bf16.moe_backward; at one rank dy_TH and w_TK
+        # are read where they are, so nothing is sent).
         host_call = path.backward == "megakernel" and dev.type == "cpu"
+        read_in_place = host_call and ws.world_size == 1
+        self._send_inputs(cfg, ws, tr, sched, x=x_TH if replay else None,
+                          dy=None if gather_dy or scatter_dy or read_in_place else dy_TH,
+                          w=None if direct or read_in_place else w_TK)  # fmt: skip
+        tr.barrier(5)
+        table_dx = table_dw = None
         if host_call:
             saved = (ctx.routed_x(), ctx.a_MI, ctx.b_MI)
             dy = _bf16_rows(dy_TH).contiguous()
