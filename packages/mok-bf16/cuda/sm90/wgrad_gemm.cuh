@@ -32,8 +32,10 @@
 // Transposed C (kTransposeC, dW1 as x^T [d_a, d_b], so that x is A and can be gathered as dWd's
 // dy is): C is computed [rows of A's columns, B's columns] and stored transposed, its columns
 // [0, split) into part[0] and [split, n) into part[1], each [El, columns, m] row-major (dWg and
-// dWu [El, I, H] from C [H, 2I]). Each element is stored on its own (fp32 runs of 8 rows per
-// quad of lanes: full 32-byte sectors), with the epilogue at the tile's end, not deferred.
+// dWu [El, I, H] from C [H, 2I]). With bf16 outputs only the epilogue is deferred as above, each
+// n8 block's 8 x 8 pieces transposed in the warp (movmatrix) and exchanged in the quad, so that a
+// thread stores 16-byte runs of 8 rows of C (pack_bf16_transposed); with fp32 accumulators each
+// element is loaded and stored on its own at the tile's end (runs of 8 rows a quad: 32 bytes).
 //
 // Determinism (docs/determinism.md): a tile's accumulators start from C's fp32 values (or +0) and
 // take the expert's rows in blocks of 64 counted from its segment start, each four wgmma k16 steps
@@ -137,6 +139,52 @@ __device__ inline void zero_box_rows(unsigned char* box, int valid, int t, int t
   }
 }
 
+// Transposes an 8 x 8 matrix of bf16 held as the mma fragment (lane l: row l / 4, columns
+// 2 (l % 4), 2 (l % 4) + 1 in one word): lane l then holds column l / 4, rows 2 (l % 4) and
+// 2 (l % 4) + 1. Every lane of the warp calls it.
+__device__ inline std::uint32_t transpose_8x8(std::uint32_t w) {
+  std::uint32_t t;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(t) : "r"(w));
+  return t;
+}
+
+// The accumulators rounded into the transposed stores' layout (kTransposeC): per chunk k and row
+// half h, each n8 block's 8 x 8 pieces transposed in the warp, then exchanged in the quad
+// (quad_transpose), so that lane (q = lane / 4, c = lane % 4) holds rows 8 h .. 8 h + 7 of its
+// warp's 16 (frag_row) in column 8 (4 k + c) + q of the tile: one 16-byte run of a row of C^T.
+__device__ inline void pack_bf16_transposed(const Accumulators& acc, PackedBf16& out) {
+  const auto word = [&](int j, int half) {
+    return transpose_8x8(pack_bf16x2(acc.d[4 * j + 2 * half], acc.d[4 * j + 2 * half + 1]));
+  };
+#pragma unroll
+  for (int k = 0; k < kDrainChunks; ++k) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int j0 = 4 * k;
+      out.v[2 * k + half] = quad_transpose(word(j0, half), word(j0 + 1, half), word(j0 + 2, half),
+                                           word(j0 + 3, half));
+    }
+  }
+}
+
+// Stores piece kChunk of a consumer's tile packed by pack_bf16_transposed: each thread's two runs
+// of 8 rows (16 bytes of a row of C^T in its part), row0 and col0 the consumer's first row and the
+// tile's first column of C.
+template <int kChunk>
+__device__ inline void store_wgrad_piece_transposed(const PackedBf16& packed, int expert, int row0,
+                                                    int col0, const WgradProblem& p) {
+  const int t = threadIdx.x % 128;
+  const int col = col0 + 8 * (4 * kChunk + t % 4) + (t % 32) / 4;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = row0 + (t / 32) * 16 + 8 * half;
+    if (row >= p.m || col >= p.n) continue;  // (m is a multiple of 64: a run is all in or all out)
+    const bool low = col < p.split;
+    *reinterpret_cast<uint4*>(p.bf16(low) + p.index_transposed(expert, row, col, low)) =
+        packed.v[2 * kChunk + half];
+  }
+}
+
 // Stores piece kChunk (grouped_gemm.cuh's kDrainChunks pieces, for_each_vector_in_chunk) of a
 // tile's packed bf16 pairs, c16 at the consumer's first row of C.
 template <int kChunk>
@@ -161,7 +209,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   static_assert(kStages > kLagBlocks, "consumer 0 must get kLagBlocks stages before any release");
   static_assert(kF32 || !kCarryIn, "carrying C in needs its fp32 accumulators");
   static_assert(kCluster == 1 || kCluster == 2, "B's boxes are split between at most two CTAs");
-  constexpr bool kDeferred = !kF32 && !kTransposeC;
+  constexpr bool kDeferred = !kF32;
   constexpr int kBox = kBlockK * 128;  // bytes of a 64 x 64 box
   extern __shared__ unsigned char smem_raw[];
   __shared__ alignas(8) std::uint64_t full[kStages];
@@ -320,12 +368,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   // The previous tile's rounded sums while they are being stored (deferred epilogue).
   PackedBf16 pending;
-  std::uint16_t* pending_c16 = nullptr;
-  int pending_row0 = 0, pending_col0 = 0;
+  std::uint16_t* pending_c16 = nullptr;  // (kTransposeC: non-null where the tile is stored)
+  int pending_row0 = 0, pending_col0 = 0, pending_expert = 0;
   const auto drain = [&](auto chunk) {
     if constexpr (kDeferred) {
       if (pending_c16 != nullptr) {
-        store_wgrad_piece<chunk.value>(pending, pending_c16, pending_row0, pending_col0, p);
+        if constexpr (kTransposeC) {
+          store_wgrad_piece_transposed<chunk.value>(pending, pending_expert, pending_row0,
+                                                    pending_col0, p);
+        } else {
+          store_wgrad_piece<chunk.value>(pending, pending_c16, pending_row0, pending_col0, p);
+        }
       }
     }
   };
@@ -372,10 +425,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     consume_tile<kDeferred, true>(
         pipe, acc, tile.blocks, [&](int kb) { k_block(tile, kb, tail); }, drain, [] {});
     if constexpr (kDeferred) {
-      pack_bf16(acc, pending);
+      if constexpr (kTransposeC) {
+        pack_bf16_transposed(acc, pending);
+      } else {
+        pack_bf16(acc, pending);
+      }
       pending_c16 = c16;
       pending_row0 = row0;
       pending_col0 = tile.col0;
+      pending_expert = tile.expert;
     } else {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
