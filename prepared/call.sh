@@ -1,36 +1,30 @@
 #!/usr/bin/env bash
 # The GPU call that measures the prepared patches (README.md here), in one command, ordered by what
 # decides most, each step under its own timeout: a call cut short still brings back the first
-# answers in $OUT (dw1.txt, bits.txt, kernels.txt, timers.txt, gswiglu.txt, bench.tgz, log: seven
-# files).
+# answers in $OUT (gswiglu.txt, bits.txt, ncu-mok-g.txt, ncu-mok-gp.txt, ncu-mok-base.txt,
+# kernels.txt, log: seven files).
 #
-#   prepared/call.sh build          here, before the call: the seven wheel folders under .whl/
+#   prepared/call.sh build          here, before the call: the three wheel folders under .whl/
 #                                   (each from a clean checkout of main with the patches applied;
-#                                   ~3-4 min each on two cores; a Python 3.12 with scikit-build-core,
+#                                   ~1.5 min each on two cores; a Python 3.12 with scikit-build-core,
 #                                   pybind11, cmake and ninja: $MOK_WHEEL_PYTHON)
 #   prepared/call.sh [STEP ...]     on the GPU machine (device `run`, carry [".whl"]): the steps
-#                                   named (g, 1 .. 6 below; gt: g's times and bits alone), or
-#                                   g and 1 .. 6 in that order; then
+#                                   named (g, ncu, 3 below; gt: g's times and bits alone), or
+#                                   g, ncu and 3 in that order; then
 #   prepared/call.sh summary [DIR]  the bits per case and build, the tests' lines (DIR: default $OUT)
 #
-# Folders: mok-base (main), mok (dw1-transposed-epilogue), mok-x (epilogue + gather-x-lane),
-# mok-f (epilogue + dw1-transposed-fp32), mok-pp (megakernel-pingpong-down), mok-g
-# (g-swiglu-pingpong), mok-gp (g-swiglu-pingpong + g-swiglu-pairs).
+# Folders: mok-base (main), mok-g (g-swiglu-pingpong), mok-gp (g-swiglu-pingpong + g-swiglu-pairs).
+# (Session 49 measured and merged or dropped the others: prepared/README.md.)
 set -o pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = build ]; then
   py=${MOK_WHEEL_PYTHON:-python3.12}
-  e=prepared/dw1-transposed-epilogue.patch
   while read -r out patches; do
     args=()
     for p in $patches; do args+=(--patch "$p"); done
     python3 tools/gpu_wheels.py build --python "$py" --base main "${args[@]}" --out ".whl/$out" || exit 1
   done <<LIST
 mok-base
-mok $e
-mok-x $e prepared/gather-x-lane.patch
-mok-f $e prepared/dw1-transposed-fp32.patch
-mok-pp prepared/megakernel-pingpong-down.patch
 mok-g prepared/g-swiglu-pingpong.patch
 mok-gp prepared/g-swiglu-pingpong.patch prepared/g-swiglu-pairs.patch
 LIST
@@ -71,16 +65,6 @@ tests() {  # tests BACKEND SECONDS FILE...
   echo "rc=$? $1 ${*:3}" >>"$L"
   tail -4 /tmp/tests.txt >>"$L"
 }
-dw1() { echo "## $1" >>"$OUT/dw1.txt"; timeout 120 python3 $P/dwd_gather.py "${@:2}" >>"$OUT/dw1.txt" 2>&1; }
-bits() { echo "## $1" >>"$OUT/bits.txt"; timeout 60 python3 $P/bits_digest.py >>"$OUT/bits.txt" 2>&1; }
-bench() {
-  wheels "$1"
-  mark bench "$1" "$2"
-  timeout 150 mok bench --shapes sonic-7b,qwen3-30b-a3b --providers mok --no-plot --out "/tmp/b/$1-$2" \
-    >"/tmp/b/$1-$2.txt" 2>&1
-  tar czf "$OUT/bench.tgz" -C /tmp b
-}
-mkdir -p /tmp/b
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,power.draw --format=csv >>"$L"
 echo "## committed-dw1" >>"$OUT/bits.txt"
 cat benchmarks/results/profiles/2026-12-07_nvidia-h100_bits-digest-dw1.txt >>"$OUT/bits.txt"
@@ -110,35 +94,25 @@ step_g() {  # ... then the tests: the backward's under each build, the layer's d
   mark g layer tests; tests cuda 150 tests/layer/test_determinism.py
   mark g sanitizers; tests cuda 240 tests/bf16/test_megakernel.py -k "sanitizer and True"
 }
-step_1() {  # The turned-over dW1's deferred epilogue against main: its times, its tests.
-  wheels mok; mark dw1 mok; dw1 "mok bf16" sonic-7b qwen3-30b-a3b --dw1
-  mark tests mok; tests reference 150 $BACKWARD
-  wheels mok-base; mark dw1 base; dw1 "base bf16" sonic-7b qwen3-30b-a3b --dw1; bits base
-}
-step_2() {  # The lane (the forward stores no routed x, dW1 gathers it): tests, bits, a bench round.
-  wheels mok-x; mark lane tests; tests cuda 180 tests/bf16/test_megakernel.py tests/layer/test_determinism.py
-  bits mok-x
-  bench mok-base 1; bench mok-x 1
-}
 step_3() {  # The g GEMM with dy in table order (no gather), main's build, against the gathered one.
   wheels mok-base; mark kernels
   timeout 90 python3 $P/experts_kernels.py 1536 256 128 196608 2048 768 128 65536 >"$OUT/kernels.txt" 2>&1
 }
-step_4() {  # fp32 weight gradients: the epilogue alone, main, the fp32 form (and its tests).
-  wheels mok; mark fp32; dw1 "mok fp32" sonic-7b --dw1 --fp32
-  wheels mok-base; dw1 "base fp32" sonic-7b --dw1 --fp32
-  wheels mok-f; dw1 "mok-f fp32" sonic-7b --dw1 --fp32; mark tests mok-f
-  tests reference 150 tests/bf16/test_bf16_grouped_backward.py
-}
-step_5() {  # Ping-pong down tasks: the megakernel's tests, its bits, its timers against main's.
-  wheels mok-pp; mark pp tests; tests cuda 150 tests/bf16/test_megakernel.py; bits mok-pp
-  for b in mok-pp mok-base; do
-    wheels $b; mark timers $b; echo "## $b" >>"$OUT/timers.txt"
-    timeout 90 python3 $P/megakernel_timers.py sonic-7b qwen3-30b-a3b >>"$OUT/timers.txt" 2>&1
+step_ncu() {  # ncu on the g kernel (ping-pong, pairs) and main's SwiGLU backward kernel at sonic-7b:
+  # where the fused kernel's time goes (stall reasons, L1 and L2 traffic, the top stall sites)
+  local s="--section SpeedOfLight --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis"
+  s="$s --section MemoryWorkloadAnalysis_Tables --section ComputeWorkloadAnalysis --section LaunchStats"
+  s="$s --section Occupancy --section SourceCounters"
+  for b in mok-g mok-gp mok-base; do
+    local k=g_swiglu_gemm
+    [ $b = mok-base ] && k=swiglu_backward
+    wheels $b; mark ncu $b
+    timeout 200 ncu --clock-control none --kernel-name regex:$k --launch-skip 1 --launch-count 1 $s \
+      python3 $P/dwd_gather.py sonic-7b --ncu >"$OUT/ncu-$b.txt" 2>&1
+    echo "rc=$? ncu $b" >>"$L"
   done
 }
-step_6() { bench mok-base 2; bench mok-x 2; }  # the second bench round
-for step in "${@:-g 1 2 3 4 5 6}"; do
+for step in "${@:-g ncu 3}"; do
   for s in $step; do "step_$s"; done
 done
 mark done
