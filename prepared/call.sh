@@ -1,20 +1,19 @@
 #!/usr/bin/env bash
 # The GPU call that measures the prepared patches (README.md here), in one command, ordered by what
 # decides most, each step under its own timeout: a call cut short still brings back the first
-# answers in $OUT (gswiglu.txt, bits.txt, ncu-mok-g.txt, ncu-mok-gp.txt, ncu-mok-base.txt,
-# kernels.txt, log: seven files).
+# answers in $OUT (gswiglu.txt, bits.txt, sass-mok-ga.csv.gz, ncu-mok-ga.txt, log).
 #
 #   prepared/call.sh build          here, before the call: the three wheel folders under .whl/
 #                                   (each from a clean checkout of main with the patches applied;
 #                                   ~1.5 min each on two cores; a Python 3.12 with scikit-build-core,
-#                                   pybind11, cmake and ninja: $MOK_WHEEL_PYTHON)
+#                                   pybind11, cmake, ninja and setuptools: $MOK_WHEEL_PYTHON)
 #   prepared/call.sh [STEP ...]     on the GPU machine (device `run`, carry [".whl"]): the steps
-#                                   named (g, ncu, 3 below; gt: g's times and bits alone), or
-#                                   g, ncu and 3 in that order; then
+#                                   named (ga, sass below; gt: ga's times and bits alone), or ga
+#                                   and sass in that order; then
 #   prepared/call.sh summary [DIR]  the bits per case and build, the tests' lines (DIR: default $OUT)
 #
-# Folders: mok-base (main), mok-g (g-swiglu-pingpong), mok-gp (g-swiglu-pingpong + g-swiglu-pairs).
-# (Session 49 measured and merged or dropped the others: prepared/README.md.)
+# Folders: mok-base (main), mok-gs (the fused g kernel: g-swiglu-pingpong, -pairs and
+# -shared-sigmoid), mok-ga (the same and g-swiglu-async-ab). Session 49 measured the others.
 set -o pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = build ]; then
@@ -25,8 +24,8 @@ if [ "${1:-}" = build ]; then
     python3 tools/gpu_wheels.py build --python "$py" --base main "${args[@]}" --out ".whl/$out" || exit 1
   done <<LIST
 mok-base
-mok-g prepared/g-swiglu-pingpong.patch
-mok-gp prepared/g-swiglu-pingpong.patch prepared/g-swiglu-pairs.patch
+mok-gs prepared/g-swiglu-pingpong.patch prepared/g-swiglu-pairs.patch prepared/g-swiglu-shared-sigmoid.patch
+mok-ga prepared/g-swiglu-pingpong.patch prepared/g-swiglu-pairs.patch prepared/g-swiglu-shared-sigmoid.patch prepared/g-swiglu-async-ab.patch
 LIST
   exit 0
 fi
@@ -65,54 +64,41 @@ tests() {  # tests BACKEND SECONDS FILE...
   echo "rc=$? $1 ${*:3}" >>"$L"
   tail -4 /tmp/tests.txt >>"$L"
 }
+bits() { echo "## $1" >>"$OUT/bits.txt"; timeout 60 python3 $P/bits_digest.py >>"$OUT/bits.txt" 2>&1; }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,power.draw --format=csv >>"$L"
 echo "## committed-dw1" >>"$OUT/bits.txt"
 cat benchmarks/results/profiles/2026-12-07_nvidia-h100_bits-digest-dw1.txt >>"$OUT/bits.txt"
 BACKWARD="tests/bf16/test_bf16_grouped_backward.py tests/bf16/test_moe_backward_call.py"
-step_gt() {  # The g GEMM with the SwiGLU backward in ping-pong, alone and in pairs sharing B: its
-  # times against main's, in turns, then the bits of each build.
-  for b in mok-g mok-gp mok-base mok-gp mok-g; do
+step_gt() {  # The fused g kernel with a and b by cp.async (mok-ga) against it without (mok-gs)
+  # and main's two kernels, in turns, then the bits of each build.
+  for b in mok-ga mok-gs mok-base mok-gs mok-ga; do
     wheels $b; mark g times $b; echo "## $b" >>"$OUT/gswiglu.txt"
     timeout 100 python3 $P/dwd_gather.py sonic-7b qwen3-30b-a3b >>"$OUT/gswiglu.txt" 2>&1
   done
-  for b in mok-base mok-g mok-gp; do wheels $b; bits $b; done
+  for b in mok-base mok-ga; do wheels $b; bits $b; done
 }
-g_tests() {  # g_tests BUILD PATCH...: the backward's tests on the reference backend under BUILD's
-  # wheels, the patches' tests applied for the run
-  wheels "$1"; mark g tests "$1"
-  git apply --include='tests/*' "${@:2}" >>"$L" 2>&1 || echo "the patches' tests did not apply" >>"$L"
-  tests reference 150 $BACKWARD
-  git apply -R --include='tests/*' "${@:2}" >>"$L" 2>&1 || echo "the patches' tests did not come off" >>"$L"
-}
-step_g() {  # ... then the tests: the backward's under each build, the layer's determinism on the
-  # cuda backend and the sanitizers over the backward (its kernel is named for their GEMM filter)
-  # under the pairs' build, whose kernel runs clusters (the tests' one-SM cases the kernel alone).
-  local g=prepared/g-swiglu-pingpong.patch
+step_ga() {  # ... then under mok-ga: the backward's tests on the reference backend (the ping-pong
+  # patch's tests applied for the run), the layer's determinism on the cuda backend and the
+  # sanitizers over the backward (its kernel is named for their GEMM filter; clusters of two).
   step_gt
-  g_tests mok-g $g
-  g_tests mok-gp $g prepared/g-swiglu-pairs.patch
-  mark g layer tests; tests cuda 150 tests/layer/test_determinism.py
-  mark g sanitizers; tests cuda 240 tests/bf16/test_megakernel.py -k "sanitizer and True"
+  wheels mok-ga; mark ga tests
+  git apply --include='tests/*' prepared/g-swiglu-pingpong.patch >>"$L" 2>&1 || echo "the tests did not apply" >>"$L"
+  tests reference 150 $BACKWARD
+  git apply -R --include='tests/*' prepared/g-swiglu-pingpong.patch >>"$L" 2>&1 || echo "the tests did not come off" >>"$L"
+  mark ga layer tests; tests cuda 150 tests/layer/test_determinism.py
+  mark ga sanitizers; tests cuda 240 tests/bf16/test_megakernel.py -k "sanitizer and True"
 }
-step_3() {  # The g GEMM with dy in table order (no gather), main's build, against the gathered one.
-  wheels mok-base; mark kernels
-  timeout 90 python3 $P/experts_kernels.py 1536 256 128 196608 2048 768 128 65536 >"$OUT/kernels.txt" 2>&1
+step_sass() {  # ncu on mok-ga's g kernel at sonic-7b: the sections and each SASS instruction's
+  # stall samples (session 49's split: the epilogue, the stage and turn waits), gzipped CSV
+  wheels mok-ga; mark sass
+  timeout 150 ncu --clock-control none --kernel-name regex:g_swiglu_gemm --launch-skip 1 --launch-count 1 \
+    --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section SourceCounters \
+    --import-source no -f -o /tmp/ga python3 $P/dwd_gather.py sonic-7b --ncu >"$OUT/ncu-mok-ga.txt" 2>&1
+  echo "rc=$? ncu mok-ga" >>"$L"
+  ncu -i /tmp/ga.ncu-rep --print-summary none >>"$OUT/ncu-mok-ga.txt" 2>&1
+  ncu -i /tmp/ga.ncu-rep --page source --csv --print-source sass 2>>"$L" | gzip >"$OUT/sass-mok-ga.csv.gz"
 }
-step_ncu() {  # ncu on the g kernel (ping-pong, pairs) and main's SwiGLU backward kernel at sonic-7b:
-  # where the fused kernel's time goes (stall reasons, L1 and L2 traffic, the top stall sites)
-  local s="--section SpeedOfLight --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis"
-  s="$s --section MemoryWorkloadAnalysis_Tables --section ComputeWorkloadAnalysis --section LaunchStats"
-  s="$s --section Occupancy --section SourceCounters"
-  for b in mok-g mok-gp mok-base; do
-    local k=g_swiglu_gemm
-    [ $b = mok-base ] && k=swiglu_backward
-    wheels $b; mark ncu $b
-    timeout 200 ncu --clock-control none --kernel-name regex:$k --launch-skip 1 --launch-count 1 $s \
-      python3 $P/dwd_gather.py sonic-7b --ncu >"$OUT/ncu-$b.txt" 2>&1
-    echo "rc=$? ncu $b" >>"$L"
-  done
-}
-for step in "${@:-g ncu 3}"; do
+for step in "${@:-ga sass}"; do
   for s in $step; do "step_$s"; done
 done
 mark done
