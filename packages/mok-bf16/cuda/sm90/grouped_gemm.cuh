@@ -322,10 +322,26 @@ __device__ inline uint4 quad_transpose(std::uint32_t w0, std::uint32_t w1, std::
   return make_uint4(w0, w1, w2, w3);
 }
 
+// Transposes an 8 x 8 matrix of bf16 held as the mma fragment (lane l: row l / 4, columns
+// 2 (l % 4), 2 (l % 4) + 1 in one word): lane l then holds column l / 4, rows 2 (l % 4) and
+// 2 (l % 4) + 1. Every lane of the warp calls it.
+__device__ inline std::uint32_t transpose_8x8(std::uint32_t w) {
+  std::uint32_t t;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(t) : "r"(w));
+  return t;
+}
+
 // The accumulators rounded into the stores' layout. Every thread of the warpgroup calls it.
+// kTransposed (the weight-gradient GEMM's C stored transposed): each n8 block's 8 x 8 pieces
+// transposed in the warp first, so that lane (q = lane / 4, c = lane % 4) holds rows 8 h .. 8 h +
+// 7 of its warp's 16 (frag_row) in column 8 (4 k + c) + q of the tile: one 16-byte run of a row
+// of C^T.
+template <bool kTransposed = false>
 __device__ inline void pack_bf16(const Accumulators& acc, PackedBf16& out) {
   const auto word = [&](int j, int half) {  // columns 2c, 2c + 1 of n8 block j, row `half`
-    return pack_bf16x2(acc.d[4 * j + 2 * half], acc.d[4 * j + 2 * half + 1]);
+    const std::uint32_t w = pack_bf16x2(acc.d[4 * j + 2 * half], acc.d[4 * j + 2 * half + 1]);
+    if constexpr (kTransposed) return transpose_8x8(w);
+    return w;
   };
 #pragma unroll
   for (int k = 0; k < kDrainChunks; ++k) {

@@ -34,7 +34,7 @@
 // [0, split) into part[0] and [split, n) into part[1], each [El, columns, m] row-major (dWg and
 // dWu [El, I, H] from C [H, 2I]). With bf16 outputs only the epilogue is deferred as above, each
 // n8 block's 8 x 8 pieces transposed in the warp (movmatrix) and exchanged in the quad, so that a
-// thread stores 16-byte runs of 8 rows of C (pack_bf16_transposed); with fp32 accumulators each
+// thread stores 16-byte runs of 8 rows of C (pack_bf16<true>); with fp32 accumulators each
 // element is loaded and stored on its own at the tile's end (runs of 8 rows a quad: 32 bytes).
 //
 // Determinism (docs/determinism.md): a tile's accumulators start from C's fp32 values (or +0) and
@@ -139,35 +139,7 @@ __device__ inline void zero_box_rows(unsigned char* box, int valid, int t, int t
   }
 }
 
-// Transposes an 8 x 8 matrix of bf16 held as the mma fragment (lane l: row l / 4, columns
-// 2 (l % 4), 2 (l % 4) + 1 in one word): lane l then holds column l / 4, rows 2 (l % 4) and
-// 2 (l % 4) + 1. Every lane of the warp calls it.
-__device__ inline std::uint32_t transpose_8x8(std::uint32_t w) {
-  std::uint32_t t;
-  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(t) : "r"(w));
-  return t;
-}
-
-// The accumulators rounded into the transposed stores' layout (kTransposeC): per chunk k and row
-// half h, each n8 block's 8 x 8 pieces transposed in the warp, then exchanged in the quad
-// (quad_transpose), so that lane (q = lane / 4, c = lane % 4) holds rows 8 h .. 8 h + 7 of its
-// warp's 16 (frag_row) in column 8 (4 k + c) + q of the tile: one 16-byte run of a row of C^T.
-__device__ inline void pack_bf16_transposed(const Accumulators& acc, PackedBf16& out) {
-  const auto word = [&](int j, int half) {
-    return transpose_8x8(pack_bf16x2(acc.d[4 * j + 2 * half], acc.d[4 * j + 2 * half + 1]));
-  };
-#pragma unroll
-  for (int k = 0; k < kDrainChunks; ++k) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int j0 = 4 * k;
-      out.v[2 * k + half] = quad_transpose(word(j0, half), word(j0 + 1, half), word(j0 + 2, half),
-                                           word(j0 + 3, half));
-    }
-  }
-}
-
-// Stores piece kChunk of a consumer's tile packed by pack_bf16_transposed: each thread's two runs
+// Stores piece kChunk of a consumer's tile packed by pack_bf16<true>: each thread's two runs
 // of 8 rows (16 bytes of a row of C^T in its part), row0 and col0 the consumer's first row and the
 // tile's first column of C.
 template <int kChunk>
@@ -425,11 +397,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     consume_tile<kDeferred, true>(
         pipe, acc, tile.blocks, [&](int kb) { k_block(tile, kb, tail); }, drain, [] {});
     if constexpr (kDeferred) {
-      if constexpr (kTransposeC) {
-        pack_bf16_transposed(acc, pending);
-      } else {
-        pack_bf16(acc, pending);
-      }
+      pack_bf16<kTransposeC>(acc, pending);
       pending_c16 = c16;
       pending_row0 = row0;
       pending_col0 = tile.col0;
