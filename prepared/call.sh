@@ -3,7 +3,7 @@
 # decides most, each step under its own timeout: a call cut short still brings back the first
 # answers in $OUT (gswiglu.txt, bits.txt, sass-mok-ga.csv.gz, ncu-mok-ga.txt, log).
 #
-#   prepared/call.sh build          here, before the call: the three wheel folders under .whl/
+#   prepared/call.sh build          here, before the call: the four wheel folders under .whl/
 #                                   (each from a clean checkout of main with the patches applied;
 #                                   ~1.5 min each on two cores; a Python 3.12 with scikit-build-core,
 #                                   pybind11, cmake, ninja and setuptools: $MOK_WHEEL_PYTHON)
@@ -13,7 +13,8 @@
 #   prepared/call.sh summary [DIR]  the bits per case and build, the tests' lines (DIR: default $OUT)
 #
 # Folders: mok-base (main), mok-gs (the fused g kernel: g-swiglu-pingpong, -pairs and
-# -shared-sigmoid), mok-ga (the same and g-swiglu-async-ab). Session 49 measured the others.
+# -shared-sigmoid), mok-ga (the same and g-swiglu-async-ab), mok-gb (mok-ga's and
+# g-swiglu-batched-lookups). Session 49 measured the others.
 set -o pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = build ]; then
@@ -26,6 +27,7 @@ if [ "${1:-}" = build ]; then
 mok-base
 mok-gs prepared/g-swiglu-pingpong.patch prepared/g-swiglu-pairs.patch prepared/g-swiglu-shared-sigmoid.patch
 mok-ga prepared/g-swiglu-pingpong.patch prepared/g-swiglu-pairs.patch prepared/g-swiglu-shared-sigmoid.patch prepared/g-swiglu-async-ab.patch
+mok-gb prepared/g-swiglu-pingpong.patch prepared/g-swiglu-pairs.patch prepared/g-swiglu-shared-sigmoid.patch prepared/g-swiglu-async-ab.patch prepared/g-swiglu-batched-lookups.patch
 LIST
   exit 0
 fi
@@ -69,13 +71,13 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,power.draw --fo
 echo "## committed-dw1" >>"$OUT/bits.txt"
 cat benchmarks/results/profiles/2026-12-07_nvidia-h100_bits-digest-dw1.txt >>"$OUT/bits.txt"
 BACKWARD="tests/bf16/test_bf16_grouped_backward.py tests/bf16/test_moe_backward_call.py"
-step_gt() {  # The fused g kernel with a and b by cp.async (mok-ga) against it without (mok-gs)
-  # and main's two kernels, in turns, then the bits of each build.
-  for b in mok-ga mok-gs mok-base mok-gs mok-ga; do
+step_gt() {  # The fused g kernel with a and b by cp.async (mok-ga), with its lookups batched too
+  # (mok-gb), without either (mok-gs) and main's two kernels, in turns, then the bits.
+  for b in mok-ga mok-gb mok-gs mok-base mok-gs mok-gb mok-ga; do
     wheels $b; mark g times $b; echo "## $b" >>"$OUT/gswiglu.txt"
     timeout 100 python3 $P/dwd_gather.py sonic-7b qwen3-30b-a3b >>"$OUT/gswiglu.txt" 2>&1
   done
-  for b in mok-base mok-ga; do wheels $b; bits $b; done
+  for b in mok-base mok-ga mok-gb; do wheels $b; bits $b; done
 }
 step_ga() {  # ... then under mok-ga: the backward's tests on the reference backend (the ping-pong
   # patch's tests applied for the run), the layer's determinism on the cuda backend and the
