@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU call that measures the prepared patches (README.md here), in one command, ordered by what
 # decides most, each step under its own timeout: a call cut short still brings back the first
-# answers in $OUT (gswiglu.txt, bits.txt, sass-mok-ga.csv.gz, ncu-mok-ga.txt, log).
+# answers in $OUT (gswiglu.txt, bits.txt, sass-mok-gc.csv.gz, ncu-mok-gc.txt, log).
 #
-#   prepared/call.sh build          here, before the call: the four wheel folders under .whl/
+#   prepared/call.sh build          here, before the call: the five wheel folders under .whl/
 #                                   (each from a clean checkout of main with the patches applied;
 #                                   ~1.5 min each on two cores; a Python 3.12 with scikit-build-core,
 #                                   pybind11, cmake, ninja and setuptools: $MOK_WHEEL_PYTHON)
@@ -14,7 +14,8 @@
 #
 # Folders: mok-base (main), mok-gs (the fused g kernel: g-swiglu-pingpong, -pairs and
 # -shared-sigmoid), mok-ga (the same and g-swiglu-async-ab), mok-gb (mok-ga's and
-# g-swiglu-batched-lookups). Session 49 measured the others.
+# g-swiglu-batched-lookups), mok-gc (mok-ga's and g-swiglu-overlapping-epilogues). Session 49
+# measured the others.
 set -o pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = build ]; then
@@ -28,6 +29,7 @@ mok-base
 mok-gs prepared/g-swiglu-pingpong.patch prepared/g-swiglu-pairs.patch prepared/g-swiglu-shared-sigmoid.patch
 mok-ga prepared/g-swiglu-pingpong.patch prepared/g-swiglu-pairs.patch prepared/g-swiglu-shared-sigmoid.patch prepared/g-swiglu-async-ab.patch
 mok-gb prepared/g-swiglu-pingpong.patch prepared/g-swiglu-pairs.patch prepared/g-swiglu-shared-sigmoid.patch prepared/g-swiglu-async-ab.patch prepared/g-swiglu-batched-lookups.patch
+mok-gc prepared/g-swiglu-pingpong.patch prepared/g-swiglu-pairs.patch prepared/g-swiglu-shared-sigmoid.patch prepared/g-swiglu-async-ab.patch prepared/g-swiglu-overlapping-epilogues.patch
 LIST
   exit 0
 fi
@@ -72,33 +74,39 @@ echo "## committed-dw1" >>"$OUT/bits.txt"
 cat benchmarks/results/profiles/2026-12-07_nvidia-h100_bits-digest-dw1.txt >>"$OUT/bits.txt"
 BACKWARD="tests/bf16/test_bf16_grouped_backward.py tests/bf16/test_moe_backward_call.py"
 step_gt() {  # The fused g kernel with a and b by cp.async (mok-ga), with its lookups batched too
-  # (mok-gb), without either (mok-gs) and main's two kernels, in turns, then the bits.
-  for b in mok-ga mok-gb mok-gs mok-base mok-gs mok-gb mok-ga; do
+  # (mok-gb) or its epilogues overlapping (mok-gc), without any (mok-gs) and main's two kernels,
+  # in turns, then the bits.
+  for b in mok-gc mok-ga mok-gb mok-gs mok-base mok-gs mok-gb mok-ga mok-gc; do
     wheels $b; mark g times $b; echo "## $b" >>"$OUT/gswiglu.txt"
     timeout 100 python3 $P/dwd_gather.py sonic-7b qwen3-30b-a3b >>"$OUT/gswiglu.txt" 2>&1
   done
-  for b in mok-base mok-ga mok-gb; do wheels $b; bits $b; done
+  for b in mok-base mok-ga mok-gb mok-gc; do wheels $b; bits $b; done
 }
-step_ga() {  # ... then under mok-ga: the backward's tests on the reference backend (the ping-pong
-  # patch's tests applied for the run), the layer's determinism on the cuda backend and the
-  # sanitizers over the backward (its kernel is named for their GEMM filter; clusters of two).
-  step_gt
-  wheels mok-ga; mark ga tests
+g_tests() {  # g_tests BUILD: the backward's tests on the reference backend under BUILD's wheels,
+  # the ping-pong patch's tests applied for the run
+  wheels "$1"; mark g tests "$1"
   git apply --include='tests/*' prepared/g-swiglu-pingpong.patch >>"$L" 2>&1 || echo "the tests did not apply" >>"$L"
   tests reference 150 $BACKWARD
   git apply -R --include='tests/*' prepared/g-swiglu-pingpong.patch >>"$L" 2>&1 || echo "the tests did not come off" >>"$L"
-  mark ga layer tests; tests cuda 150 tests/layer/test_determinism.py
-  mark ga sanitizers; tests cuda 240 tests/bf16/test_megakernel.py -k "sanitizer and True"
 }
-step_sass() {  # ncu on mok-ga's g kernel at sonic-7b: the sections and each SASS instruction's
+step_ga() {  # ... then the backward's tests under mok-ga and mok-gc, and under mok-gc (its epilogues
+  # overlap: the riskier synchronization) the layer's determinism on the cuda backend and the
+  # sanitizers over the backward (its kernel is named for their GEMM filter; clusters of two).
+  step_gt
+  g_tests mok-ga
+  g_tests mok-gc
+  mark gc layer tests; tests cuda 150 tests/layer/test_determinism.py
+  mark gc sanitizers; tests cuda 240 tests/bf16/test_megakernel.py -k "sanitizer and True"
+}
+step_sass() {  # ncu on mok-gc's g kernel at sonic-7b: the sections and each SASS instruction's
   # stall samples (session 49's split: the epilogue, the stage and turn waits), gzipped CSV
-  wheels mok-ga; mark sass
+  wheels mok-gc; mark sass
   timeout 150 ncu --clock-control none --kernel-name regex:g_swiglu_gemm --launch-skip 1 --launch-count 1 \
     --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section SourceCounters \
-    --import-source no -f -o /tmp/ga python3 $P/dwd_gather.py sonic-7b --ncu >"$OUT/ncu-mok-ga.txt" 2>&1
-  echo "rc=$? ncu mok-ga" >>"$L"
-  ncu -i /tmp/ga.ncu-rep --print-summary none >>"$OUT/ncu-mok-ga.txt" 2>&1
-  ncu -i /tmp/ga.ncu-rep --page source --csv --print-source sass 2>>"$L" | gzip >"$OUT/sass-mok-ga.csv.gz"
+    --import-source no -f -o /tmp/ga python3 $P/dwd_gather.py sonic-7b --ncu >"$OUT/ncu-mok-gc.txt" 2>&1
+  echo "rc=$? ncu mok-gc" >>"$L"
+  ncu -i /tmp/ga.ncu-rep --print-summary none >>"$OUT/ncu-mok-gc.txt" 2>&1
+  ncu -i /tmp/ga.ncu-rep --page source --csv --print-source sass 2>>"$L" | gzip >"$OUT/sass-mok-gc.csv.gz"
 }
 for step in "${@:-ga sass}"; do
   for s in $step; do "step_$s"; done
