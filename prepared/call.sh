@@ -3,7 +3,7 @@
 # decides most, each step under its own timeout: a call cut short still brings back the first
 # answers in $OUT (gswiglu.txt, bits.txt, sass-mok-gc.csv.gz, ncu-mok-gc.txt, log).
 #
-#   prepared/call.sh build          here, before the call: the five wheel folders under .whl/
+#   prepared/call.sh build          here, before the call: the six wheel folders under .whl/
 #                                   (each from a clean checkout of main with the patches applied;
 #                                   ~1.5 min each on two cores; a Python 3.12 with scikit-build-core,
 #                                   pybind11, cmake, ninja and setuptools: $MOK_WHEEL_PYTHON)
@@ -14,8 +14,8 @@
 #
 # Folders: mok-base (main), mok-gs (the fused g kernel: g-swiglu-pingpong, -pairs and
 # -shared-sigmoid), mok-ga (the same and g-swiglu-async-ab), mok-gb (mok-ga's and
-# g-swiglu-batched-lookups), mok-gc (mok-ga's and g-swiglu-overlapping-epilogues). Session 49
-# measured the others.
+# g-swiglu-batched-lookups), mok-gc (mok-ga's and g-swiglu-overlapping-epilogues), mok-gbc (both).
+# Session 49 measured the others.
 set -o pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = build ]; then
@@ -30,6 +30,7 @@ mok-gs prepared/g-swiglu-pingpong.patch prepared/g-swiglu-pairs.patch prepared/g
 mok-ga prepared/g-swiglu-pingpong.patch prepared/g-swiglu-pairs.patch prepared/g-swiglu-shared-sigmoid.patch prepared/g-swiglu-async-ab.patch
 mok-gb prepared/g-swiglu-pingpong.patch prepared/g-swiglu-pairs.patch prepared/g-swiglu-shared-sigmoid.patch prepared/g-swiglu-async-ab.patch prepared/g-swiglu-batched-lookups.patch
 mok-gc prepared/g-swiglu-pingpong.patch prepared/g-swiglu-pairs.patch prepared/g-swiglu-shared-sigmoid.patch prepared/g-swiglu-async-ab.patch prepared/g-swiglu-overlapping-epilogues.patch
+mok-gbc prepared/g-swiglu-pingpong.patch prepared/g-swiglu-pairs.patch prepared/g-swiglu-shared-sigmoid.patch prepared/g-swiglu-async-ab.patch prepared/g-swiglu-overlapping-epilogues.patch prepared/g-swiglu-batched-lookups.patch
 LIST
   exit 0
 fi
@@ -74,13 +75,13 @@ echo "## committed-dw1" >>"$OUT/bits.txt"
 cat benchmarks/results/profiles/2026-12-07_nvidia-h100_bits-digest-dw1.txt >>"$OUT/bits.txt"
 BACKWARD="tests/bf16/test_bf16_grouped_backward.py tests/bf16/test_moe_backward_call.py"
 step_gt() {  # The fused g kernel with a and b by cp.async (mok-ga), with its lookups batched too
-  # (mok-gb) or its epilogues overlapping (mok-gc), without any (mok-gs) and main's two kernels,
-  # in turns, then the bits.
-  for b in mok-gc mok-ga mok-gb mok-gs mok-base mok-gs mok-gb mok-ga mok-gc; do
+  # (mok-gb) or its epilogues overlapping (mok-gc) or both (mok-gbc), without any (mok-gs) and
+  # main's two kernels, in turns, then the bits.
+  for b in mok-gbc mok-gc mok-ga mok-gb mok-gs mok-base mok-gs mok-gb mok-ga mok-gc mok-gbc; do
     wheels $b; mark g times $b; echo "## $b" >>"$OUT/gswiglu.txt"
     timeout 100 python3 $P/dwd_gather.py sonic-7b qwen3-30b-a3b >>"$OUT/gswiglu.txt" 2>&1
   done
-  for b in mok-base mok-ga mok-gb mok-gc; do wheels $b; bits $b; done
+  for b in mok-base mok-ga mok-gb mok-gc mok-gbc; do wheels $b; bits $b; done
 }
 g_tests() {  # g_tests BUILD: the backward's tests on the reference backend under BUILD's wheels,
   # the ping-pong patch's tests applied for the run
