@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # The GPU call that measures the prepared patches (README.md here), in one command, ordered by what
 # decides most, each step under its own timeout: a call cut short still brings back the first
-# answers in $OUT (gswiglu.txt, bits.txt, sass-mok-gc.csv.gz, ncu-mok-gc.txt, log).
+# answers in $OUT (gswiglu.txt, bits.txt, sass-mok-gc.csv.gz, ncu-mok-gc.txt, ncu-forward.txt,
+# sass-forward.csv.gz, log).
 #
 #   prepared/call.sh build          here, before the call: the six wheel folders under .whl/
 #                                   (each from a clean checkout of main with the patches applied;
 #                                   ~1.5 min each on two cores; a Python 3.12 with scikit-build-core,
 #                                   pybind11, cmake, ninja and setuptools: $MOK_WHEEL_PYTHON)
 #   prepared/call.sh [STEP ...]     on the GPU machine (device `run`, carry [".whl"]): the steps
-#                                   named (ga, sass below; gt: ga's times and bits alone), or ga
-#                                   and sass in that order; then
+#                                   named (ga, sass, fwd below; gt: ga's times and bits alone),
+#                                   or ga, sass and fwd in that order; then
 #   prepared/call.sh summary [DIR]  the bits per case and build, the tests' lines (DIR: default $OUT)
 #
 # Folders: mok-base (main), mok-gs (the fused g kernel: g-swiglu-pingpong, -pairs and
@@ -109,7 +110,18 @@ step_sass() {  # ncu on mok-gc's g kernel at sonic-7b: the sections and each SAS
   ncu -i /tmp/ga.ncu-rep --print-summary none >>"$OUT/ncu-mok-gc.txt" 2>&1
   ncu -i /tmp/ga.ncu-rep --page source --csv --print-source sass 2>>"$L" | gzip >"$OUT/sass-mok-gc.csv.gz"
 }
-for step in "${@:-ga sass}"; do
+step_fwd() {  # ncu on main's forward megakernel at sonic-7b: its sections and per-instruction
+  # stall table (NOTES.md, session 49, item 2: is its gate/up feed bound by the L2's bytes?)
+  wheels mok-base; mark fwd
+  timeout 150 ncu --clock-control none --kernel-name regex:moe_forward --launch-skip 1 --launch-count 1 \
+    --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+    --section SourceCounters --import-source no -f -o /tmp/fwd python3 $P/megakernel_ncu.py sonic-7b \
+    >"$OUT/ncu-forward.txt" 2>&1
+  echo "rc=$? ncu forward" >>"$L"
+  ncu -i /tmp/fwd.ncu-rep --print-summary none >>"$OUT/ncu-forward.txt" 2>&1
+  ncu -i /tmp/fwd.ncu-rep --page source --csv --print-source sass 2>>"$L" | gzip >"$OUT/sass-forward.csv.gz"
+}
+for step in "${@:-ga sass fwd}"; do
   for s in $step; do "step_$s"; done
 done
 mark done
