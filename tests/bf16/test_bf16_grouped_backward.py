@@ -198,10 +198,17 @@ def test_cuda_shape_limits_raise_before_any_launch(H, I, El, match):
 
 
 def test_cuda_scratch_and_accumulators_are_required():
+    """scratch_hw and scratch_d_ab are required; scratch_g only above G_SWIGLU_MAX_INNER (below it
+    g is stored only where given), and a misaligned one is refused."""
     p = 64
     acc_out = (p, p, p, 0, 0, 0, True)
-    for i, name in enumerate(("scratch_g", "scratch_hw", "scratch_d_ab")):
-        scratch = [p, p, p]
+    wide = mok_bf16.G_SWIGLU_MAX_INNER + 64
+    with pytest.raises(ValueError, match="scratch_g must be aligned to 16 bytes"):
+        mok_bf16.grouped_backward("cuda", p, p, p, p, p, 0, p, p, p, p, p, *acc_out, p + 4, p, p, 4, 64, 64, 2)
+    with pytest.raises(ValueError, match="scratch_g must not be 0"):
+        mok_bf16.grouped_backward("cuda", p, p, p, p, p, 0, p, p, p, p, p, *acc_out, 0, p, p, 4, 64, wide, 2)
+    for i, name in ((1, "scratch_hw"), (2, "scratch_d_ab")):
+        scratch = [0, p, p]
         scratch[i] = 0
         with pytest.raises(ValueError, match=f"{name} must not be 0"):
             mok_bf16.grouped_backward("cuda", p, p, p, p, p, 0, p, p, p, p, p, *acc_out, *scratch, 4, 64, 64, 2)
@@ -263,7 +270,8 @@ def element_math(g: torch.Tensor, a: torch.Tensor, b: torch.Tensor, w: torch.Ten
 
 
 def d_w_in_lane_order(g: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """d_w = <g, h> in the CUDA SwiGLU kernel's order (experts_backward.cu, docs/determinism.md),
+    """d_w = <g, h> in the CUDA SwiGLU backward's order (g_swiglu.cuh and experts_backward.cu's
+    SwiGLU kernel, docs/determinism.md),
     fp32 op by op: lane l sums fl(g_i h_i) over its 8-element pieces l, l + 32, ... ascending
     from +0, then the 32 lane sums are added by a butterfly (xor 16, 8, 4, 2, 1)."""
     rows, I = g.shape
@@ -330,6 +338,70 @@ def test_cuda_against_float64(lengths, H, I, limit):
     assert_close(acc_up, gu64[:, I:], gu_scale[:, I:], 2.0**-20, "dWu")
     assert_close(acc_d, dn64, dn_scale, 2.0**-20, "dWd")
     assert bool((dx[~used] == 7.0).all()) and bool((d_w[~used] == 7.0).all())
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("lengths, H, I", GROUPED_CASES)
+def test_cuda_same_bits_with_or_without_g_stored(lengths, H, I):
+    """At I <= G_SWIGLU_MAX_INNER the SwiGLU backward runs in the g GEMM's epilogue whether g is
+    stored or not (scratch.g None, as the layer calls it): dx, d_w, bf16(w h), [d_a, d_b] and the
+    weight gradients are the same bits either way. Above it g is required (a TypeError naming it)."""
+    d = to(make(lengths, H, I, seed=H + I + 1), "cuda")
+    M = d["x"].shape[0]
+    if I > mok_bf16.G_SWIGLU_MAX_INNER:
+        hw, d_ab = (torch.zeros(M, n, dtype=BF16, device="cuda") for n in (I, 2 * I))
+        with pytest.raises(TypeError, match=r"scratch\.g must be a torch\.Tensor"):
+            run(d, scratch=GroupedScratch(None, hw, d_ab))
+        return
+    results = []
+    for g in (torch.zeros(M, I, device="cuda"), None):
+        scratch = GroupedScratch(g, *(torch.zeros(M, n, dtype=BF16, device="cuda") for n in (I, 2 * I)))
+        got, acc = run(d, limit=0.75, scratch=scratch)
+        results.append((got.dx, got.d_w, scratch.hw, scratch.d_ab, *acc))
+    torch.cuda.synchronize()
+    for with_g, without_g in zip(*results, strict=True):
+        assert torch.equal(with_g.view(torch.uint8), without_g.view(torch.uint8))
+
+
+def bf16_bits(t: torch.Tensor) -> torch.Tensor:
+    """bf16 bit patterns, every NaN as core::float_to_bf16's 0x7FC0 (torch's CPU conversion
+    writes other NaNs in its vectorized loops)."""
+    return torch.where(torch.isnan(t.float()), torch.tensor(0x7FC0, dtype=torch.int16), t.view(torch.int16))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("limit", [None, 0.75], ids=["no-limit", "limit"])
+def test_cuda_element_math_on_every_gate_value(limit):
+    """The SwiGLU backward's element math (its pair form on the device: the hardware's rounding
+    of two values, a NaN set to 0x7FC0) on all 65,536 bf16 gate patterns, NaN and infinities
+    included, against up values with zeros, subnormals, the largest finite values, infinities
+    and NaN, and g with a NaN row and rows that overflow: d_a, d_b and hw bitwise the
+    reference's on the kernel's own g, each NaN 0x7FC0; d_w the reference's order where finite."""
+    M, H, I = 256, 64, 256
+    d = make([M], H, I, seed=29)
+    d["a"] = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(BF16).reshape(M, I)
+    specials = torch.tensor([0x0000, 0x8000, 0x0001, 0x807F, 0x7F7F, 0xFF7F, 0x7F80, 0xFF80, 0x7FC0, 0x7F81],
+                            dtype=torch.int32).to(torch.int16).view(BF16)  # fmt: skip
+    d["b"].view(-1)[::7] = specials.repeat(M * I // 7 // len(specials) + 1)[: (M * I + 6) // 7]
+    d["dy"][3] = float("nan")
+    d["dy"][5] = 3.0e38  # g overflows to +-inf where Wd's column sums do
+    d["dy"][6, ::2] = -3.0e38
+    scratch = GroupedScratch(
+        torch.zeros(M, I, device="cuda"), *(torch.zeros(M, n, dtype=BF16, device="cuda") for n in (I, 2 * I))
+    )
+    got, _ = run(to(d, "cuda"), limit=limit, scratch=scratch)
+    torch.cuda.synchronize()
+    g, hw, d_ab = (t.cpu() for t in scratch)
+    assert bool(torch.isnan(g[3]).all()) and bool(torch.isinf(g[5]).any())
+    h_ref, d_ab_ref = element_math(g, d["a"], d["b"], d["w"], limit)
+    assert torch.equal(d_ab.view(torch.int16), bf16_bits(d_ab_ref))
+    assert torch.equal(hw.view(torch.int16), bf16_bits((d["w"][:, None] * h_ref.float()).to(BF16)))
+    d_w, want = got.d_w.cpu(), d_w_in_lane_order(g, h_ref)
+    assert torch.equal(torch.isnan(d_w), torch.isnan(want))
+    finite = ~torch.isnan(want)
+    assert torch.equal(d_w[finite], want[finite])
 
 
 @pytest.mark.gpu

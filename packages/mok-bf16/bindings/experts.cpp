@@ -29,6 +29,8 @@ const core::EntryPoints& entries_of(const pybind11::capsule& capsule, const char
 
 void register_experts(pybind11::module_& m) {
   namespace py = pybind11;
+  // The widest I whose CUDA backward needs no g array (experts.h's kGSwigluMaxInner).
+  m.attr("G_SWIGLU_MAX_INNER") = kGSwigluMaxInner;
   m.def(
       "swiglu_forward",
       [](const std::string& device, std::uintptr_t x, std::uintptr_t experts, std::uintptr_t w_gate,
@@ -227,8 +229,9 @@ void register_experts(pybind11::module_& m) {
       "router_weights fp32 [M] or 0 (all ones). 'cuda': tensor-core GEMMs, dWd = C + dy^T "
       "bf16(w h); the weight gradients take each expert's rows in 64-row blocks from its segment "
       "start (calls split at multiples of 64 rows from the segment starts, the later ones with "
-      "carry_in, give the bits of one call); scratch_g fp32 [M, I], scratch_hw bf16 [M, I] "
-      "(bf16(w h)) and scratch_d_ab bf16 [M, 2I] are required and 16-byte aligned; H and I "
+      "carry_in, give the bits of one call); scratch_hw bf16 [M, I] (bf16(w h)) and scratch_d_ab "
+      "bf16 [M, 2I] are required and 16-byte aligned, scratch_g fp32 [M, I] (g = dy @ Wd) too "
+      "where I > G_SWIGLU_MAX_INNER, and below it is written only where given; H and I "
       "multiples of 64, El <= "
       "1024. 'cpu': the reference arithmetic (swiglu_backward per segment), scratch unused "
       "(may be 0), offsets checked. weight_route (optional, 'cuda'): int32 [M], each row's route "
@@ -541,8 +544,9 @@ void register_experts(pybind11::module_& m) {
       "token rows, or 0: given, dW1 gathers x's rows from them by route, dw1_mode 2, and x may be "
       "0), num_tokens, topk, the weights, out_d_router (fp32 "
       "[num_tokens * topk], written: each route's d_w, 0 for a route no row lists), the weight "
-      "gradients (acc_* fp32 and/or out_* bf16, nothing carried in), the scratch (scratch_g, "
-      "scratch_hw, scratch_d_ab), num_rows, hidden, inner, num_experts, limit, then "
+      "gradients (acc_* fp32 and/or out_* bf16, nothing carried in), the scratch (scratch_g, 0 "
+      "where I <= G_SWIGLU_MAX_INNER, scratch_hw, scratch_d_ab), num_rows, hidden, inner, "
+      "num_experts, limit, then "
       "mok_core.combine of the dx rows into out (bf16 [num_tokens, hidden]) over base (bf16 or 0) "
       "through route_row (int32 [num_tokens * topk], each route's row), publishing the error words "
       "(error: int32 [4], or 0) to error_mirror (an ErrorMirror's device_address, or 0), and the "

@@ -295,7 +295,8 @@ void check_grouped_backward(std::string_view fn, Device kind, const GroupedBackw
             "num_rows = 0 on cuda: the weight gradients would not be written (mok_torch's "
             "grouped_backward writes them itself for zero rows)");
   }
-  check_pointer(fn, "scratch_g", a.scratch_g, 16, cuda && gemm);
+  // g: stored only where given at I <= kGSwigluMaxInner (the fused g kernel needs no array).
+  check_pointer(fn, "scratch_g", a.scratch_g, 16, cuda && gemm && s.inner > kGSwigluMaxInner);
   check_pointer(fn, "scratch_hw", a.scratch_hw, 16, cuda && gemm);
   check_pointer(fn, "scratch_d_ab", a.scratch_d_ab, 16, cuda && gemm);
   check_pointer(fn, "weight_route", a.weight_route, 4, false);

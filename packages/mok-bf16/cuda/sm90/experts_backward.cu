@@ -1,12 +1,16 @@
 // The grouped SwiGLU backward on the GPU, over the experts' segments of consecutive rows (dy and
 // the router weights the table's rows, or read through each row's route: dy_tokens, weight_route):
 //
-//   g:       g = dy @ Wd_e                  (grouped GEMM, Wd N-major; fp32 out, unrounded; with
-//            dy_tokens its producers gather dy's rows: grouped_gemm.cuh's RowGather; unless dWd
-//            gathers them too, its tiles of column 0 store them into dy in table order for dWd)
-//   SwiGLU:  hw = bf16(w h), d_a, d_b, d_w = <g, h> per row (an elementwise kernel: mok-core's
-//            element math, the reference's bit for bit given a, b, g and w; d_w summed in a
-//            fixed order that depends only on I)
+//   g + SwiGLU, I <= 256 (one column tile a row): g = dy @ Wd_e and, in the same kernel's
+//            epilogue, hw = bf16(w h), d_a, d_b, d_w = <g, h> per row (g_swiglu.cuh: 64-row
+//            units, two consumer warpgroups in ping-pong, one's epilogue under the other's
+//            mainloop, clusters of two sharing Wd; g stored only where asked for)
+//   g, I > 256: g = dy @ Wd_e               (grouped GEMM, Wd N-major; fp32 out, unrounded)
+//   SwiGLU, I > 256: hw, d_a, d_b, d_w per row from g (an elementwise kernel)
+//            Either way mok-core's element math, the reference's bit for bit given a, b, g and
+//            w, and d_w summed in one fixed order that depends only on I. With dy_tokens the g
+//            GEMM's producers gather dy's rows (grouped_gemm.cuh's RowGather); unless dWd gathers
+//            them too, its units (tiles) of column 0 store them into dy in table order for dWd.
 //   dWd:     dWd = C + dy^T bf16(w h)       (wgrad_gemm.cuh: rows as the reduction, fp32 carried
 //            across calls, bf16 out; with dy_tokens, I <= 256 and dwd_gather (by default on
 //            memory below 4 TB/s) dy's rows gathered again by its producers; before dx, so that
@@ -16,14 +20,16 @@
 //
 // The router weight sits on h's side of dWd (the reference's is bf16(w dy)^T h): the SwiGLU
 // kernel writes bf16(w h) where it would write h, so dy is read as it came and no weighted copy
-// of it is made (NOTES.md, session 16). The SwiGLU backward is not in the g GEMM's epilogue:
-// unrolled over a thread's 128 accumulators it is ~130 KB of code at every tile's end, and it
-// made the GEMM 2-3x slower (NOTES.md, session 8).
+// of it is made (NOTES.md, session 16). The fused g kernel is the faster where a row has one
+// column tile (sonic-7b on an H100: 570 against 350 + 264 us); with three (qwen3-30b-a3b) its
+// epilogues run in unit order for d_w's hand-over and the two kernels are faster (NOTES.md,
+// sessions 47-50).
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
 
+#include "g_swiglu.cuh"
 #include "grouped_gemm.cuh"
 #include "launch.cuh"
 #include "mok/bf16/experts.h"
@@ -61,21 +67,14 @@ struct SwigluBackwardRows {
   core::SwigluLimit limit;
 };
 
-__device__ inline std::uint16_t lo16(std::uint32_t w) { return static_cast<std::uint16_t>(w); }
-__device__ inline std::uint16_t hi16(std::uint32_t w) {
-  return static_cast<std::uint16_t>(w >> 16);
-}
-__device__ inline std::uint32_t pack(std::uint16_t lo, std::uint16_t hi) {
-  return static_cast<std::uint32_t>(lo) | (static_cast<std::uint32_t>(hi) << 16);
-}
-
-// Rows [lo, hi) of the kernel below.
+// Rows [lo, hi) of the kernel below, the clamp `lim` (r.limit, or SwigluLimit{} where it is
+// off: a constant, so that the element math carries no clamps).
 __device__ inline void swiglu_backward_rows(const SwigluBackwardRows& r, std::int64_t lo,
-                                            std::int64_t hi) {
+                                            std::int64_t hi, core::SwigluLimit lim) {
   const int lane = threadIdx.x % 32;
   const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (blockDim.x / 32);
   const int I = r.inner;
-  const auto sig = core::TableSigmoid::of(r.limit);  // sigmoid_table.cuh: the reference's bits
+  const auto sig = core::TableSigmoid::of(lim);  // sigmoid_table.cuh: the reference's bits
   for (std::int64_t row =
            lo + (blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x) / 32;
        row < hi; row += warps) {
@@ -100,15 +99,13 @@ __device__ inline void swiglu_backward_rows(const SwigluBackwardRows& r, std::in
       std::uint32_t hw[4], daw[4], dbw[4];
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
-        const core::SwigluGrad e0 =
-            core::swiglu_backward(gs[2 * q], w, lo16(aw[q]), lo16(bw[q]), r.limit, sig);
-        const core::SwigluGrad e1 =
-            core::swiglu_backward(gs[2 * q + 1], w, hi16(aw[q]), hi16(bw[q]), r.limit, sig);
-        part = core::mac_rn(part, gs[2 * q], e0.h);
-        part = core::mac_rn(part, gs[2 * q + 1], e1.h);
-        hw[q] = pack(core::weighted_bf16(w, e0.h), core::weighted_bf16(w, e1.h));
-        daw[q] = pack(e0.d_a, e1.d_a);
-        dbw[q] = pack(e0.d_b, e1.d_b);
+        const core::SwigluGrad2 e =
+            core::swiglu_backward2(gs[2 * q], gs[2 * q + 1], w, aw[q], bw[q], lim, sig);
+        part = core::mac_rn(part, gs[2 * q], e.h[0]);
+        part = core::mac_rn(part, gs[2 * q + 1], e.h[1]);
+        hw[q] = core::weighted_bf16x2(w, e.h[0], e.h[1]);
+        daw[q] = e.d_a;
+        dbw[q] = e.d_b;
       }
       *reinterpret_cast<uint4*>(r.hw + at) = make_uint4(hw[0], hw[1], hw[2], hw[3]);
       *reinterpret_cast<uint4*>(r.d_ab + row * 2 * I + i) =
@@ -123,6 +120,10 @@ __device__ inline void swiglu_backward_rows(const SwigluBackwardRows& r, std::in
     if (lane == 0 && r.d_w_routes != nullptr && routed) r.d_w_routes[route] = part;
   }
 }
+
+// The fused g kernel's ring: 4 stages of 40 KiB (64 rows of dy, 256 columns of Wd), beside the
+// sigmoid's entries and the epilogues' a and b in shared memory.
+constexpr int kGStages = 4;
 
 // moe_backward_call's preparation (one launch): the table's offsets widened to int64, and the
 // route-ordered d_w zeroed (a route no row lists keeps 0).
@@ -139,9 +140,14 @@ __global__ void moe_backward_prepare_kernel(const std::int32_t* offsets32, std::
 
 __global__ void swiglu_backward_kernel(SwigluBackwardRows r) {
   __shared__ int sorted;
-  tiles::for_each_row_range(
-      r.offsets, r.num_experts, r.num_rows, &sorted,
-      [&](std::int64_t lo, std::int64_t hi) { swiglu_backward_rows(r, lo, hi); });
+  tiles::for_each_row_range(r.offsets, r.num_experts, r.num_rows, &sorted,
+                            [&](std::int64_t lo, std::int64_t hi) {
+                              if (r.limit.on) {
+                                swiglu_backward_rows(r, lo, hi, r.limit);
+                              } else {
+                                swiglu_backward_rows(r, lo, hi, core::SwigluLimit{});
+                              }
+                            });
 }
 
 // The most clusters of two CTAs of `kKernel` that can be resident at once on this device (0 if
@@ -163,6 +169,37 @@ int resident_pairs(int shared_bytes) {
   }
   if (tracked) known[device].store(n > 0 ? n : -1, std::memory_order_relaxed);
   return n;
+}
+
+// The g GEMM with the SwiGLU backward in its epilogue (g_swiglu.cuh) on at most num_sms CTAs (no
+// more than its 64-row blocks); kGatherA: dy's rows through `gather` (map_a: its copy's map);
+// kStoreG: g stored too (swiglu.g). In clusters of two CTAs sharing B (each a block of every tile
+// the pair takes) where two SMs or more are asked for and a cluster fits; else one CTA a tile.
+template <bool kGatherA, bool kStoreG>
+void launch_g_swiglu(const CUtensorMap& map_a, const CUtensorMap& map_b, const gemm::Problem& p,
+                     const gemm::GSwiglu& swiglu, const gemm::RowGather& gather, int num_sms,
+                     cudaStream_t stream) {
+  constexpr int kShared = gemm::g_swiglu_shared_bytes<kGStages>;
+  constexpr auto single = gemm::g_swiglu_gemm_kernel<kGStages, kGatherA, kStoreG, 1>;
+  constexpr auto paired = gemm::g_swiglu_gemm_kernel<kGStages, kGatherA, kStoreG, 2>;
+  // Every expert adds at most one partial row tile.
+  const std::int64_t most = (p.num_rows + gemm::kBlockM - 1) / gemm::kBlockM + p.num_experts;
+  if (num_sms >= 2) {
+    kernels::allow_shared_bytes<paired>(kShared);
+    const int pairs = std::min(num_sms / 2, resident_pairs<paired>(kShared));
+    if (pairs >= 1) {
+      const kernels::PairLaunch pair(static_cast<unsigned>(2 * std::min<std::int64_t>(pairs, most)),
+                                     gemm::kThreads, kShared, stream);
+      check(cudaLaunchKernelEx(&pair.config, paired, map_a, map_b, p, swiglu, gather),
+            "launching the g GEMM with the SwiGLU backward");
+      return;
+    }
+  }
+  kernels::allow_shared_bytes<single>(kShared);
+  const int grid =
+      static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>(num_sms, most)));
+  single<<<grid, gemm::kThreads, kShared, stream>>>(map_a, map_b, p, swiglu, gather);
+  check(cudaGetLastError(), "launching the g GEMM with the SwiGLU backward");
 }
 
 // One of the weight-gradient kernels on at most num_sms CTAs (no more than its tile groups), in
@@ -265,7 +302,7 @@ void grouped_backward_cuda(const GroupedBackwardArgs& args, std::uintptr_t strea
   // g = dy @ Wd_e: Wd [El, H, I] is N-major for this GEMM (K = H rows per expert).
   const CUtensorMap map_wd = hopper::make_tensor_map(ptr(args.w_down), El * H, I, 64);
   const gemm::Problem pg{offsets, s.num_rows, Ei, Ii, Hi, Hi};
-  const kernels::StoreF32 store_g{reinterpret_cast<float*>(args.scratch_g), Ii};
+  const bool store_g = args.scratch_g != 0;
   const bool gathered = args.dy_tokens != 0;
   // With dy_tokens dy's rows are gathered through each row's route by the g GEMM's producers (no
   // pass moves them). dWd gathers them again (args.dwd_gather) where C has one column tile (I <=
@@ -288,33 +325,59 @@ void grouped_backward_cuda(const GroupedBackwardArgs& args, std::uintptr_t strea
                                 static_cast<int>(args.topk),
                                 Hi,
                                 dwd_gathers ? nullptr : reinterpret_cast<std::uint16_t*>(args.dy)};
-  if (gathered) {
-    kernels::launch<BLoad::kNMajor, true>(map_dy, map_wd, map_wd, pg, store_g, sms, stream,
-                                          dy_rows);
-  } else {
-    const CUtensorMap map_dy_tiles = hopper::make_tensor_map(ptr(args.dy), M, H, gemm::kBlockM);
-    kernels::launch<BLoad::kNMajor>(map_dy_tiles, map_wd, map_wd, pg, store_g, sms, stream);
-  }
-
-  const SwigluBackwardRows rows{reinterpret_cast<const std::uint16_t*>(args.a),
-                                reinterpret_cast<const std::uint16_t*>(args.b),
-                                reinterpret_cast<const float*>(args.scratch_g),
-                                reinterpret_cast<const float*>(args.router_weights),
-                                reinterpret_cast<const std::int32_t*>(args.weight_route),
-                                static_cast<int>(args.num_routes),
-                                reinterpret_cast<std::uint16_t*>(args.scratch_hw),
-                                reinterpret_cast<std::uint16_t*>(args.scratch_d_ab),
-                                reinterpret_cast<float*>(args.out_d_w),
-                                reinterpret_cast<float*>(args.out_d_w_routes),
-                                offsets,
-                                Ei,
-                                s.num_rows,
-                                Ii,
-                                args.limit};
-  // Every warp slot of the SMs, to hide the loads' latency.
   core::ensure_sigmoid_table(stream);
-  swiglu_backward_kernel<<<8 * sms, 256, 0, stream>>>(rows);
-  check(cudaGetLastError(), "launching the SwiGLU backward kernel");
+  if (Ii <= kGSwigluMaxInner) {
+    // One kernel: the SwiGLU backward in the g GEMM's epilogue (g_swiglu.cuh).
+    const gemm::GSwiglu swiglu{reinterpret_cast<const std::uint16_t*>(args.a),
+                               reinterpret_cast<const std::uint16_t*>(args.b),
+                               reinterpret_cast<const float*>(args.router_weights),
+                               reinterpret_cast<const std::int32_t*>(args.weight_route),
+                               static_cast<int>(args.num_routes),
+                               reinterpret_cast<std::uint16_t*>(args.scratch_hw),
+                               reinterpret_cast<std::uint16_t*>(args.scratch_d_ab),
+                               reinterpret_cast<float*>(args.out_d_w),
+                               reinterpret_cast<float*>(args.out_d_w_routes),
+                               reinterpret_cast<float*>(args.scratch_g),
+                               Ii,
+                               args.limit};
+    if (gathered && store_g) {
+      launch_g_swiglu<true, true>(map_dy, map_wd, pg, swiglu, dy_rows, sms, stream);
+    } else if (gathered) {
+      launch_g_swiglu<true, false>(map_dy, map_wd, pg, swiglu, dy_rows, sms, stream);
+    } else if (store_g) {
+      launch_g_swiglu<false, true>(map_dy, map_wd, pg, swiglu, {}, sms, stream);
+    } else {
+      launch_g_swiglu<false, false>(map_dy, map_wd, pg, swiglu, {}, sms, stream);
+    }
+  } else {
+    // Two kernels: g stored (scratch_g, required here: experts.cpp), then the SwiGLU backward.
+    const kernels::StoreF32 store{reinterpret_cast<float*>(args.scratch_g), Ii};
+    if (gathered) {
+      kernels::launch<BLoad::kNMajor, true>(map_dy, map_wd, map_wd, pg, store, sms, stream,
+                                            dy_rows);
+    } else {
+      const CUtensorMap map_dy_tiles = hopper::make_tensor_map(ptr(args.dy), M, H, gemm::kBlockM);
+      kernels::launch<BLoad::kNMajor>(map_dy_tiles, map_wd, map_wd, pg, store, sms, stream);
+    }
+    const SwigluBackwardRows rows{reinterpret_cast<const std::uint16_t*>(args.a),
+                                  reinterpret_cast<const std::uint16_t*>(args.b),
+                                  reinterpret_cast<const float*>(args.scratch_g),
+                                  reinterpret_cast<const float*>(args.router_weights),
+                                  reinterpret_cast<const std::int32_t*>(args.weight_route),
+                                  static_cast<int>(args.num_routes),
+                                  reinterpret_cast<std::uint16_t*>(args.scratch_hw),
+                                  reinterpret_cast<std::uint16_t*>(args.scratch_d_ab),
+                                  reinterpret_cast<float*>(args.out_d_w),
+                                  reinterpret_cast<float*>(args.out_d_w_routes),
+                                  offsets,
+                                  Ei,
+                                  s.num_rows,
+                                  Ii,
+                                  args.limit};
+    // Every warp slot of the SMs, to hide the loads' latency.
+    swiglu_backward_kernel<<<8 * sms, 256, 0, stream>>>(rows);
+    check(cudaGetLastError(), "launching the SwiGLU backward kernel");
+  }
 
   // Weight gradients, rows as the reduction: both operands staged MN-major (64-row boxes);
   // dWd first: it is the last reader of dy, so dx's GEMM may write its rows into dy's array

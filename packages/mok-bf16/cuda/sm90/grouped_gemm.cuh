@@ -195,14 +195,16 @@ __device__ inline void gathered_rows_read(bool leader, bool& pending) {
 // accumulators hold the same output columns of both.
 inline constexpr int kMmaN = 256;
 
-// The shared-memory ring: stage s holds A [128 x 64] and B [256 x 64].
-template <int kStages>
+// The shared-memory ring: stage s holds A [kARows x 64] (128 rows: a tile; the ping-pong g
+// GEMM's 64: one warpgroup's) and B [256 x 64].
+template <int kStages, int kARows = kBlockM>
 struct Ring {
-  static constexpr int kABytes = kBlockM * kBlockK * 2;
+  static constexpr int kABytes = kARows * kBlockK * 2;
   static constexpr int kBBytes = kMmaN * kBlockK * 2;
   static constexpr int kStageBytes = kABytes + kBBytes;
   static constexpr int kBytes = kStages * kStageBytes;
   static constexpr int kSharedBytes = kBytes + 1024;  // + alignment of the swizzled tiles
+  static_assert(kStageBytes % 1024 == 0, "the swizzled tiles start at multiples of 1024 bytes");
 
   unsigned char* base;  // 1024-byte aligned
   __device__ unsigned char* a(int s) const { return base + s * kStageBytes; }

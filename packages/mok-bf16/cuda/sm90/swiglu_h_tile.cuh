@@ -20,9 +20,10 @@ namespace mok::bf16::gemm {
 // to constants first frees their registers for the lookups and the element math. Row: the caller's
 // row index type (the megakernel's int rows keep its register count).
 template <class Row>
-__device__ inline void store_swiglu_h(std::uint16_t* h, int inner, Row first, Row row_end, int col0,
-                                      const PackedBf16& w, core::SwigluLimit limit,
-                                      const core::TableSigmoid& sig) {
+__device__ inline void store_swiglu_h_clamped(std::uint16_t* h, int inner, Row first, Row row_end,
+                                              int col0, const PackedBf16& w,
+                                              core::SwigluLimit limit,
+                                              const core::TableSigmoid& sig) {
   const int t = threadIdx.x % 128;
   // Every vector's sigmoids first (core::gate_sigmoids8: one round trip to the table for the 64),
   // then the element math and the stores.
@@ -40,6 +41,19 @@ __device__ inline void store_swiglu_h(std::uint16_t* h, int inner, Row first, Ro
             core::swiglu_h8(w.v[2 * k + half], w.v[2 * (k + 4) + half], limit, s[2 * k + half]);
       }
     }
+  }
+}
+
+// The same, with the clamp off passed as a constant where it is (the warp takes one branch or
+// the other): its element math then carries no clamps nor the table's test for the limit.
+template <class Row>
+__device__ inline void store_swiglu_h(std::uint16_t* h, int inner, Row first, Row row_end, int col0,
+                                      const PackedBf16& w, core::SwigluLimit limit,
+                                      const core::TableSigmoid& sig) {
+  if (limit.on) {
+    store_swiglu_h_clamped(h, inner, first, row_end, col0, w, limit, sig);
+  } else {
+    store_swiglu_h_clamped(h, inner, first, row_end, col0, w, core::SwigluLimit{}, sig);
   }
 }
 

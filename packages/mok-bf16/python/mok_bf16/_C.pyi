@@ -1,6 +1,8 @@
 # Type stubs of the compiled module mok_bf16._C.
 from typing import Any
 
+G_SWIGLU_MAX_INNER: int
+
 def version() -> str: ...
 def build_info() -> dict[str, Any]: ...
 def swiglu_forward(

@@ -33,6 +33,8 @@ They run on the CPU (``device="cpu"``); ``"cuda"`` raises RuntimeError.
 - ``moe_backward_call``: one rank's direct backward in one call on ``"cuda"``: the table's offsets
   widened, ``grouped_backward`` reading dy and the router weights by route and storing d_w by route,
   and mok-core's combine of dx: the host's one crossing per backward.
+``G_SWIGLU_MAX_INNER``: the widest inner size whose CUDA backward runs the SwiGLU backward in the
+g GEMM's epilogue (no g array; above it ``scratch_g`` is required).
 ``exp_f64`` and ``sigmoid`` expose the element functions they share, for tests.
 """
 
@@ -41,6 +43,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._C import (
+    G_SWIGLU_MAX_INNER,
     build_info,
     exp_f64,
     grouped_backward,
@@ -59,6 +62,7 @@ from ._C import (
 __version__: str = version()
 
 __all__ = [
+    "G_SWIGLU_MAX_INNER",
     "__version__",
     "backend_info",
     "build_info",

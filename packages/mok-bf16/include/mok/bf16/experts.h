@@ -142,10 +142,17 @@ struct GroupedForwardArgs {
 // math is the reference's. Weight gradients: the sums start from C and take the expert's rows
 // in 64-row blocks from the segment start, the last block zero-padded; two calls over rows
 // split at a multiple of 64 from each segment start (the second with carry_in) give the bits of
-// one call. The scratch arrays hold g, bf16(w h) and [d_a, d_b] between the kernels (required
-// on "cuda", unused on "cpu"). On "cpu": the reference arithmetic (swiglu_backward on each
-// segment's rows). Rows outside every segment are not written and add nothing; offsets as in
+// one call. The scratch arrays hold g, bf16(w h) and [d_a, d_b] between the kernels (hw and
+// d_ab required on "cuda"; g required where I > kGSwigluMaxInner, else written only where given;
+// all unused on "cpu"). On "cpu": the reference arithmetic (swiglu_backward on each segment's
+// rows). Rows outside every segment are not written and add nothing; offsets as in
 // grouped_forward.
+//
+// The widest I at which the GPU backward runs the SwiGLU backward in the g GEMM's epilogue (a
+// row's columns one tile: cuda/sm90/g_swiglu.cuh), so that g needs no array; above it g is
+// stored and a kernel of its own reads it back.
+inline constexpr std::int64_t kGSwigluMaxInner = 256;
+
 struct GroupedBackwardArgs {
   std::uintptr_t x = 0;               // bf16 [M, H]
   std::uintptr_t offsets = 0;         // int64 [El + 1]
@@ -166,7 +173,7 @@ struct GroupedBackwardArgs {
   std::uintptr_t out_up = 0;          // bf16 [El, I, H], or 0
   std::uintptr_t out_down = 0;        // bf16 [El, H, I], or 0
   bool carry_in = true;               // start from the accumulators' values (they must be given)
-  std::uintptr_t scratch_g = 0;       // fp32 [M, I]   (cuda)
+  std::uintptr_t scratch_g = 0;       // fp32 [M, I]   (cuda; optional at I <= kGSwigluMaxInner)
   std::uintptr_t scratch_hw = 0;      // bf16 [M, I]   (cuda): bf16(w h)
   std::uintptr_t scratch_d_ab = 0;    // bf16 [M, 2I]  (cuda)
   ExpertShape shape;

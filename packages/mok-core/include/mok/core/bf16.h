@@ -7,6 +7,7 @@
 // keeps an operand's payload, and which operand depends on the compiler's operand order; CUDA
 // returns its canonical NaN), so keeping them would make the bits device-dependent. (torch
 // itself disagrees on NaN: its vectorized CPU code gives 0xFFFF, CUDA's cvt.rn.bf16.f32 0x7FFF.)
+// The device's float_to_bf16x2 (below) gives these bits for two values at once.
 // One exception by design: mok-bf16's GEMM epilogues (grouped_gemm.cuh's pack_bf16) round with
 // that hardware conversion, one instruction a pair: the same bits for every number, 0x7FFF for
 // a NaN (docs/determinism.md "The GPU GEMMs").
@@ -54,5 +55,19 @@ MOK_HD inline std::uint16_t float_to_bf16(float x) {
   const std::uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
   return static_cast<std::uint16_t>(is_nan ? 0x7FC0u : rounded);
 }
+
+#if defined(__CUDACC__)
+// float_to_bf16 of two values, packed (lo in the lower half), the same bits: the hardware's
+// conversion rounds a pair to nearest even in one instruction (float_to_bf16 takes ~7 a value),
+// and writes its canonical 0x7FFF for a NaN, which five integer instructions turn into 0x7FC0
+// without a branch: a half is 0x7FFF or 0xFFFF exactly when (half | 0x8000) - 0x7FFF is 0x8000,
+// and the conversion never writes 0xFFFF. The element kernels' form (expert_math.h's pairs).
+__device__ inline std::uint32_t float_to_bf16x2(float lo, float hi) {
+  std::uint32_t w;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(hi), "f"(lo));
+  const std::uint32_t nan_halves = (((w | 0x80008000u) - 0x7FFF7FFFu) >> 15) & 0x00010001u;
+  return w ^ (nan_halves * 0x3Fu);  // 0x7FFF ^ 0x3F = 0x7FC0
+}
+#endif
 
 }  // namespace mok::core

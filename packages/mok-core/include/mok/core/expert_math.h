@@ -154,6 +154,65 @@ MOK_HD inline SwigluGrad swiglu_backward(float g, float w, std::uint16_t a, std:
   return {h, float_to_bf16(d_a), float_to_bf16(d_b)};
 }
 
+#if defined(__CUDACC__)
+// ------------------------------------------------------------------ pair forms (device)
+// The kernels' form of swiglu_h and swiglu_backward: two adjacent elements, a, b and the
+// bf16 results two to a 32-bit word (the lower half first), each rounding of the pair by
+// float_to_bf16x2 (one instruction, not ~14): every operation the scalar functions do, in their
+// order, so the same bits. A caller that knows the clamp is off passes SwigluLimit{} as a
+// constant (its `on` false), and the compiler drops the clamps and their tests.
+
+// h of two elements whose sigmoids s0, s1 (of the clamped gates) were looked up.
+__device__ inline std::uint32_t swiglu_h2(std::uint32_t a2, std::uint32_t b2, SwigluLimit lim,
+                                          float s0, float s1) {
+  const float a0 = clamp_gate(bf16_to_float(static_cast<std::uint16_t>(a2)), lim);
+  const float a1 = clamp_gate(bf16_to_float(static_cast<std::uint16_t>(a2 >> 16)), lim);
+  const float b0 = clamp_up(bf16_to_float(static_cast<std::uint16_t>(b2)), lim);
+  const float b1 = clamp_up(bf16_to_float(static_cast<std::uint16_t>(b2 >> 16)), lim);
+  return float_to_bf16x2(mul_rn(mul_rn(a0, s0), b0), mul_rn(mul_rn(a1, s1), b1));
+}
+
+// swiglu_backward of two elements: h as fp32 values, d_a and d_b packed.
+struct SwigluGrad2 {
+  float h[2];
+  std::uint32_t d_a;
+  std::uint32_t d_b;
+};
+
+template <class Sig>
+__device__ inline SwigluGrad2 swiglu_backward2(float g0, float g1, float w, std::uint32_t a2,
+                                               std::uint32_t b2, SwigluLimit lim, const Sig& sig) {
+  float hp[2], da[2], db[2];
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const float a_raw = bf16_to_float(static_cast<std::uint16_t>(a2 >> (16 * e)));
+    const float b_raw = bf16_to_float(static_cast<std::uint16_t>(b2 >> (16 * e)));
+    const float af = clamp_gate(a_raw, lim);
+    const float bf = clamp_up(b_raw, lim);
+    const float s = sig(af);
+    const float silu = mul_rn(af, s);
+    hp[e] = mul_rn(silu, bf);
+    const float d_h = mul_rn(w, e == 0 ? g0 : g1);
+    const float d_silu = mul_rn(s, add_rn(1.0f, mul_rn(af, sub_rn(1.0f, s))));
+    da[e] = mul_rn(mul_rn(d_h, bf), d_silu);
+    db[e] = mul_rn(d_h, silu);
+    if (lim.on) {
+      if (!(a_raw <= lim.limit)) da[e] = 0.0f;
+      if (!((b_raw < 0.0f ? -b_raw : b_raw) <= lim.limit)) db[e] = 0.0f;
+    }
+  }
+  const std::uint32_t h2 = float_to_bf16x2(hp[0], hp[1]);
+  return {{bits_float(h2 << 16), bits_float(h2 & 0xFFFF0000u)},
+          float_to_bf16x2(da[0], da[1]),
+          float_to_bf16x2(db[0], db[1])};
+}
+
+// weighted_bf16 of two values of h: bf16(w * h), packed.
+__device__ inline std::uint32_t weighted_bf16x2(float w, float h0, float h1) {
+  return float_to_bf16x2(mul_rn(w, h0), mul_rn(w, h1));
+}
+#endif
+
 // bf16(w * dy): the down-projection weight gradient's left operand, rounded to bf16 as the
 // kernels feed it to the tensor cores (w = 1 leaves dy unchanged).
 MOK_HD inline std::uint16_t weighted_bf16(float w, float dy) {

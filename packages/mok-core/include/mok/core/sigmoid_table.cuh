@@ -54,6 +54,41 @@ struct TableSigmoid {
   }
 };
 
+// The table's entries of the gates that occur, copied into a kernel's shared memory (20 KB) so
+// that an epilogue's lookups do not go to L2 one element at a time: the fused g GEMM's SwiGLU
+// backward, whose shared memory leaves the L1 too small for the table's hot part (NOTES.md,
+// session 49: the lookups cost that kernel ~280 us at sonic-7b on an H100). Gates with |a| in
+// [2^-16, 16), either sign (bf16 bits of |a|); the others (about one in 10^5 of normally
+// distributed gates, and NaN and infinities) are read from the table in device memory, so every
+// value is the table's whatever the ranges (they decide only where it is read from).
+struct SharedSigmoid {
+  static constexpr std::uint32_t kPosLo = 0x3780, kPosEnd = 0x4180;  // 2^-16, 16
+  static constexpr std::uint32_t kNegLo = 0x3780, kNegEnd = 0x4180;
+  static constexpr int kPos = static_cast<int>(kPosEnd - kPosLo);
+  static constexpr int kEntries = kPos + static_cast<int>(kNegEnd - kNegLo);
+
+  const float* shared;  // kEntries floats, filled by fill()
+  float at_limit;       // sigmoid(limit), as TableSigmoid's
+
+  // The entries into `shared` by threads tid = 0 .. threads - 1 of the CTA (the caller then
+  // synchronizes the CTA before any lookup).
+  __device__ static void fill(float* shared, int tid, int threads) {
+    for (int i = tid; i < kEntries; i += threads) {
+      const std::uint32_t bits = i < kPos ? kPosLo + i : 0x8000u | (kNegLo + (i - kPos));
+      shared[i] = __ldg(&g_sigmoid_table[bits]);
+    }
+  }
+  __device__ float operator()(float a) const {
+    const std::uint32_t bits = __float_as_uint(a);
+    if ((bits & 0xFFFFu) != 0) return at_limit;  // not a bf16 value: the clamp's limit
+    const std::uint32_t u = bits >> 16, mag = u & 0x7FFFu;
+    const bool neg = (u & 0x8000u) != 0;
+    const std::uint32_t i = neg ? mag - kNegLo : mag - kPosLo;  // wraps below the range
+    if (i < (neg ? kNegEnd - kNegLo : kPosEnd - kPosLo)) return shared[neg ? kPos + i : i];
+    return __ldg(&g_sigmoid_table[u]);
+  }
+};
+
 // The sigmoids of eight elements' clamped gates (16 bytes of a: bf16 values two to a 32-bit word,
 // the lower half first), looked up: all that swiglu_h8 needs of the table. A caller with several
 // vectors looks up every vector's sigmoids before it computes and stores any (one round trip to the
@@ -79,23 +114,13 @@ __device__ inline Sigmoid8 gate_sigmoids8(const uint4& a, SwigluLimit lim,
 }
 
 // h = swiglu_h(a, b) of eight elements whose sigmoids were looked up (gate_sigmoids8 of the same
-// a): core::swiglu_h's element math, so the same bits. 16 bytes of a, of b and of h.
+// a): core::swiglu_h's element math in its pair form (swiglu_h2), so the same bits. 16 bytes of
+// a, of b and of h.
 __device__ inline uint4 swiglu_h8(const uint4& a, const uint4& b, SwigluLimit lim,
                                   const Sigmoid8& sig) {
-  struct Looked {  // swiglu_h's sigmoid of the element's clamped gate: the value looked up
-    float s;
-    __device__ float operator()(float) const { return s; }
-  };
-  const std::uint32_t aw[4] = {a.x, a.y, a.z, a.w};
-  const std::uint32_t bw[4] = {b.x, b.y, b.z, b.w};
-  std::uint32_t hw[4] = {0, 0, 0, 0};
-#pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    const std::uint16_t h =
-        swiglu_h(bf16_half(aw[e / 2], e % 2), bf16_half(bw[e / 2], e % 2), lim, Looked{sig.s[e]});
-    hw[e / 2] |= static_cast<std::uint32_t>(h) << (16 * (e % 2));
-  }
-  return make_uint4(hw[0], hw[1], hw[2], hw[3]);
+  return make_uint4(
+      swiglu_h2(a.x, b.x, lim, sig.s[0], sig.s[1]), swiglu_h2(a.y, b.y, lim, sig.s[2], sig.s[3]),
+      swiglu_h2(a.z, b.z, lim, sig.s[4], sig.s[5]), swiglu_h2(a.w, b.w, lim, sig.s[6], sig.s[7]));
 }
 
 // h of eight elements, the lookups included: the SwiGLU kernels' and the FP8 GEMMs' vectors.

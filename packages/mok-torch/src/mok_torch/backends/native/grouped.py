@@ -160,9 +160,12 @@ class GroupedBackward(NamedTuple):
 
 
 class GroupedScratch(NamedTuple):
-    """What the CUDA backward's kernels pass each other (pass one in to read it back)."""
+    """What the CUDA backward's kernels pass each other (pass one in to read it back). g is
+    required where I > mok_bf16.G_SWIGLU_MAX_INNER; at or below it the SwiGLU backward runs in the
+    g GEMM's epilogue, which needs no g array, and g is written only where given (a test passes
+    one to read g back)."""
 
-    g: torch.Tensor  # [M, I] fp32: dy @ Wd, unweighted
+    g: torch.Tensor | None  # [M, I] fp32: dy @ Wd, unweighted
     hw: torch.Tensor  # [M, I] bf16: bf16(w h), h = silu(a_c) * b_c (h itself for unweighted rows)
     d_ab: torch.Tensor  # [M, 2I] bf16: d_a then d_b
 
@@ -226,13 +229,13 @@ def grouped_backward(
     weight gradient dWd, dy's last reader, runs before dx's GEMM).
     The weight gradients dWg = C + sum d_a^T x, dWu = C + sum d_b^T x and dWd (the CPU: C + sum
     bf16(w dy)^T h, the reference's; CUDA: C + sum dy^T bf16(w h), the weight on h's side, which
-    the SwiGLU kernel writes in h's place) start from C = the fp32 accumulators `acc` when carry_in (else
+    the g GEMM's SwiGLU epilogue writes in h's place) start from C = the fp32 accumulators `acc` when carry_in (else
     +0) and go to `acc` (fp32, in place) and/or `wgrad_out` (bf16, rounded once): the last of
     several calls can hand out bf16 gradients directly. router_weights None: all ones (the shared
     expert). On CUDA the weight gradients take each expert's rows in 64-row blocks from its
     segment start, so calls split at multiples of 64 rows from every segment start give the bits
     of one call (docs/determinism.md "The GPU GEMMs"). `scratch`: the CUDA kernels' intermediate
-    arrays (allocated when None; unused on the CPU).
+    arrays (allocated when None; unused on the CPU); its g is written only where it is given.
 
     `weight_route` (int32 [M], each row's route; -1 a padding row): router_weights_M is then the
     routes' weights [T*K] and row r's weight router_weights[weight_route[r]] (0 for a route
@@ -334,7 +337,8 @@ def grouped_backward(
     if cuda and scratch is None:
         scratch = backward_scratch(M, I, dev)
     elif cuda and scratch is not None:
-        check_tensor("scratch.g", scratch.g, dtypes=(torch.float32,), shape=rows_I, device=dev)
+        if scratch.g is not None or I > g_swiglu_max_inner():
+            check_tensor("scratch.g", scratch.g, dtypes=(torch.float32,), shape=rows_I, device=dev)
         check_tensor("scratch.hw", scratch.hw, dtypes=(BF16,), shape=rows_I, device=dev)
         check_tensor("scratch.d_ab", scratch.d_ab, dtypes=(BF16,), shape=[("M", M), ("2I", 2 * I)], device=dev)
     on_device = torch.cuda.device(dev) if cuda else contextlib.nullcontext()
@@ -347,10 +351,18 @@ def grouped_backward(
     return out
 
 
+def g_swiglu_max_inner() -> int:
+    """The widest I whose CUDA backward needs no g array (mok_bf16.G_SWIGLU_MAX_INNER)."""
+    import mok_bf16
+
+    return int(mok_bf16.G_SWIGLU_MAX_INNER)
+
+
 def backward_scratch(M: int, I: int, device: torch.device) -> GroupedScratch:
-    """Fresh scratch arrays for the CUDA backward's kernels over M rows."""
+    """Fresh scratch arrays for the CUDA backward's kernels over M rows (no g where the fused g
+    kernel runs: I <= mok_bf16.G_SWIGLU_MAX_INNER)."""
     return GroupedScratch(
-        torch.empty(M, I, dtype=torch.float32, device=device),
+        torch.empty(M, I, dtype=torch.float32, device=device) if I > g_swiglu_max_inner() else None,
         torch.empty(M, I, dtype=BF16, device=device),
         torch.empty(M, 2 * I, dtype=BF16, device=device),
     )
@@ -397,7 +409,7 @@ def launch_backward(
     num_routes = 0 if weight_route is None or router_weights is None else router_weights.shape[0]
     tokens = dy_tokens if dy_tokens is not None else x_tokens
     topk = 1 if tokens is None or tokens.shape[0] == 0 else num_routes // tokens.shape[0]
-    g_ptr, hw_ptr, d_ab_ptr = (0, 0, 0) if scratch is None else (t.data_ptr() for t in scratch)
+    g_ptr, hw_ptr, d_ab_ptr = (0, 0, 0) if scratch is None else (0 if t is None else t.data_ptr() for t in scratch)
     acc_ptrs = (0, 0, 0) if acc is None else tuple(t.data_ptr() for t in acc)
     out_ptrs = (0, 0, 0) if wgrad_out is None else tuple(t.data_ptr() for t in wgrad_out)
     mok_bf16.grouped_backward(
@@ -486,14 +498,17 @@ def backward_call(
     wg, wu, wd = weights
     El, inner = wg.shape[:2]
     dev = dy_TH.device
-    # One scratch allocation: dy's rows in table order (then dx's), g (fp32), bf16(w h), [d_a, d_b]
-    # and the int64 offsets; every part 16-byte aligned (H and I are multiples of 64).
-    parts = (C * H * 2, C * inner * 4, C * inner * 2, C * inner * 4, 8 * (El + 1))
+    # One scratch allocation: dy's rows in table order (then dx's), g (fp32; none where the SwiGLU
+    # backward runs in the g GEMM's epilogue, I <= G_SWIGLU_MAX_INNER), bf16(w h), [d_a, d_b] and
+    # the int64 offsets; every part 16-byte aligned (H and I are multiples of 64).
+    g_bytes = C * inner * 4 if inner > mok_bf16.G_SWIGLU_MAX_INNER else 0
+    parts = (C * H * 2, g_bytes, C * inner * 2, C * inner * 4, 8 * (El + 1))
     scratch = torch.empty(sum(parts), dtype=torch.uint8, device=dev)
     at = [scratch.data_ptr()]
     for n in parts[:-1]:
         at.append(at[-1] + n)
     dys, g, hw, d_ab, offsets64 = at
+    g = g if g_bytes else 0
     d_router = torch.empty(T, K, dtype=torch.float32, device=dev)
     dx = torch.empty(T, H, dtype=BF16, device=dev)
     fp32 = wgrads[0].dtype == torch.float32
