@@ -21,7 +21,7 @@ def test_every_patch_and_probe_it_names_exists():
     named = set(re.findall(r"prepared/[\w.-]+\.patch", text))
     probes = set(re.findall(r"\$P/([\w.-]+\.py)", text))
     results = set(re.findall(r"benchmarks/results/[\w./-]+\.txt", text))  # the committed digests
-    assert named and probes and results
+    assert probes and results  # (a call may build main alone: no patch named)
     for path in sorted(named):
         assert (ROOT / path).is_file(), path
     for probe in sorted(probes):

@@ -93,25 +93,12 @@ __device__ inline void swiglu_backward_rows(const SwigluBackwardRows& r, std::in
       const uint4 bv = *reinterpret_cast<const uint4*>(r.b + at);
       const float4 g0 = *reinterpret_cast<const float4*>(r.g + at);
       const float4 g1 = *reinterpret_cast<const float4*>(r.g + at + 4);
-      const std::uint32_t aw[4] = {av.x, av.y, av.z, av.w};
-      const std::uint32_t bw[4] = {bv.x, bv.y, bv.z, bv.w};
       const float gs[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
-      std::uint32_t hw[4], daw[4], dbw[4];
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const core::SwigluGrad2 e =
-            core::swiglu_backward2(gs[2 * q], gs[2 * q + 1], w, aw[q], bw[q], lim, sig);
-        part = core::mac_rn(part, gs[2 * q], e.h[0]);
-        part = core::mac_rn(part, gs[2 * q + 1], e.h[1]);
-        hw[q] = core::weighted_bf16x2(w, e.h[0], e.h[1]);
-        daw[q] = e.d_a;
-        dbw[q] = e.d_b;
-      }
-      *reinterpret_cast<uint4*>(r.hw + at) = make_uint4(hw[0], hw[1], hw[2], hw[3]);
-      *reinterpret_cast<uint4*>(r.d_ab + row * 2 * I + i) =
-          make_uint4(daw[0], daw[1], daw[2], daw[3]);
-      *reinterpret_cast<uint4*>(r.d_ab + row * 2 * I + I + i) =
-          make_uint4(dbw[0], dbw[1], dbw[2], dbw[3]);
+      uint4 hw, daw, dbw;
+      part = core::swiglu_backward8(gs, w, av, bv, lim, sig, part, hw, daw, dbw);
+      *reinterpret_cast<uint4*>(r.hw + at) = hw;
+      *reinterpret_cast<uint4*>(r.d_ab + row * 2 * I + i) = daw;
+      *reinterpret_cast<uint4*>(r.d_ab + row * 2 * I + I + i) = dbw;
     }
 #pragma unroll
     for (int d = 16; d >= 1; d /= 2)

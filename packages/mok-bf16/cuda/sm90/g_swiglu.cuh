@@ -89,32 +89,6 @@ struct ThreadRows {
   int route[2];  // -1: no route (d_w_routes not written)
 };
 
-// The SwiGLU backward of one 8-column piece (columns col .. col + 7 of a row): g8 the fp32 g, av
-// and bv 16 bytes of a and b; hw, d_a and d_b of the piece out, 16 bytes each; fl(g_i h_i) added
-// to `part` in column order (the SwiGLU kernel's lane sum) and returned.
-__device__ inline float swiglu_backward8(const float (&g8)[8], float w, const uint4& av,
-                                         const uint4& bv, core::SwigluLimit limit,
-                                         const core::SharedSigmoid& sig, float part, uint4& hw,
-                                         uint4& d_a, uint4& d_b) {
-  const std::uint32_t aw[4] = {av.x, av.y, av.z, av.w};
-  const std::uint32_t bw[4] = {bv.x, bv.y, bv.z, bv.w};
-  std::uint32_t hv[4], dav[4], dbv[4];
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const core::SwigluGrad2 grad =
-        core::swiglu_backward2(g8[2 * q], g8[2 * q + 1], w, aw[q], bw[q], limit, sig);
-    part = core::mac_rn(part, g8[2 * q], grad.h[0]);
-    part = core::mac_rn(part, g8[2 * q + 1], grad.h[1]);
-    hv[q] = core::weighted_bf16x2(w, grad.h[0], grad.h[1]);
-    dav[q] = grad.d_a;
-    dbv[q] = grad.d_b;
-  }
-  hw = make_uint4(hv[0], hv[1], hv[2], hv[3]);
-  d_a = make_uint4(dav[0], dav[1], dav[2], dav[3]);
-  d_b = make_uint4(dbv[0], dbv[1], dbv[2], dbv[3]);
-  return part;
-}
-
 // Piece kK of the thread's two rows out of the accumulators: g8[half][i] = column i of n8 block
 // 4 kK + c (c = lane % 4) of row `half`, from the quad's exchange (quad_transpose) of the
 // fragment's words, the even columns' words and the odd ones' apart.
@@ -237,11 +211,12 @@ __device__ inline void g_swiglu_epilogue(const GSwiglu& e, const core::SharedSig
       const std::int64_t at = r.row[half] * e.inner + col;
       uint4 hv, dav, dbv;
       // The clamp off as a constant where it is (a branch the warp takes as one): no clamps.
-      done[half] = e.limit.on
-                       ? swiglu_backward8(g8[half], r.w[half], a_now[half], b_now[half], e.limit,
-                                          sig, part[0][half], hv, dav, dbv)
-                       : swiglu_backward8(g8[half], r.w[half], a_now[half], b_now[half],
-                                          core::SwigluLimit{}, sig, part[0][half], hv, dav, dbv);
+      done[half] =
+          e.limit.on
+              ? core::swiglu_backward8(g8[half], r.w[half], a_now[half], b_now[half], e.limit, sig,
+                                       part[0][half], hv, dav, dbv)
+              : core::swiglu_backward8(g8[half], r.w[half], a_now[half], b_now[half],
+                                       core::SwigluLimit{}, sig, part[0][half], hv, dav, dbv);
       *reinterpret_cast<uint4*>(e.hw + at) = hv;
       std::uint16_t* dab_row = e.d_ab + r.row[half] * 2 * e.inner;
       *reinterpret_cast<uint4*>(dab_row + col) = dav;

@@ -211,6 +211,32 @@ __device__ inline SwigluGrad2 swiglu_backward2(float g0, float g1, float w, std:
 __device__ inline std::uint32_t weighted_bf16x2(float w, float h0, float h1) {
   return float_to_bf16x2(mul_rn(w, h0), mul_rn(w, h1));
 }
+
+// The SwiGLU backward of eight adjacent elements of a row (16 bytes of a and of b, their fp32 g
+// in g8, the row's weight w): hw = bf16(w h), d_a and d_b out, 16 bytes each, and fl(g_i h_i)
+// added to `part` in column order (a lane's share of d_w), returned. The SwiGLU kernel's and the
+// fused g kernel's piece.
+template <class Sig>
+__device__ inline float swiglu_backward8(const float (&g8)[8], float w, const uint4& av,
+                                         const uint4& bv, SwigluLimit lim, const Sig& sig,
+                                         float part, uint4& hw, uint4& d_a, uint4& d_b) {
+  const std::uint32_t aw[4] = {av.x, av.y, av.z, av.w};
+  const std::uint32_t bw[4] = {bv.x, bv.y, bv.z, bv.w};
+  std::uint32_t hv[4], dav[4], dbv[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const SwigluGrad2 grad = swiglu_backward2(g8[2 * q], g8[2 * q + 1], w, aw[q], bw[q], lim, sig);
+    part = mac_rn(part, g8[2 * q], grad.h[0]);
+    part = mac_rn(part, g8[2 * q + 1], grad.h[1]);
+    hv[q] = weighted_bf16x2(w, grad.h[0], grad.h[1]);
+    dav[q] = grad.d_a;
+    dbv[q] = grad.d_b;
+  }
+  hw = make_uint4(hv[0], hv[1], hv[2], hv[3]);
+  d_a = make_uint4(dav[0], dav[1], dav[2], dav[3]);
+  d_b = make_uint4(dbv[0], dbv[1], dbv[2], dbv[3]);
+  return part;
+}
 #endif
 
 // bf16(w * dy): the down-projection weight gradient's left operand, rounded to bf16 as the
