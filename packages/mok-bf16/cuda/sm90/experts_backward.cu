@@ -67,8 +67,8 @@ struct SwigluBackwardRows {
   core::SwigluLimit limit;
 };
 
-// Rows [lo, hi) of the kernel below, the clamp `lim` (r.limit, or SwigluLimit{} where it is
-// off: a constant, so that the element math carries no clamps).
+// Rows [lo, hi) of the kernel below, the clamp `lim` (r.limit, or the constant SwigluLimit{}
+// where it is off: core::with_swiglu_limit).
 __device__ inline void swiglu_backward_rows(const SwigluBackwardRows& r, std::int64_t lo,
                                             std::int64_t hi, core::SwigluLimit lim) {
   const int lane = threadIdx.x % 32;
@@ -127,14 +127,11 @@ __global__ void moe_backward_prepare_kernel(const std::int32_t* offsets32, std::
 
 __global__ void swiglu_backward_kernel(SwigluBackwardRows r) {
   __shared__ int sorted;
-  tiles::for_each_row_range(r.offsets, r.num_experts, r.num_rows, &sorted,
-                            [&](std::int64_t lo, std::int64_t hi) {
-                              if (r.limit.on) {
-                                swiglu_backward_rows(r, lo, hi, r.limit);
-                              } else {
-                                swiglu_backward_rows(r, lo, hi, core::SwigluLimit{});
-                              }
-                            });
+  tiles::for_each_row_range(
+      r.offsets, r.num_experts, r.num_rows, &sorted, [&](std::int64_t lo, std::int64_t hi) {
+        core::with_swiglu_limit(
+            r.limit, [&](core::SwigluLimit lim) { swiglu_backward_rows(r, lo, hi, lim); });
+      });
 }
 
 // The most clusters of two CTAs of `kKernel` that can be resident at once on this device (0 if

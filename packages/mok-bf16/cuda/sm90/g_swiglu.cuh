@@ -210,13 +210,11 @@ __device__ inline void g_swiglu_epilogue(const GSwiglu& e, const core::SharedSig
       if (!r.in[half] || col >= e.inner) continue;
       const std::int64_t at = r.row[half] * e.inner + col;
       uint4 hv, dav, dbv;
-      // The clamp off as a constant where it is (a branch the warp takes as one): no clamps.
-      done[half] =
-          e.limit.on
-              ? core::swiglu_backward8(g8[half], r.w[half], a_now[half], b_now[half], e.limit, sig,
-                                       part[0][half], hv, dav, dbv)
-              : core::swiglu_backward8(g8[half], r.w[half], a_now[half], b_now[half],
-                                       core::SwigluLimit{}, sig, part[0][half], hv, dav, dbv);
+      // The clamp off as a constant where it is (core::with_swiglu_limit): no clamps.
+      done[half] = core::with_swiglu_limit(e.limit, [&](core::SwigluLimit lim) {
+        return core::swiglu_backward8(g8[half], r.w[half], a_now[half], b_now[half], lim, sig,
+                                      part[0][half], hv, dav, dbv);
+      });
       *reinterpret_cast<uint4*>(e.hw + at) = hv;
       std::uint16_t* dab_row = e.d_ab + r.row[half] * 2 * e.inner;
       *reinterpret_cast<uint4*>(dab_row + col) = dav;

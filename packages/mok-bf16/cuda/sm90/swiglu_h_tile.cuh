@@ -44,17 +44,15 @@ __device__ inline void store_swiglu_h_clamped(std::uint16_t* h, int inner, Row f
   }
 }
 
-// The same, with the clamp off passed as a constant where it is (the warp takes one branch or
-// the other): its element math then carries no clamps nor the table's test for the limit.
+// The same, with the clamp off passed as a constant where it is (core::with_swiglu_limit): its
+// element math then carries no clamps nor the table's test for the limit.
 template <class Row>
 __device__ inline void store_swiglu_h(std::uint16_t* h, int inner, Row first, Row row_end, int col0,
                                       const PackedBf16& w, core::SwigluLimit limit,
                                       const core::TableSigmoid& sig) {
-  if (limit.on) {
-    store_swiglu_h_clamped(h, inner, first, row_end, col0, w, limit, sig);
-  } else {
-    store_swiglu_h_clamped(h, inner, first, row_end, col0, w, core::SwigluLimit{}, sig);
-  }
+  core::with_swiglu_limit(limit, [&](core::SwigluLimit lim) {
+    store_swiglu_h_clamped(h, inner, first, row_end, col0, w, lim, sig);
+  });
 }
 
 }  // namespace mok::bf16::gemm

@@ -160,7 +160,15 @@ MOK_HD inline SwigluGrad swiglu_backward(float g, float w, std::uint16_t a, std:
 // bf16 results two to a 32-bit word (the lower half first), each rounding of the pair by
 // float_to_bf16x2 (one instruction, not ~14): every operation the scalar functions do, in their
 // order, so the same bits. A caller that knows the clamp is off passes SwigluLimit{} as a
-// constant (its `on` false), and the compiler drops the clamps and their tests.
+// constant (its `on` false: with_swiglu_limit), and the compiler drops the clamps and their tests.
+
+// f(lim), with the clamp passed as the constant SwigluLimit{} where it is off: a branch the warp
+// takes as one, and on that side the compiler drops the clamps and their tests from f's element
+// math. The kernels' one way to specialize for the clamp.
+template <class F>
+__device__ inline auto with_swiglu_limit(SwigluLimit lim, F&& f) {
+  return lim.on ? f(lim) : f(SwigluLimit{});
+}
 
 // h of two elements whose sigmoids s0, s1 (of the clamped gates) were looked up.
 __device__ inline std::uint32_t swiglu_h2(std::uint32_t a2, std::uint32_t b2, SwigluLimit lim,
