@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # The GPU call that measures what this folder prepares (README.md here), in one command, ordered by
 # what decides most, each step under its own timeout: a call cut short still brings back the first
-# answers in $OUT (bits.txt, g-path.txt, ncu-g.txt, sass-g.csv.gz, ncu-forward.txt, sass-forward.csv.gz, log).
+# answers in $OUT (bits.txt, ncu-g.txt, sass-g.csv.gz, ncu-forward.txt, sass-forward.csv.gz, log).
 #
 #   prepared/call.sh build          here, before the call: the wheel folders under .whl/ (each
 #                                   from a clean checkout of main with the patches applied; ~1.5
 #                                   min each on two cores; a Python 3.12 with scikit-build-core,
 #                                   pybind11, cmake, ninja and setuptools: $MOK_WHEEL_PYTHON)
 #   prepared/call.sh [STEP ...]     on the GPU machine (device `run`, carry [".whl"]): the steps
-#                                   named (dsum, gsass, fwd below), or all three in that order; then
+#                                   named (gsass, fwd below), or both in that order; then
 #   prepared/call.sh summary [DIR]  the bits per case and build, the tests' lines (DIR: default $OUT)
 #
-# Folders: mok-base (main), mok-d (main + g-swiglu-deferred-sums.patch). Session 50 merged the
-# fused g kernel (the g-swiglu-* patches) and measured it with steps since removed (git history).
+# Folders: mok-base (main). Session 50 merged the fused g kernel (the g-swiglu-* patches); session
+# 51 measured and dropped g-swiglu-deferred-sums.patch (its step, dsum, and the patch: git history).
 set -o pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = build ]; then
@@ -23,7 +23,6 @@ if [ "${1:-}" = build ]; then
     python3 tools/gpu_wheels.py build --python "$py" --base main "${args[@]}" --out ".whl/$out" || exit 1
   done <<LIST
 mok-base
-mok-d prepared/g-swiglu-deferred-sums.patch
 LIST
   exit 0
 fi
@@ -67,23 +66,6 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,power.draw --fo
 echo "## committed-dw1" >>"$OUT/bits.txt"
 cat benchmarks/results/profiles/2026-12-07_nvidia-h100_bits-digest-dw1.txt >>"$OUT/bits.txt"
 BACKWARD="tests/bf16/test_bf16_grouped_backward.py tests/bf16/test_moe_backward_call.py"
-step_dsum() {  # the fused g kernel with its lane sums after the element math (mok-d, the fused
-  # kernel at every I) against main: bits, the backward's tests, the g path's kernels in turns
-  # (NOTES.md, session 51's prediction)
-  mark dsum
-  for b in mok-base mok-d; do wheels $b; bits $b; done
-  for round in 1 2; do
-    for b in mok-base mok-d; do
-      wheels $b; mark "g path $b round $round"; echo "## $b round $round" >>"$OUT/g-path.txt"
-      timeout 150 python3 $P/dwd_gather.py sonic-7b qwen3-30b-a3b >>"$OUT/g-path.txt" 2>&1
-    done
-  done
-  for b in mok-base mok-d; do
-    wheels $b; mark "g path $b large"; echo "## $b large" >>"$OUT/g-path.txt"
-    timeout 150 python3 $P/dwd_gather.py deepseek-v3-e32 mixtral-8x7b >>"$OUT/g-path.txt" 2>&1
-  done
-  tests reference 240 $BACKWARD  # under mok-d
-}
 step_gsass() {  # ncu on main's fused g kernel at sonic-7b, dy gathered (dwd_gather 1, an H100's
   # default; the third launch: warm-up, copied, gathered): the sections and each SASS
   # instruction's stall samples, for its next form (NOTES.md, session 50); the bits, the tests
@@ -108,7 +90,7 @@ step_fwd() {  # ncu on main's forward megakernel at sonic-7b: its sections and p
   ncu -i /tmp/fwd.ncu-rep --print-summary none >>"$OUT/ncu-forward.txt" 2>&1
   ncu -i /tmp/fwd.ncu-rep --page source --csv --print-source sass 2>>"$L" | gzip >"$OUT/sass-forward.csv.gz"
 }
-for step in "${@:-dsum gsass fwd}"; do
+for step in "${@:-gsass fwd}"; do
   for s in $step; do "step_$s"; done
 done
 mark done
