@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # The GPU call that measures what this folder prepares (README.md here), in one command, ordered by
 # what decides most, each step under its own timeout: a call cut short still brings back the first
-# answers in $OUT (bits.txt, ncu-g.txt, sass-g.csv.gz, ncu-forward.txt, sass-forward.csv.gz, log).
+# answers in $OUT (bits.txt, g-path.txt, ncu-g.txt, sass-g.csv.gz, ncu-forward.txt, sass-forward.csv.gz, log).
 #
 #   prepared/call.sh build          here, before the call: the wheel folders under .whl/ (each
 #                                   from a clean checkout of main with the patches applied; ~1.5
 #                                   min each on two cores; a Python 3.12 with scikit-build-core,
 #                                   pybind11, cmake, ninja and setuptools: $MOK_WHEEL_PYTHON)
 #   prepared/call.sh [STEP ...]     on the GPU machine (device `run`, carry [".whl"]): the steps
-#                                   named (gsass, fwd below), or both in that order; then
+#                                   named (nan, gsass, fwd below), or all three in that order; then
 #   prepared/call.sh summary [DIR]  the bits per case and build, the tests' lines (DIR: default $OUT)
 #
-# Folders: mok-base (main). Session 50 merged the fused g kernel (the g-swiglu-* patches); session
-# 51 measured and dropped g-swiglu-deferred-sums.patch (its step, dsum, and the patch: git history).
+# Folders: mok-base (main), mok-n (main + one-nan.patch). Session 50 merged the fused g kernel (the
+# g-swiglu-* patches); session 51 measured and dropped g-swiglu-deferred-sums.patch (its step,
+# dsum, and the patch: git history) and wrote one-nan.patch, which no device time was left to run.
 set -o pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = build ]; then
@@ -23,6 +24,7 @@ if [ "${1:-}" = build ]; then
     python3 tools/gpu_wheels.py build --python "$py" --base main "${args[@]}" --out ".whl/$out" || exit 1
   done <<LIST
 mok-base
+mok-n prepared/one-nan.patch
 LIST
   exit 0
 fi
@@ -66,6 +68,26 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,power.draw --fo
 echo "## committed-dw1" >>"$OUT/bits.txt"
 cat benchmarks/results/profiles/2026-12-07_nvidia-h100_bits-digest-dw1.txt >>"$OUT/bits.txt"
 BACKWARD="tests/bf16/test_bf16_grouped_backward.py tests/bf16/test_moe_backward_call.py"
+step_nan() {  # one-nan.patch (one canonical NaN, 0x7FFF: the hardware's conversion alone) against main:
+  # bits, the g path and the megakernel's timers in turns, the GPU tests its change touches
+  # (NOTES.md, session 51's prediction). A short call: NAN_ROUNDS=1 NAN_SHAPES=sonic-7b NAN_TESTS=90
+  mark nan
+  for b in mok-base mok-n; do wheels $b; bits $b; done
+  for round in $(seq "${NAN_ROUNDS:-2}"); do
+    for b in mok-base mok-n; do
+      wheels $b; mark "g path and timers $b round $round"; echo "## $b round $round" >>"$OUT/g-path.txt"
+      # shellcheck disable=SC2086
+      timeout 100 python3 $P/dwd_gather.py ${NAN_SHAPES:-sonic-7b qwen3-30b-a3b} >>"$OUT/g-path.txt" 2>&1
+      # shellcheck disable=SC2086
+      timeout 100 python3 $P/megakernel_timers.py ${NAN_SHAPES:-sonic-7b qwen3-30b-a3b} >>"$OUT/g-path.txt" 2>&1
+    done
+  done
+  # under mok-n: the kernels whose rounding changed (the sanitizers left out: no memory access moved)
+  tests reference "${NAN_TESTS:-150}" tests/bf16/test_bf16_grouped.py tests/bf16/test_bf16_grouped_backward.py \
+    tests/bf16/test_moe_backward_call.py tests/bf16/test_megakernel.py tests/core/test_core_schedule.py \
+    tests/mxfp8/test_mxfp8_backward.py tests/mxfp8/test_mxfp8_grouped.py -k "not sanitizer"
+  tests cuda 90 tests/layer/test_determinism.py
+}
 step_gsass() {  # ncu on main's fused g kernel at sonic-7b, dy gathered (dwd_gather 1, an H100's
   # default; the third launch: warm-up, copied, gathered): the sections and each SASS
   # instruction's stall samples, for its next form (NOTES.md, session 50); the bits, the tests
@@ -90,7 +112,7 @@ step_fwd() {  # ncu on main's forward megakernel at sonic-7b: its sections and p
   ncu -i /tmp/fwd.ncu-rep --print-summary none >>"$OUT/ncu-forward.txt" 2>&1
   ncu -i /tmp/fwd.ncu-rep --page source --csv --print-source sass 2>>"$L" | gzip >"$OUT/sass-forward.csv.gz"
 }
-for step in "${@:-gsass fwd}"; do
+for step in "${@:-nan gsass fwd}"; do
   for s in $step; do "step_$s"; done
 done
 mark done
