@@ -21,7 +21,7 @@ if [ "${1:-}" = build ]; then
   py=${MOK_WHEEL_PYTHON:-python3.12}
   # mok-base: main before one-nan.patch landed (0510820); mok: this tree (gpu_wheels.py commit names it)
   python3 tools/gpu_wheels.py build --python "$py" --base 0510820 --out .whl/mok-base || exit 1
-  python3 tools/gpu_wheels.py build --python "$py" --out .whl/mok || exit 1
+  python3 tools/gpu_wheels.py build --python "$py" || exit 1  # this tree: .whl/mok
   exit 0
 fi
 if [ "${1:-}" = summary ]; then
