@@ -11,17 +11,21 @@
 #                                   named (nan, gsass, fwd below), or all three in that order; then
 #   prepared/call.sh summary [DIR]  the bits per case and build, the tests' lines (DIR: default $OUT)
 #
-# Folders: mok-base (main before one-nan.patch: 0510820), mok (this tree, one-nan.patch merged).
-# Session 50 merged the fused g kernel (the g-swiglu-* patches); session 51 measured and dropped
-# g-swiglu-deferred-sums.patch (its step, dsum, and the patch: git history) and wrote one-nan.patch;
-# session 52 merged it with this call's nan step as its measurement (NOTES.md, session 52).
+# Folders: mok-base (main), mok-n (main + one-nan.patch). Session 50 merged the fused g kernel (the
+# g-swiglu-* patches); session 51 measured and dropped g-swiglu-deferred-sums.patch (its step,
+# dsum, and the patch: git history) and wrote one-nan.patch, which no device time was left to run.
 set -o pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = build ]; then
   py=${MOK_WHEEL_PYTHON:-python3.12}
-  # mok-base: main before one-nan.patch landed (0510820); mok: this tree (gpu_wheels.py commit names it)
-  python3 tools/gpu_wheels.py build --python "$py" --base 0510820 --out .whl/mok-base || exit 1
-  python3 tools/gpu_wheels.py build --python "$py" || exit 1  # this tree: .whl/mok
+  while read -r out patches; do
+    args=()
+    for p in $patches; do args+=(--patch "$p"); done
+    python3 tools/gpu_wheels.py build --python "$py" --base main "${args[@]}" --out ".whl/$out" || exit 1
+  done <<LIST
+mok-base
+mok-n prepared/one-nan.patch
+LIST
   exit 0
 fi
 if [ "${1:-}" = summary ]; then
@@ -64,13 +68,13 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,power.draw --fo
 echo "## committed-dw1" >>"$OUT/bits.txt"
 cat benchmarks/results/profiles/2026-12-07_nvidia-h100_bits-digest-dw1.txt >>"$OUT/bits.txt"
 BACKWARD="tests/bf16/test_bf16_grouped_backward.py tests/bf16/test_moe_backward_call.py"
-step_nan() {  # one-nan.patch (one canonical NaN, 0x7FFF: the hardware's conversion alone) against 0510820:
+step_nan() {  # one-nan.patch (one canonical NaN, 0x7FFF: the hardware's conversion alone) against main:
   # bits, the g path and the megakernel's timers in turns, the GPU tests its change touches
   # (NOTES.md, session 51's prediction). A short call: NAN_ROUNDS=1 NAN_SHAPES=sonic-7b NAN_TESTS=90
   mark nan
-  for b in mok-base mok; do wheels $b; bits $b; done
+  for b in mok-base mok-n; do wheels $b; bits $b; done
   for round in $(seq "${NAN_ROUNDS:-2}"); do
-    for b in mok-base mok; do
+    for b in mok-base mok-n; do
       wheels $b; mark "g path and timers $b round $round"; echo "## $b round $round" >>"$OUT/g-path.txt"
       # shellcheck disable=SC2086
       timeout 100 python3 $P/dwd_gather.py ${NAN_SHAPES:-sonic-7b qwen3-30b-a3b} >>"$OUT/g-path.txt" 2>&1
@@ -78,7 +82,7 @@ step_nan() {  # one-nan.patch (one canonical NaN, 0x7FFF: the hardware's convers
       timeout 100 python3 $P/megakernel_timers.py ${NAN_SHAPES:-sonic-7b qwen3-30b-a3b} >>"$OUT/g-path.txt" 2>&1
     done
   done
-  # under mok: the kernels whose rounding changed (the sanitizers left out: no memory access moved)
+  # under mok-n: the kernels whose rounding changed (the sanitizers left out: no memory access moved)
   tests reference "${NAN_TESTS:-150}" tests/bf16/test_bf16_grouped.py tests/bf16/test_bf16_grouped_backward.py \
     tests/bf16/test_moe_backward_call.py tests/bf16/test_megakernel.py tests/core/test_core_schedule.py \
     tests/mxfp8/test_mxfp8_backward.py tests/mxfp8/test_mxfp8_grouped.py -k "not sanitizer"
@@ -87,8 +91,8 @@ step_nan() {  # one-nan.patch (one canonical NaN, 0x7FFF: the hardware's convers
 step_gsass() {  # ncu on the fused g kernel at sonic-7b, dy gathered (dwd_gather 1, an H100's
   # default; the third launch: warm-up, copied, gathered): the sections and each SASS
   # instruction's stall samples, for its next form (NOTES.md, session 50); the bits, the tests.
-  # GSASS_BUILD names the wheel folder (default mok: the kernel as it is after one-nan.patch)
-  local b=${GSASS_BUILD:-mok}
+  # GSASS_BUILD: the wheel folder (default mok-n: the kernel as one-nan.patch leaves it)
+  local b=${GSASS_BUILD:-mok-n}
   wheels "$b"; mark "gsass $b"
   timeout 150 ncu --clock-control none --kernel-name regex:g_swiglu_gemm --launch-skip 2 --launch-count 1 \
     --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section SourceCounters \
@@ -99,9 +103,9 @@ step_gsass() {  # ncu on the fused g kernel at sonic-7b, dy gathered (dwd_gather
   bits "$b"
   tests reference "${GSASS_TESTS:-200}" $BACKWARD
 }
-step_fwd() {  # ncu on the forward megakernel at sonic-7b (this tree's): its sections and per-instruction
+step_fwd() {  # ncu on main's forward megakernel at sonic-7b: its sections and per-instruction
   # stall table (NOTES.md, session 49, item 2: is its gate/up feed bound by the L2's bytes?)
-  wheels mok; mark fwd
+  wheels mok-base; mark fwd
   timeout 150 ncu --clock-control none --kernel-name regex:moe_forward --launch-skip 1 --launch-count 1 \
     --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
     --section SourceCounters --import-source no -f -o /tmp/fwd python3 $P/megakernel_ncu.py sonic-7b \
