@@ -1,31 +1,48 @@
 #!/usr/bin/env bash
 # The GPU call that measures what this folder prepares (README.md here), in one command, ordered by
 # what decides most, each step under its own timeout: a call cut short still brings back the first
-# answers in $OUT (bits.txt, g-path.txt, ncu-g.txt, sass-g.csv.gz, ncu-forward.txt, sass-forward.csv.gz, log).
+# answers in $OUT (bits.txt, g-path.txt, log, then s/: the SonicMoE bench's JSON, plot and log;
+# ncu-g.txt, sass-g.csv.gz, ncu-forward.txt, sass-forward.csv.gz: at most 8 files in all).
 #
-#   prepared/call.sh build          here, before the call: the wheel folders under .whl/ (each
-#                                   from a clean checkout of main with the patches applied; ~1.5
-#                                   min each on two cores; a Python 3.12 with scikit-build-core,
-#                                   pybind11, cmake, ninja and setuptools: $MOK_WHEEL_PYTHON)
-#   prepared/call.sh [STEP ...]     on the GPU machine (device `run`, carry [".whl"]): the steps
-#                                   named (nan, gsass, fwd below), or all three in that order; then
+#   prepared/call.sh build          here, before the call: .whl/mok (this tree, main: what the
+#                                   bench's JSON names), .whl/mok-n (main + one-nan.patch) and,
+#                                   if absent, .whl/sonic (tools/gpu_wheels.py sonic); ~3 min a
+#                                   folder on two cores; a Python 3.12 with scikit-build-core,
+#                                   pybind11, cmake, ninja, setuptools and wheel: $MOK_WHEEL_PYTHON
+#   prepared/call.sh lean | unlean  here, around a call that carries .whl/sonic: benchmarks/results,
+#                                   NOTES.md and docs/ out of the tree (to /tmp/mok-lean) and back,
+#                                   so that the tree and the three folders fit the call's 64 MiB
+#                                   (none of them is run or listed in TREE)
+#   prepared/call.sh [STEP ...]     on the GPU machine (device `run`, carry [".whl/mok",
+#                                   ".whl/mok-n", ".whl/sonic"]): the steps named (nan, sonic,
+#                                   gsass, fwd below), or nan and sonic; then
 #   prepared/call.sh summary [DIR]  the bits per case and build, the tests' lines (DIR: default $OUT)
 #
-# Folders: mok-base (main), mok-n (main + one-nan.patch). Session 50 merged the fused g kernel (the
-# g-swiglu-* patches); session 51 measured and dropped g-swiglu-deferred-sums.patch (its step,
-# dsum, and the patch: git history) and wrote one-nan.patch, which no device time was left to run.
+# The first call of session 53, as session 52 wrote it (no machine was lent in session 52):
+#   NAN_ROUNDS=1 timeout 300 prepared/call.sh nan; prepared/call.sh summary;
+#   timeout 250 prepared/call.sh sonic
+# Session 50 merged the fused g kernel (the g-swiglu-* patches); session 51 measured and dropped
+# g-swiglu-deferred-sums.patch (its step, dsum, and the patch: git history) and wrote
+# one-nan.patch, which neither session 51 nor 52 had a machine to run.
 set -o pipefail
 cd "$(dirname "$0")/.."
+LEAN=/tmp/mok-lean
 if [ "${1:-}" = build ]; then
   py=${MOK_WHEEL_PYTHON:-python3.12}
-  while read -r out patches; do
-    args=()
-    for p in $patches; do args+=(--patch "$p"); done
-    python3 tools/gpu_wheels.py build --python "$py" --base main "${args[@]}" --out ".whl/$out" || exit 1
-  done <<LIST
-mok-base
-mok-n prepared/one-nan.patch
-LIST
+  python3 tools/gpu_wheels.py build --python "$py" || exit 1
+  python3 tools/gpu_wheels.py build --python "$py" --base HEAD --patch prepared/one-nan.patch \
+    --out .whl/mok-n || exit 1
+  [ -d .whl/sonic ] || python3 tools/gpu_wheels.py sonic || exit 1
+  exit 0
+fi
+if [ "${1:-}" = lean ]; then
+  [ -e $LEAN ] && { echo "call.sh: $LEAN exists (unlean first)" >&2; exit 1; }
+  mkdir -p $LEAN/benchmarks && mv benchmarks/results $LEAN/benchmarks/ && mv NOTES.md docs $LEAN/ || exit 1
+  exit 0
+fi
+if [ "${1:-}" = unlean ]; then
+  mv $LEAN/benchmarks/results benchmarks/ && mv $LEAN/NOTES.md $LEAN/docs . && rm -r $LEAN || exit 1
+  git status --short | head
   exit 0
 fi
 if [ "${1:-}" = summary ]; then
@@ -72,9 +89,9 @@ step_nan() {  # one-nan.patch (one canonical NaN, 0x7FFF: the hardware's convers
   # bits, the g path and the megakernel's timers in turns, the GPU tests its change touches
   # (NOTES.md, session 51's prediction). A short call: NAN_ROUNDS=1 NAN_SHAPES=sonic-7b NAN_TESTS=90
   mark nan
-  for b in mok-base mok-n; do wheels $b; bits $b; done
+  for b in mok mok-n; do wheels $b; bits $b; done
   for round in $(seq "${NAN_ROUNDS:-2}"); do
-    for b in mok-base mok-n; do
+    for b in mok mok-n; do
       wheels $b; mark "g path and timers $b round $round"; echo "## $b round $round" >>"$OUT/g-path.txt"
       # shellcheck disable=SC2086
       timeout 100 python3 $P/dwd_gather.py ${NAN_SHAPES:-sonic-7b qwen3-30b-a3b} >>"$OUT/g-path.txt" 2>&1
@@ -103,9 +120,17 @@ step_gsass() {  # ncu on the fused g kernel at sonic-7b, dy gathered (dwd_gather
   bits "$b"
   tests reference "${GSASS_TESTS:-200}" $BACKWARD
 }
+step_sonic() {  # mok (main, .whl/mok: the tree's own build) against SonicMoE and torch-a2a, the
+  # bench in turns (tools/gpu-check's sonic stage; its JSON names the commit) on SONIC_SHAPES
+  mark sonic; mkdir -p "$OUT/s"
+  MOK_SONIC_SHAPES=${SONIC_SHAPES:-sonic-7b,qwen3-30b-a3b} MOK_SONIC_CHECK=0 tools/gpu-check "$OUT/s" sonic \
+    >"$OUT/s/log" 2>&1
+  echo "rc=$? sonic" >>"$L"
+  grep -v "^warning" "$OUT/s/log" | tail -6
+}
 step_fwd() {  # ncu on main's forward megakernel at sonic-7b: its sections and per-instruction
   # stall table (NOTES.md, session 49, item 2: is its gate/up feed bound by the L2's bytes?)
-  wheels mok-base; mark fwd
+  wheels mok; mark fwd
   timeout 150 ncu --clock-control none --kernel-name regex:moe_forward --launch-skip 1 --launch-count 1 \
     --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
     --section SourceCounters --import-source no -f -o /tmp/fwd python3 $P/megakernel_ncu.py sonic-7b \
@@ -114,7 +139,7 @@ step_fwd() {  # ncu on main's forward megakernel at sonic-7b: its sections and p
   ncu -i /tmp/fwd.ncu-rep --print-summary none >>"$OUT/ncu-forward.txt" 2>&1
   ncu -i /tmp/fwd.ncu-rep --page source --csv --print-source sass 2>>"$L" | gzip >"$OUT/sass-forward.csv.gz"
 }
-for step in "${@:-nan gsass fwd}"; do
+for step in "${@:-nan sonic}"; do
   for s in $step; do "step_$s"; done
 done
 mark done

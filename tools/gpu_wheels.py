@@ -7,6 +7,7 @@ that a GPU call need not compile them (the build took 61-68 s of a call's device
     python3 tools/gpu_wheels.py build --base main --patch prepared/x.patch --out .whl/mok-x
                                                       # here: main + a prepared patch, a third build
                                                       # (--patch again: more patches, in order)
+    python3 tools/gpu_wheels.py sonic                 # here: SonicMoE's wheels in .whl/sonic
     python3 tools/gpu_wheels.py check                 # there: exit 0 if the wheels fit the tree
     python3 tools/gpu_wheels.py commit                # there: the commit the tree was built at
 
@@ -24,6 +25,13 @@ the tree against that list: the wheels count only when every listed file is ther
 bytes and no other source file exists (build outputs, caches and egg-info are not sources).
 tools/gpu-check installs them when `check` passes and they import, and builds the packages as
 before otherwise (a binary built on one machine's image may not load on another's).
+
+`sonic` fills .whl/sonic with what tools/gpu-check's `sonic` stages install on a GPU machine (it
+has no network): the pinned wheels of SonicMoE and its dependencies (SONIC_WHEELS, for the GPU
+machines' Python 3.12 on x86-64 Linux), by `pip download`, with the largest, nvidia-cutlass-dsl-
+libs-base (74 MB), repacked as an xz tarball of its files (52 MB; ~3 min on two cores) so that the
+folder, mok's wheels and the tree fit one call's 64 MiB (with benchmarks/results, NOTES.md and
+docs/ moved out for that call: prepared/call.sh `lean`).
 
 `build` also records in TREE the commit it was run at (and whether tracked files had local
 changes) with the SHA-256 of every tracked file that can change what runs. On a GPU machine the
@@ -162,6 +170,72 @@ def check() -> int:
     return 0
 
 
+# SonicMoE 0.1.2.post1 on QuACK 0.3.11, the versions every comparison since session 17 ran.
+SONIC_WHEELS = (
+    "sonic-moe==0.1.2.post1",
+    "quack-kernels==0.3.11",
+    "nvidia-cutlass-dsl==4.4.2",
+    "nvidia-cutlass-dsl-libs-base==4.4.2",
+    "apache-tvm-ffi==0.1.15.post2",
+    "torch-c-dlpack-ext==0.1.5",
+)
+SONIC_OUT = ROOT / ".whl" / "sonic"
+LIBS_BASE = "nvidia_cutlass_dsl_libs_base-"  # the wheel repacked as cutlass_dsl_libs_base-<v>.tar.xz
+
+
+def download_sonic(into: Path) -> None:
+    """SONIC_WHEELS into `into` by pip (binary wheels for CPython 3.12 on manylinux x86-64)."""
+    platforms = ("manylinux_2_28_x86_64", "manylinux_2_24_x86_64", "any")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12"]
+    cmd += ["--implementation", "cp", *(a for p in platforms for a in ("--platform", p)), "-d", str(into)]
+    subprocess.run([*cmd, *SONIC_WHEELS], check=True)
+
+
+def pack_sonic(wheels: Path, out: Path) -> list[Path]:
+    """The downloaded wheels into `out` (emptied first): the libs-base wheel as an xz tarball of
+    its files (what gpu-check untars into its site folder), the others as they are."""
+    import lzma
+    import tarfile
+    import zipfile
+
+    found = sorted(wheels.glob("*.whl"))
+    libs = [w for w in found if w.name.startswith(LIBS_BASE)]
+    if len(libs) != 1 or len(found) != len(SONIC_WHEELS):
+        raise SystemExit(f"gpu_wheels: expected {len(SONIC_WHEELS)} wheels, one of them {LIBS_BASE}*, in {wheels}")
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    written = []
+    for w in found:
+        if w is libs[0]:
+            continue
+        shutil.copy2(w, out / w.name)
+        written.append(out / w.name)
+    version = libs[0].name[len(LIBS_BASE) :].split("-")[0]
+    tarball = out / f"cutlass_dsl_libs_base-{version}.tar.xz"
+    with tempfile.TemporaryDirectory() as tmp:
+        with zipfile.ZipFile(libs[0]) as z:
+            z.extractall(tmp)
+        if shutil.which("xz") and shutil.which("tar"):  # xz -T2: the multithreaded compressor
+            with open(tarball, "wb") as f:
+                tar = subprocess.Popen(["tar", "cf", "-", "-C", tmp, "."], stdout=subprocess.PIPE)
+                subprocess.run(["xz", "-9e", "-T2"], stdin=tar.stdout, stdout=f, check=True)
+                if tar.wait() != 0:
+                    raise SystemExit("gpu_wheels: tar failed")
+        else:
+            with tarfile.open(tarball, "w:xz", preset=9 | lzma.PRESET_EXTREME) as t:
+                t.add(tmp, arcname=".")
+    written.append(tarball)
+    size = sum(f.stat().st_size for f in written)
+    print(f"gpu_wheels: {len(written)} files, {size / 1e6:.1f} MB in {out}")
+    return written
+
+
+def sonic(out: Path | None = None) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        download_sonic(Path(tmp))
+        pack_sonic(Path(tmp), SONIC_OUT if out is None else out)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -176,9 +250,13 @@ def main() -> int:
         help="with --base: apply FILE to REV's tree first (repeatable: applied in order)",
     )
     b.add_argument("--out", metavar="DIR", type=Path, help="with --base: the folder (default .whl/mok-base)")
+    sub.add_parser("sonic")
     sub.add_parser("check")
     sub.add_parser("commit")
     ns = p.parse_args()
+    if ns.command == "sonic":
+        sonic()
+        return 0
     if ns.command == "build":
         if (ns.patch or ns.out) and not ns.base:
             p.error("--patch and --out go with --base (this tree's own build is .whl/mok)")

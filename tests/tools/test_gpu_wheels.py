@@ -204,3 +204,43 @@ def test_build_into_a_relative_folder_lands_where_the_caller_names_it(tool, monk
 
 
 _real_run = subprocess.run
+
+
+def _fake_wheel(path: Path, files: dict[str, str]) -> None:
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+
+
+def test_sonic_wheels_packed_with_libs_base_as_a_tarball(tool, tmp_path):
+    """`sonic`: the downloaded wheels into the folder, the libs-base wheel's files as an xz tarball
+    (what gpu-check's sonic stages untar into their site folder), the rest as they are; a
+    download that lacks a wheel is an error naming the folder."""
+    import tarfile
+
+    got = tmp_path / "dl"
+    got.mkdir()
+    names = [spec.split("==")[0].replace("-", "_") + "-1.0-py3-none-any.whl" for spec in tool.SONIC_WHEELS]
+    for name in names:
+        files = {"pkg/__init__.py": f"# {name}\n"}
+        if name.startswith(tool.LIBS_BASE):
+            name = tool.LIBS_BASE + "4.4.2-cp312-cp312-manylinux_2_28_x86_64.whl"
+            files = {"nvidia_cutlass_dsl/lib/libx.so": "binary", "libs_base.dist-info/RECORD": ""}
+        _fake_wheel(got / name, files)
+    out = tmp_path / "sonic"
+    (out / "stale.whl").parent.mkdir()
+    (out / "stale.whl").write_text("from an earlier run")
+    written = tool.pack_sonic(got, out)
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in written)
+    assert len(written) == len(tool.SONIC_WHEELS) and not (out / "stale.whl").exists()
+    tarball = out / "cutlass_dsl_libs_base-4.4.2.tar.xz"
+    with tarfile.open(tarball) as t:
+        members = {m.name.removeprefix("./") for m in t.getmembers() if m.isfile()}
+        assert members == {"nvidia_cutlass_dsl/lib/libx.so", "libs_base.dist-info/RECORD"}
+        lib = t.extractfile(next(m for m in t.getmembers() if m.name.endswith("libx.so")))
+        assert lib is not None and lib.read() == b"binary"
+    next(got.glob(tool.LIBS_BASE + "*")).unlink()
+    with pytest.raises(SystemExit, match="expected 6 wheels"):
+        tool.pack_sonic(got, out)
