@@ -5,22 +5,24 @@
 # ncu-g.txt, sass-g.csv.gz, ncu-forward.txt, sass-forward.csv.gz: at most 8 files in all).
 #
 #   prepared/call.sh build          here, before the call: .whl/mok (this tree, main: what the
-#                                   bench's JSON names), .whl/mok-n (main + one-nan.patch) and,
-#                                   if absent, .whl/sonic (tools/gpu_wheels.py sonic); ~3 min a
+#                                   bench's JSON names), .whl/mok-n (main + one-nan.patch),
+#                                   .whl/mok-nx (mok-n + g-swiglu-smem-exchange.patch) and, if
+#                                   absent, .whl/sonic (tools/gpu_wheels.py sonic); ~3 min a
 #                                   folder on two cores; a Python 3.12 with scikit-build-core,
 #                                   pybind11, cmake, ninja, setuptools and wheel: $MOK_WHEEL_PYTHON
 #   prepared/call.sh lean | unlean  here, around a call that carries .whl/sonic: benchmarks/results,
 #                                   NOTES.md and docs/ out of the tree (to /tmp/mok-lean) and back,
 #                                   so that the tree and the three folders fit the call's 64 MiB
 #                                   (none of them is run or listed in TREE)
-#   prepared/call.sh [STEP ...]     on the GPU machine (device `run`, carry [".whl/mok",
-#                                   ".whl/mok-n", ".whl/sonic"]): the steps named (nan, sonic,
-#                                   gsass, fwd below), or nan and sonic; then
+#   prepared/call.sh [STEP ...]     on the GPU machine (device `run`, carry the folders the steps
+#                                   use: nan the three mok folders, sonic .whl/mok and .whl/sonic;
+#                                   not all four in one call: 64 MiB): the steps named (nan, sonic,
+#                                   gsass, fwd below), or nan; then
 #   prepared/call.sh summary [DIR]  the bits per case and build, the tests' lines (DIR: default $OUT)
 #
-# The first call of session 53, as session 52 wrote it (no machine was lent in session 52):
-#   NAN_ROUNDS=1 timeout 300 prepared/call.sh nan; prepared/call.sh summary;
-#   timeout 250 prepared/call.sh sonic
+# The calls of session 53, as session 52 wrote them (no machine was lent in session 52):
+#   1. carry mok, mok-n, mok-nx:  NAN_ROUNDS=1 timeout 570 prepared/call.sh nan; prepared/call.sh summary
+#   2. lean, carry mok and sonic: timeout 300 prepared/call.sh sonic   (then unlean here)
 # Session 50 merged the fused g kernel (the g-swiglu-* patches); session 51 measured and dropped
 # g-swiglu-deferred-sums.patch (its step, dsum, and the patch: git history) and wrote
 # one-nan.patch, which neither session 51 nor 52 had a machine to run.
@@ -32,6 +34,8 @@ if [ "${1:-}" = build ]; then
   python3 tools/gpu_wheels.py build --python "$py" || exit 1
   python3 tools/gpu_wheels.py build --python "$py" --base HEAD --patch prepared/one-nan.patch \
     --out .whl/mok-n || exit 1
+  python3 tools/gpu_wheels.py build --python "$py" --base HEAD --patch prepared/one-nan.patch \
+    --patch prepared/g-swiglu-smem-exchange.patch --out .whl/mok-nx || exit 1
   [ -d .whl/sonic ] || python3 tools/gpu_wheels.py sonic || exit 1
   exit 0
 fi
@@ -85,13 +89,17 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,power.draw --fo
 echo "## committed-dw1" >>"$OUT/bits.txt"
 cat benchmarks/results/profiles/2026-12-07_nvidia-h100_bits-digest-dw1.txt >>"$OUT/bits.txt"
 BACKWARD="tests/bf16/test_bf16_grouped_backward.py tests/bf16/test_moe_backward_call.py"
-step_nan() {  # one-nan.patch (one canonical NaN, 0x7FFF: the hardware's conversion alone) against main:
+NAN_BUILDS=""
+for b in mok mok-n mok-nx; do [ -d ".whl/$b" ] && NAN_BUILDS="$NAN_BUILDS $b"; done
+step_nan() {  # one-nan.patch (one canonical NaN, 0x7FFF: the hardware's conversion alone) against main,
+  # and g-swiglu-smem-exchange.patch on it (the quads' exchange of g through shared memory), the
+  # builds of NAN_BUILDS (those carried):
   # bits, the g path and the megakernel's timers in turns, the GPU tests its change touches
-  # (NOTES.md, session 51's prediction). A short call: NAN_ROUNDS=1 NAN_SHAPES=sonic-7b NAN_TESTS=90
+  # (NOTES.md, session 51's prediction). A short call: NAN_ROUNDS=1 NAN_SHAPES=sonic-7b NAN_TESTS=90 NAN_SANITIZE=60
   mark nan
-  for b in mok mok-n; do wheels $b; bits $b; done
+  for b in $NAN_BUILDS; do wheels $b; bits $b; done
   for round in $(seq "${NAN_ROUNDS:-2}"); do
-    for b in mok mok-n; do
+    for b in $NAN_BUILDS; do
       wheels $b; mark "g path and timers $b round $round"; echo "## $b round $round" >>"$OUT/g-path.txt"
       # shellcheck disable=SC2086
       timeout 100 python3 $P/dwd_gather.py ${NAN_SHAPES:-sonic-7b qwen3-30b-a3b} >>"$OUT/g-path.txt" 2>&1
@@ -99,11 +107,13 @@ step_nan() {  # one-nan.patch (one canonical NaN, 0x7FFF: the hardware's convers
       timeout 100 python3 $P/megakernel_timers.py ${NAN_SHAPES:-sonic-7b qwen3-30b-a3b} >>"$OUT/g-path.txt" 2>&1
     done
   done
-  # under mok-n: the kernels whose rounding changed (the sanitizers left out: no memory access moved)
+  # under the last build (mok-nx: both patches): the kernels whose rounding changed, then the
+  # sanitizers over the backward's GEMMs (the exchange moved shared-memory accesses)
   tests reference "${NAN_TESTS:-150}" tests/bf16/test_bf16_grouped.py tests/bf16/test_bf16_grouped_backward.py \
     tests/bf16/test_moe_backward_call.py tests/bf16/test_megakernel.py tests/core/test_core_schedule.py \
     tests/mxfp8/test_mxfp8_backward.py tests/mxfp8/test_mxfp8_grouped.py -k "not sanitizer"
   tests cuda 90 tests/layer/test_determinism.py
+  tests reference "${NAN_SANITIZE:-130}" tests/bf16/test_megakernel.py -k "sanitizer and gemm and (racecheck or memcheck)"
 }
 step_gsass() {  # ncu on the fused g kernel at sonic-7b, dy gathered (dwd_gather 1, an H100's
   # default; the third launch: warm-up, copied, gathered): the sections and each SASS
@@ -139,7 +149,7 @@ step_fwd() {  # ncu on main's forward megakernel at sonic-7b: its sections and p
   ncu -i /tmp/fwd.ncu-rep --print-summary none >>"$OUT/ncu-forward.txt" 2>&1
   ncu -i /tmp/fwd.ncu-rep --page source --csv --print-source sass 2>>"$L" | gzip >"$OUT/sass-forward.csv.gz"
 }
-for step in "${@:-nan sonic}"; do
+for step in "${@:-nan}"; do
   for s in $step; do "step_$s"; done
 done
 mark done
