@@ -4,38 +4,29 @@
 # answers in $OUT (bits.txt, g-path.txt, log, then s/: the SonicMoE bench's JSON, plot and log;
 # ncu-g.txt, sass-g.csv.gz, ncu-forward.txt, sass-forward.csv.gz: at most 8 files in all).
 #
-#   prepared/call.sh build          here, before the call: .whl/mok (this tree, main: what the
-#                                   bench's JSON names), .whl/mok-n (main + one-nan.patch),
-#                                   .whl/mok-nx (mok-n + g-swiglu-smem-exchange.patch) and, if
-#                                   absent, .whl/sonic (tools/gpu_wheels.py sonic); ~3 min a
-#                                   folder on two cores; a Python 3.12 with scikit-build-core,
-#                                   pybind11, cmake, ninja, setuptools and wheel: $MOK_WHEEL_PYTHON
+#   prepared/call.sh build          here, before the call: .whl/mok (this tree: what the bench's
+#                                   JSON names once committed) and, if absent, .whl/sonic
+#                                   (tools/gpu_wheels.py sonic); ~3 min a folder on two cores; a
+#                                   Python 3.12 with scikit-build-core, pybind11, cmake, ninja,
+#                                   setuptools and wheel: $MOK_WHEEL_PYTHON
 #   prepared/call.sh lean | unlean  here, around a call that carries .whl/sonic: benchmarks/results,
 #                                   NOTES.md and docs/ out of the tree (to /tmp/mok-lean) and back,
-#                                   so that the tree and the three folders fit the call's 64 MiB
+#                                   so that the tree and the folders fit the call's 64 MiB
 #                                   (none of them is run or listed in TREE)
 #   prepared/call.sh [STEP ...]     on the GPU machine (device `run`, carry the folders the steps
-#                                   use: nan the three mok folders, sonic .whl/mok and .whl/sonic;
-#                                   not all four in one call: 64 MiB): the steps named (nan, sonic,
-#                                   gsass, fwd below), or nan; then
+#                                   use: dw1, gsass, fwd .whl/mok; sonic .whl/mok and .whl/sonic):
+#                                   the steps named (dw1, sonic, gsass, fwd below), or dw1; then
 #   prepared/call.sh summary [DIR]  the bits per case and build, the tests' lines (DIR: default $OUT)
 #
-# The calls of session 53, as session 52 wrote them (no machine was lent in session 52):
-#   1. carry mok, mok-n, mok-nx:  NAN_ROUNDS=1 timeout 570 prepared/call.sh nan; prepared/call.sh summary
-#   2. lean, carry mok and sonic: timeout 300 prepared/call.sh sonic   (then unlean here)
-# Session 50 merged the fused g kernel (the g-swiglu-* patches); session 51 measured and dropped
-# g-swiglu-deferred-sums.patch (its step, dsum, and the patch: git history) and wrote
-# one-nan.patch, which neither session 51 nor 52 had a machine to run.
+# Session 53 ran session 52's calls (one-nan.patch merged, g-swiglu-smem-exchange.patch dropped:
+# NOTES.md) and wrote the dw1 step: dW1 with x's rows gathered as B (dw1_mode 3) against its other
+# modes, and the gather-x lane (the forward storing no x) against main's path, in turns.
 set -o pipefail
 cd "$(dirname "$0")/.."
 LEAN=/tmp/mok-lean
 if [ "${1:-}" = build ]; then
   py=${MOK_WHEEL_PYTHON:-python3.12}
   python3 tools/gpu_wheels.py build --python "$py" || exit 1
-  python3 tools/gpu_wheels.py build --python "$py" --base HEAD --patch prepared/one-nan.patch \
-    --out .whl/mok-n || exit 1
-  python3 tools/gpu_wheels.py build --python "$py" --base HEAD --patch prepared/one-nan.patch \
-    --patch prepared/g-swiglu-smem-exchange.patch --out .whl/mok-nx || exit 1
   [ -d .whl/sonic ] || python3 tools/gpu_wheels.py sonic || exit 1
   exit 0
 fi
@@ -86,45 +77,44 @@ tests() {  # tests BACKEND SECONDS FILE...
 }
 bits() { echo "## $1" >>"$OUT/bits.txt"; timeout 60 python3 $P/bits_digest.py >>"$OUT/bits.txt" 2>&1; }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,power.draw --format=csv >>"$L"
-echo "## committed-dw1" >>"$OUT/bits.txt"
-cat benchmarks/results/profiles/2026-12-07_nvidia-h100_bits-digest-dw1.txt >>"$OUT/bits.txt"
+# the committed digests (main's since session 49) beside this call's (absent in a lean tree)
+COMMITTED=benchmarks/results/profiles/2026-12-07_nvidia-h100_bits-digest-dw1.txt
+[ -f $COMMITTED ] && { echo "## committed-dw1"; cat $COMMITTED; } >>"$OUT/bits.txt"
 BACKWARD="tests/bf16/test_bf16_grouped_backward.py tests/bf16/test_moe_backward_call.py"
-NAN_BUILDS=""
-for b in mok mok-n mok-nx; do [ -d ".whl/$b" ] && NAN_BUILDS="$NAN_BUILDS $b"; done
-step_nan() {  # one-nan.patch (one canonical NaN, 0x7FFF: the hardware's conversion alone) against main,
-  # and g-swiglu-smem-exchange.patch on it (the quads' exchange of g through shared memory), the
-  # builds of NAN_BUILDS (those carried):
-  # bits, the g path and the megakernel's timers in turns, the GPU tests its change touches
-  # (NOTES.md, session 51's prediction). A short call: NAN_ROUNDS=1 NAN_SHAPES=sonic-7b NAN_TESTS=90 NAN_SANITIZE=60
-  mark nan
-  for b in $NAN_BUILDS; do wheels $b; bits $b; done
-  for round in $(seq "${NAN_ROUNDS:-2}"); do
-    for b in $NAN_BUILDS; do
-      wheels $b; mark "g path and timers $b round $round"; echo "## $b round $round" >>"$OUT/g-path.txt"
-      # shellcheck disable=SC2086
-      timeout 100 python3 $P/dwd_gather.py ${NAN_SHAPES:-sonic-7b qwen3-30b-a3b} >>"$OUT/g-path.txt" 2>&1
-      # shellcheck disable=SC2086
-      timeout 100 python3 $P/megakernel_timers.py ${NAN_SHAPES:-sonic-7b qwen3-30b-a3b} >>"$OUT/g-path.txt" 2>&1
-    done
-  done
-  # under the last build (mok-nx: both patches): the kernels whose rounding changed, then the
-  # sanitizers over the backward's GEMMs (the exchange moved shared-memory accesses)
-  # The tree's tests are main's: one-nan.patch's own test hunks (they pin 0x7FFF) go in for these
-  # runs and out after (the exchange patch changes no test).
-  local nan_tests=0
-  case $NAN_BUILDS in *mok-n*) git apply --include='tests/*' prepared/one-nan.patch && nan_tests=1 ;; esac
-  tests reference "${NAN_TESTS:-150}" tests/bf16/test_bf16_grouped.py tests/bf16/test_bf16_grouped_backward.py \
-    tests/bf16/test_moe_backward_call.py tests/bf16/test_megakernel.py tests/core/test_core_schedule.py \
-    tests/mxfp8/test_mxfp8_backward.py tests/mxfp8/test_mxfp8_grouped.py -k "not sanitizer"
+step_dw1() {  # dW1's modes (dwd_gather.py --dw1: 0 the stored x's rows, 2 x^T [d_a, d_b] gathering
+  # x, 3 [d_a, d_b]^T x gathering x as B), then the gather-x lane (the forward storing no x, dW1
+  # in mode 3) against main's path in one process, both in turns (NOTES.md, session 53's
+  # prediction); the bits, the backward's tests, the sanitizers over the backward's GEMMs and a
+  # mode-3 backward. A short call: DW1_ROUNDS=1 DW1_SHAPES=sonic-7b DW1_TESTS=90
+  wheels mok; mark dw1; bits mok
+  # shellcheck disable=SC2086
+  timeout 150 python3 $P/dwd_gather.py --dw1 --rounds="${DW1_ROUNDS:-2}" ${DW1_SHAPES:-sonic-7b qwen3-30b-a3b} \
+    >"$OUT/dw1.txt" 2>&1
+  echo "rc=$? dw1 modes" >>"$L"
+  mark lane
+  # shellcheck disable=SC2086
+  timeout 150 python3 $P/gather_x_lane.py --rounds="${DW1_ROUNDS:-2}" ${DW1_SHAPES:-sonic-7b qwen3-30b-a3b} \
+    >>"$OUT/dw1.txt" 2>&1
+  echo "rc=$? lane" >>"$L"
+  mark tests
+  tests reference "${DW1_TESTS:-150}" $BACKWARD -k "not sanitizer"
   tests cuda 90 tests/layer/test_determinism.py
-  tests reference "${NAN_SANITIZE:-130}" tests/bf16/test_megakernel.py -k "sanitizer and gemm and (racecheck or memcheck)"
-  [ $nan_tests = 1 ] && git apply -R --include='tests/*' prepared/one-nan.patch
+  tests reference 130 tests/bf16/test_megakernel.py -k "sanitizer and gemm and (racecheck or memcheck)"
+  local lane_script
+  lane_script="import mok_torch.backends.native as n; n.GATHER_X_MAX_INNER = 256
+$(python3 -c 'import sys; sys.path[:0] = ["tests/bf16", "tests"]; from test_megakernel import SANITIZE; print(SANITIZE)')"
+  for tool in memcheck racecheck; do
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 120 compute-sanitizer --tool=$tool --kernel-name kns=gemm \
+      python3 -c "$lane_script" full >/tmp/san.txt 2>&1
+    echo "rc=$? sanitizer $tool over the gemms, the lane on" >>"$L"
+    grep -E "ERROR SUMMARY|errors, .* warnings|ran" /tmp/san.txt | tail -3 >>"$L"
+  done
 }
 step_gsass() {  # ncu on the fused g kernel at sonic-7b, dy gathered (dwd_gather 1, an H100's
   # default; the third launch: warm-up, copied, gathered): the sections and each SASS
   # instruction's stall samples, for its next form (NOTES.md, session 50); the bits, the tests.
-  # GSASS_BUILD: the wheel folder (default mok-n: the kernel as one-nan.patch leaves it)
-  local b=${GSASS_BUILD:-mok-n}
+  # GSASS_BUILD: the wheel folder (default mok)
+  local b=${GSASS_BUILD:-mok}
   wheels "$b"; mark "gsass $b"
   timeout 150 ncu --clock-control none --kernel-name regex:g_swiglu_gemm --launch-skip 2 --launch-count 1 \
     --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section SourceCounters \
@@ -154,7 +144,7 @@ step_fwd() {  # ncu on main's forward megakernel at sonic-7b: its sections and p
   ncu -i /tmp/fwd.ncu-rep --print-summary none >>"$OUT/ncu-forward.txt" 2>&1
   ncu -i /tmp/fwd.ncu-rep --page source --csv --print-source sass 2>>"$L" | gzip >"$OUT/sass-forward.csv.gz"
 }
-for step in "${@:-nan}"; do
+for step in "${@:-dw1}"; do
   for s in $step; do "step_$s"; done
 done
 mark done

@@ -1,12 +1,13 @@
 """dWd gathering dy by route against dWd reading the g GEMM's table-ordered copy of dy, one shape at
 a time, on the same build: the backward's kernels as the layer at one rank runs them (dy given by
 token, each table row's route, bf16 weight gradients from +0), with `dwd_gather` 0 and 1. With
---dw1: dWd as the device's default, and dW1 in its three modes instead (`dw1_mode` 0: [d_a, d_b]^T x
+--dw1: dWd as the device's default, and dW1 in its four modes instead (`dw1_mode` 0: [d_a, d_b]^T x
 from x's table-ordered rows; 1: x^T [d_a, d_b] stored transposed; 2: as 1 with x gathered by route
-from the token rows, as the forward's megakernel would then not store them). With --fp32: the weight
+from the token rows, as the forward's megakernel would then not store them; 3: as 0 with x gathered
+by route as B). --rounds=N: the modes in turns N times (default 1). With --fp32: the weight
 gradients into fp32 accumulators (from +0, no bf16 rounding: fp32 parameters' path) instead of bf16.
 
-    python3 benchmarks/probes/dwd_gather.py [shape ...] [--ncu] [--dw1] [--fp32]
+    python3 benchmarks/probes/dwd_gather.py [shape ...] [--ncu] [--dw1] [--fp32] [--rounds=N]
 
 Prints, per shape and mode, each kernel's mean time under torch.profiler and the call's time by
 CUDA events back to back. With --ncu: each mode's backward once (after one warm-up call, which
@@ -66,7 +67,7 @@ def problem(T: int, H: int, I: int, E: int, K: int, dev: str = "cuda", fp32: boo
 
 def backward(d: dict, mode: int, dw1: bool = False) -> None:
     """One backward: dwd_gather=mode, or with dw1 the default dWd and dw1_mode=mode."""
-    modes = dict(dw1_mode=mode, x_tokens=d["x_tokens"] if mode == 2 else None) if dw1 else dict(dwd_gather=mode)
+    modes = dict(dw1_mode=mode, x_tokens=d["x_tokens"] if mode in (2, 3) else None) if dw1 else dict(dwd_gather=mode)
     acc, out = (d["out"], None) if d["fp32"] else (None, d["out"])
     grouped_backward(d["x"], d["offsets"], d["a"], d["b"], d["dy"], d["w"], d["wg"], d["wu"], d["wd"], acc,
                      carry_in=False, wgrad_out=out, weight_route=d["route"], dy_tokens=d["tokens"],
@@ -78,7 +79,8 @@ def main(argv: list[str]) -> None:
     ncu = "--ncu" in argv
     dw1 = "--dw1" in argv
     fp32 = "--fp32" in argv
-    modes, label = ((0, 1, 2), "dw1_mode") if dw1 else ((0, 1), "dwd_gather")
+    rounds = next((int(a.split("=")[1]) for a in argv if a.startswith("--rounds=")), 1)
+    modes, label = ((0, 1, 2, 3), "dw1_mode") if dw1 else ((0, 1), "dwd_gather")
     for shape in resolve_shapes(",".join(names), 1):
         d = problem(shape.tokens, shape.hidden, shape.inner, shape.experts, shape.topk, fp32=fp32)
         M = d["x"].shape[0]
@@ -91,7 +93,7 @@ def main(argv: list[str]) -> None:
             print(f"{shape.name}: rows {M}, {label} {modes} profiled in turn")
             continue
         digests = []
-        for mode in modes:
+        for mode in modes * rounds:
             for _ in range(2):
                 backward(d, mode, dw1)
             torch.cuda.synchronize()

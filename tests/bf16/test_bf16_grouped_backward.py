@@ -365,9 +365,9 @@ def test_cuda_same_bits_with_or_without_g_stored(lengths, H, I):
 
 
 def bf16_bits(t: torch.Tensor) -> torch.Tensor:
-    """bf16 bit patterns, every NaN as core::float_to_bf16's 0x7FC0 (torch's CPU conversion
-    writes other NaNs in its vectorized loops)."""
-    return torch.where(torch.isnan(t.float()), torch.tensor(0x7FC0, dtype=torch.int16), t.view(torch.int16))
+    """bf16 bit patterns, every NaN as core::float_to_bf16's 0x7FFF (torch's CPU conversion
+    writes other NaNs: 0x7FC0, or 0xFFFF in its vectorized loops)."""
+    return torch.where(torch.isnan(t.float()), torch.tensor(0x7FFF, dtype=torch.int16), t.view(torch.int16))
 
 
 @pytest.mark.gpu
@@ -375,10 +375,10 @@ def bf16_bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("limit", [None, 0.75], ids=["no-limit", "limit"])
 def test_cuda_element_math_on_every_gate_value(limit):
     """The SwiGLU backward's element math (its pair form on the device: the hardware's rounding
-    of two values, a NaN set to 0x7FC0) on all 65,536 bf16 gate patterns, NaN and infinities
+    of two values, a NaN as its canonical 0x7FFF) on all 65,536 bf16 gate patterns, NaN and infinities
     included, against up values with zeros, subnormals, the largest finite values, infinities
     and NaN, and g with a NaN row and rows that overflow: d_a, d_b and hw bitwise the
-    reference's on the kernel's own g, each NaN 0x7FC0; d_w the reference's order where finite."""
+    reference's on the kernel's own g, each NaN 0x7FFF; d_w the reference's order where finite."""
     M, H, I = 256, 64, 256
     d = make([M], H, I, seed=29)
     d["a"] = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(BF16).reshape(M, I)

@@ -284,15 +284,6 @@ struct PackedBf16 {
 };
 static_assert(kMmaN / 8 == 4 * kDrainChunks, "a piece is one quad's four n8 blocks");
 
-// Rounds to nearest even by the hardware conversion, one instruction per pair: the bits of
-// core::float_to_bf16 for every number; a NaN becomes the canonical 0x7FFF (float_to_bf16
-// gives 0x7FC0; either is a NaN, and each is the same on every run).
-__device__ inline std::uint32_t pack_bf16x2(float lo, float hi) {
-  std::uint32_t w;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(hi), "f"(lo));
-  return w;
-}
-
 // The four packed words a thread holds of n8 blocks j0 .. j0 + 3 of one of its rows (w_i:
 // columns 2c, 2c + 1 of block j0 + i, c = the thread's lane % 4), exchanged across the four
 // threads of its quad (they hold the same row) so that the thread holds block j0 + c whole:
@@ -341,7 +332,8 @@ __device__ inline std::uint32_t transpose_8x8(std::uint32_t w) {
 template <bool kTransposed = false>
 __device__ inline void pack_bf16(const Accumulators& acc, PackedBf16& out) {
   const auto word = [&](int j, int half) {  // columns 2c, 2c + 1 of n8 block j, row `half`
-    const std::uint32_t w = pack_bf16x2(acc.d[4 * j + 2 * half], acc.d[4 * j + 2 * half + 1]);
+    const std::uint32_t w =
+        core::float_to_bf16x2(acc.d[4 * j + 2 * half], acc.d[4 * j + 2 * half + 1]);
     if constexpr (kTransposed) return transpose_8x8(w);
     return w;
   };

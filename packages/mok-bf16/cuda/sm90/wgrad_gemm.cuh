@@ -421,7 +421,7 @@ __global__ void __launch_bounds__(kThreads, 1)
               to32[at_hi] = hi;
             }
             if (to16 != nullptr) {
-              const std::uint32_t w = pack_bf16x2(lo, hi);
+              const std::uint32_t w = core::float_to_bf16x2(lo, hi);
               to16[at_lo] = static_cast<std::uint16_t>(w);
               to16[at_hi] = static_cast<std::uint16_t>(w >> 16);
             }
@@ -430,7 +430,8 @@ __global__ void __launch_bounds__(kThreads, 1)
               *reinterpret_cast<float2*>(c32 + r * p.n + col) = make_float2(lo, hi);
             }
             if (c16 != nullptr) {
-              *reinterpret_cast<std::uint32_t*>(c16 + r * p.n + col) = pack_bf16x2(lo, hi);
+              *reinterpret_cast<std::uint32_t*>(c16 + r * p.n + col) =
+                  core::float_to_bf16x2(lo, hi);
             }
           }
         }
