@@ -14,8 +14,9 @@
 #                                   so that the tree and the folders fit the call's 64 MiB
 #                                   (none of them is run or listed in TREE)
 #   prepared/call.sh [STEP ...]     on the GPU machine (device `run`, carry the folders the steps
-#                                   use: dw1, gsass, fwd .whl/mok; sonic .whl/mok and .whl/sonic):
-#                                   the steps named (dw1, sonic, gsass, fwd below), or dw1; then
+#                                   use: dw1, dw1ncu, gsass, fwd .whl/mok; sonic .whl/mok and
+#                                   .whl/sonic): the steps named (dw1, dw1ncu, sonic, gsass, fwd
+#                                   below), or dw1; then
 #   prepared/call.sh summary [DIR]  the bits per case and build, the tests' lines (DIR: default $OUT)
 #
 # Session 53 ran session 52's calls (one-nan.patch merged, g-swiglu-smem-exchange.patch dropped:
@@ -124,6 +125,17 @@ step_gsass() {  # ncu on the fused g kernel at sonic-7b, dy gathered (dwd_gather
   ncu -i /tmp/g.ncu-rep --page source --csv --print-source sass 2>>"$L" | gzip >"$OUT/sass-g.csv.gz"
   bits "$b"
   tests reference "${GSASS_TESTS:-200}" $BACKWARD
+}
+step_dw1ncu() {  # ncu on the weight gradients at sonic-7b (dwd_gather.py --ncu --dw1: after one
+  # warm-up backward, dWd and dW1 of dw1_mode 0, 1, 2, 3 in turn): what bounds dW1 with x gathered
+  # as B (mode 3: 48 KB a k-block from L2 and 16 cp.async a producer thread) against mode 0's
+  # multicast pairs (NOTES.md, session 53)
+  wheels mok; mark dw1ncu
+  timeout 200 ncu --clock-control none --kernel-name regex:wgrad_gemm --launch-skip 2 --launch-count 8 \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+    --section LaunchStats -f -o /tmp/w python3 $P/dwd_gather.py sonic-7b --ncu --dw1 >"$OUT/ncu-dw1.txt" 2>&1
+  echo "rc=$? ncu dw1" >>"$L"
+  ncu -i /tmp/w.ncu-rep --print-summary none >>"$OUT/ncu-dw1.txt" 2>&1
 }
 step_sonic() {  # mok (main, .whl/mok: the tree's own build) against SonicMoE and torch-a2a, the
   # bench in turns (tools/gpu-check's sonic stage; its JSON names the commit) on SONIC_SHAPES
