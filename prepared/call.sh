@@ -128,7 +128,7 @@ step_gsass() {  # ncu on the fused g kernel at sonic-7b, dy gathered (dwd_gather
 }
 step_dw1ncu() {  # ncu on the weight gradients at sonic-7b (dwd_gather.py --ncu --dw1: after one
   # warm-up backward, dWd and dW1 of dw1_mode 0, 1, 2, 3 in turn): what bounds dW1 with x gathered
-  # as B (mode 3: 48 KB a k-block from L2 and 16 cp.async a producer thread) against mode 0's
+  # as B (mode 3: each CTA of a pair gathering half of B and sending it to the other) against mode 0's
   # multicast pairs (NOTES.md, session 53)
   wheels mok; mark dw1ncu
   timeout 200 ncu --clock-control none --kernel-name regex:wgrad_gemm --launch-skip 2 --launch-count 8 \
