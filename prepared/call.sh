@@ -14,9 +14,9 @@
 #                                   so that the tree and the folders fit the call's 64 MiB
 #                                   (none of them is run or listed in TREE)
 #   prepared/call.sh [STEP ...]     on the GPU machine (device `run`, carry the folders the steps
-#                                   use: dw1, dw1ncu, gsass, fwd .whl/mok; sonic .whl/mok and
-#                                   .whl/sonic): the steps named (dw1, dw1ncu, sonic, gsass, fwd
-#                                   below), or dw1; then
+#                                   use: dw1, dw1ncu, dw1sass, gsass, fwd .whl/mok; sonic .whl/mok
+#                                   and .whl/sonic): the steps named (dw1, dw1ncu, dw1sass, sonic,
+#                                   gsass, fwd below), or dw1; then
 #   prepared/call.sh summary [DIR]  the bits per case and build, the tests' lines (DIR: default $OUT)
 #
 # Session 53 ran session 52's calls (one-nan.patch merged, g-swiglu-smem-exchange.patch dropped:
@@ -136,6 +136,18 @@ step_dw1ncu() {  # ncu on the weight gradients at sonic-7b (dwd_gather.py --ncu 
     --section LaunchStats -f -o /tmp/w python3 $P/dwd_gather.py sonic-7b --ncu --dw1 >"$OUT/ncu-dw1.txt" 2>&1
   echo "rc=$? ncu dw1" >>"$L"
   ncu -i /tmp/w.ncu-rep --print-summary none >>"$OUT/ncu-dw1.txt" 2>&1
+}
+step_dw1sass() {  # ncu's per-instruction stall samples on mode 3's dW1 at sonic-7b (its tenth
+  # weight-gradient launch of dwd_gather.py --ncu --dw1: warm-up, then modes 0-3, dWd and dW1
+  # each): where the gathering kernel waits (NOTES.md, session 53); needs a build with mode 3
+  # (prepared/dw1-gather-b.patch applied)
+  wheels mok; mark dw1sass
+  timeout 200 ncu --clock-control none --kernel-name regex:wgrad_gemm --launch-skip 9 --launch-count 1 \
+    --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section SourceCounters \
+    --import-source no -f -o /tmp/w3 python3 $P/dwd_gather.py sonic-7b --ncu --dw1 >"$OUT/ncu-dw1-mode3.txt" 2>&1
+  echo "rc=$? ncu dw1 mode 3" >>"$L"
+  ncu -i /tmp/w3.ncu-rep --print-summary none >>"$OUT/ncu-dw1-mode3.txt" 2>&1
+  ncu -i /tmp/w3.ncu-rep --page source --csv --print-source sass 2>>"$L" | gzip >"$OUT/sass-dw1-mode3.csv.gz"
 }
 step_sonic() {  # mok (main, .whl/mok: the tree's own build) against SonicMoE and torch-a2a, the
   # bench in turns (tools/gpu-check's sonic stage; its JSON names the commit) on SONIC_SHAPES
