@@ -21,21 +21,9 @@ import mok_torch as mok
 import mok_torch.backends.native as native
 from mok_torch.bench.inputs import make_call, make_weights
 from mok_torch.bench.shapes import resolve_shapes
-from mok_torch.bench.timing import Ranks
+from mok_torch.bench.timing import Ranks, back_to_back_ms
 
 CALLS = 20
-
-
-def back_to_back_ms(fn, calls: int = CALLS) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / calls
 
 
 def main(argv: list[str]) -> None:
@@ -73,8 +61,8 @@ def main(argv: list[str]) -> None:
                                 b.view(torch.int16 if b.dtype == torch.bfloat16 else torch.int32))
                     for a, b in zip(got, first, strict=True)
                 )  # fmt: skip
-                fwd = back_to_back_ms(forward)
-                fb = back_to_back_ms(forward_backward)
+                fwd = back_to_back_ms(ranks, forward, calls=CALLS, rounds=1)
+                fb = back_to_back_ms(ranks, forward_backward, calls=CALLS, rounds=1)
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
                 forward_backward()
