@@ -73,17 +73,16 @@ inline int device_sms() {
   });
 }
 
-// Lets `kernel` use `bytes` of dynamic shared memory on the current device; the driver call is
-// made once per kernel and device (each kernel has its own instantiation, so its own flags).
-// A launch configuration in clusters of two CTAs along x (the attribute lives in the object, which
-// the configuration points to: not copied).
-struct PairLaunch {
+// A launch configuration in clusters of `size` CTAs along x (the attribute lives in the object,
+// which the configuration points to: not copied).
+struct ClusterLaunch {
   cudaLaunchAttribute cluster{};
   cudaLaunchConfig_t config{};
 
-  PairLaunch(unsigned grid, unsigned threads, std::size_t shared_bytes, cudaStream_t stream) {
+  ClusterLaunch(unsigned grid, unsigned threads, std::size_t shared_bytes, cudaStream_t stream,
+                unsigned size = 2) {
     cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim.x = 2;
+    cluster.val.clusterDim.x = size;
     cluster.val.clusterDim.y = 1;
     cluster.val.clusterDim.z = 1;
     config.gridDim = dim3(grid);
@@ -93,10 +92,12 @@ struct PairLaunch {
     config.attrs = &cluster;
     config.numAttrs = 1;
   }
-  PairLaunch(const PairLaunch&) = delete;
-  PairLaunch& operator=(const PairLaunch&) = delete;
+  ClusterLaunch(const ClusterLaunch&) = delete;
+  ClusterLaunch& operator=(const ClusterLaunch&) = delete;
 };
 
+// Lets `kernel` use `bytes` of dynamic shared memory on the current device; the driver call is
+// made once per kernel and device (each kernel has its own instantiation, so its own flags).
 template <auto kKernel>
 void allow_shared_bytes(int bytes) {
   static std::atomic<bool> done[kTrackedDevices];
