@@ -179,7 +179,5 @@ GROUPED_CASES = [
         ("skewed", [1000, 3, 5, 0, 0, 2, 1, 24], 512, 384),
         # K of more k-blocks than the deferred epilogue's pieces (16 and 10 blocks of 64)
         ("long-K", [300, 77, 0, 200], 1024, 640),
-        # C's row tiles in fours for both weight gradients (2I = H = 512): clusters of four CTAs
-        ("fours", [200, 0, 64, 131], 512, 256),
     )
 ]

@@ -28,7 +28,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <type_traits>
 
 #include "g_swiglu.cuh"
 #include "grouped_gemm.cuh"
@@ -135,20 +134,20 @@ __global__ void swiglu_backward_kernel(SwigluBackwardRows r) {
       });
 }
 
-// The most clusters of kSize CTAs of `kKernel` that can be resident at once on this device (0 if
-// none: the device takes no clusters of that size).
-template <auto kKernel, int kSize = 2>
-int resident_clusters(int shared_bytes) {
+// The most clusters of two CTAs of `kKernel` that can be resident at once on this device (0 if
+// none: the device takes no clusters).
+template <auto kKernel>
+int resident_pairs(int shared_bytes) {
   static std::atomic<int> known[kernels::kTrackedDevices];
   const int device = kernels::current_device();
   const bool tracked = device >= 0 && device < kernels::kTrackedDevices;
   if (tracked) {
     if (const int n = known[device].load(std::memory_order_relaxed); n != 0) return n < 0 ? 0 : n;
   }
-  const kernels::ClusterLaunch cluster(kSize, gemm::kThreads,
-                                       static_cast<std::size_t>(shared_bytes), nullptr, kSize);
+  const kernels::PairLaunch pair(2, gemm::kThreads, static_cast<std::size_t>(shared_bytes),
+                                 nullptr);
   int n = 0;
-  if (cudaOccupancyMaxActiveClusters(&n, kKernel, &cluster.config) != cudaSuccess) {
+  if (cudaOccupancyMaxActiveClusters(&n, kKernel, &pair.config) != cudaSuccess) {
     (void)cudaGetLastError();  // not an error of the call: no clusters, the kernel without them
     n = 0;
   }
@@ -171,11 +170,10 @@ void launch_g_swiglu(const CUtensorMap& map_a, const CUtensorMap& map_b, const g
   const std::int64_t most = (p.num_rows + gemm::kBlockM - 1) / gemm::kBlockM + p.num_experts;
   if (num_sms >= 2) {
     kernels::allow_shared_bytes<paired>(kShared);
-    const int pairs = std::min(num_sms / 2, resident_clusters<paired>(kShared));
+    const int pairs = std::min(num_sms / 2, resident_pairs<paired>(kShared));
     if (pairs >= 1) {
-      const kernels::ClusterLaunch pair(
-          static_cast<unsigned>(2 * std::min<std::int64_t>(pairs, most)), gemm::kThreads, kShared,
-          stream);
+      const kernels::PairLaunch pair(static_cast<unsigned>(2 * std::min<std::int64_t>(pairs, most)),
+                                     gemm::kThreads, kShared, stream);
       check(cudaLaunchKernelEx(&pair.config, paired, map_a, map_b, p, swiglu, gather),
             "launching the g GEMM with the SwiGLU backward");
       return;
@@ -189,8 +187,8 @@ void launch_g_swiglu(const CUtensorMap& map_a, const CUtensorMap& map_b, const g
 }
 
 // One of the weight-gradient kernels on at most num_sms CTAs (no more than its tile groups), in
-// clusters of kCluster (where none fits, of kCluster / 2); kGatherA: A's rows through p.gather;
-// kTransposeC: C stored transposed (wgrad_gemm.cuh).
+// clusters of kCluster; kGatherA: A's rows through p.gather; kTransposeC: C stored transposed
+// (wgrad_gemm.cuh).
 template <bool kCarryIn, bool kF32, int kCluster, bool kGatherA, bool kTransposeC>
 void launch_wgrad_kernel(const CUtensorMap& map_a, const CUtensorMap& map_b,
                          const gemm::WgradProblem& p, int num_sms, cudaStream_t stream) {
@@ -203,17 +201,15 @@ void launch_wgrad_kernel(const CUtensorMap& map_a, const CUtensorMap& map_b,
   const std::int64_t groups =
       static_cast<std::int64_t>(p.num_experts) * m_groups * ((p.n + gemm::kMmaN - 1) / gemm::kMmaN);
   if constexpr (kCluster > 1) {
-    const int clusters =
-        std::min(num_sms / kCluster, resident_clusters<kernel, kCluster>(R::kSharedBytes));
-    if (clusters < 1) {  // no cluster fits: half as many CTAs a tile group
-      launch_wgrad_kernel<kCarryIn, kF32, kCluster / 2, kGatherA, kTransposeC>(map_a, map_b, p,
-                                                                               num_sms, stream);
+    const int pairs = std::min(num_sms / 2, resident_pairs<kernel>(R::kSharedBytes));
+    if (pairs < 1) {  // no cluster fits: one CTA a tile group of one
+      launch_wgrad_kernel<kCarryIn, kF32, 1, kGatherA, kTransposeC>(map_a, map_b, p, num_sms,
+                                                                    stream);
       return;
     }
-    const kernels::ClusterLaunch launch(
-        static_cast<unsigned>(kCluster * std::min<std::int64_t>(clusters, groups)), gemm::kThreads,
-        R::kSharedBytes, stream, kCluster);
-    check(cudaLaunchKernelEx(&launch.config, kernel, map_a, map_b, p),
+    const kernels::PairLaunch pair(static_cast<unsigned>(2 * std::min<std::int64_t>(pairs, groups)),
+                                   gemm::kThreads, R::kSharedBytes, stream);
+    check(cudaLaunchKernelEx(&pair.config, kernel, map_a, map_b, p),
           "launching a weight-gradient GEMM");
   } else {
     const int grid =
@@ -227,24 +223,21 @@ template <bool kGatherA, bool kTransposeC>
 void launch_wgrad_as(const CUtensorMap& map_a, const CUtensorMap& map_b,
                      const gemm::WgradProblem& p, bool carry_in, int num_sms, cudaStream_t stream) {
   // bf16 outputs only (no fp32 accumulator, so nothing carried in): the deferred epilogue. In
-  // clusters of CTAs sharing B (wgrad_gemm.cuh) where two SMs or more are asked for: of four where
-  // C's row tiles come in fours (so no ghost tiles) and C is not transposed, else of two.
+  // clusters of two CTAs sharing B (wgrad_gemm.cuh) where two SMs or more are asked for.
   const bool f32 = p.part[0].f32 != nullptr || p.part[1].f32 != nullptr;
   constexpr bool kG = kGatherA, kT = kTransposeC;
-  const auto as = [&](auto cluster) {
-    constexpr int kC = decltype(cluster)::value;
+  if (num_sms < 2) {
     if (carry_in) {
-      return launch_wgrad_kernel<true, true, kC, kG, kT>(map_a, map_b, p, num_sms, stream);
+      return launch_wgrad_kernel<true, true, 1, kG, kT>(map_a, map_b, p, num_sms, stream);
     }
-    if (f32) return launch_wgrad_kernel<false, true, kC, kG, kT>(map_a, map_b, p, num_sms, stream);
-    launch_wgrad_kernel<false, false, kC, kG, kT>(map_a, map_b, p, num_sms, stream);
-  };
-  const int m_tiles = (p.m + gemm::kBlockM - 1) / gemm::kBlockM;
-  if (num_sms < 2) return as(std::integral_constant<int, 1>{});
-  if constexpr (!kTransposeC) {
-    if (num_sms >= 4 && m_tiles % 4 == 0) return as(std::integral_constant<int, 4>{});
+    if (f32) return launch_wgrad_kernel<false, true, 1, kG, kT>(map_a, map_b, p, num_sms, stream);
+    return launch_wgrad_kernel<false, false, 1, kG, kT>(map_a, map_b, p, num_sms, stream);
   }
-  as(std::integral_constant<int, 2>{});
+  if (carry_in) {
+    return launch_wgrad_kernel<true, true, 2, kG, kT>(map_a, map_b, p, num_sms, stream);
+  }
+  if (f32) return launch_wgrad_kernel<false, true, 2, kG, kT>(map_a, map_b, p, num_sms, stream);
+  launch_wgrad_kernel<false, false, 2, kG, kT>(map_a, map_b, p, num_sms, stream);
 }
 
 // The weight-gradient GEMM `p` (A gathered through p.gather where it is given; C stored

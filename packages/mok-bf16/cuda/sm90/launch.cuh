@@ -73,16 +73,17 @@ inline int device_sms() {
   });
 }
 
-// A launch configuration in clusters of `size` CTAs along x (the attribute lives in the object,
-// which the configuration points to: not copied).
-struct ClusterLaunch {
+// Lets `kernel` use `bytes` of dynamic shared memory on the current device; the driver call is
+// made once per kernel and device (each kernel has its own instantiation, so its own flags).
+// A launch configuration in clusters of two CTAs along x (the attribute lives in the object, which
+// the configuration points to: not copied).
+struct PairLaunch {
   cudaLaunchAttribute cluster{};
   cudaLaunchConfig_t config{};
 
-  ClusterLaunch(unsigned grid, unsigned threads, std::size_t shared_bytes, cudaStream_t stream,
-                unsigned size = 2) {
+  PairLaunch(unsigned grid, unsigned threads, std::size_t shared_bytes, cudaStream_t stream) {
     cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim.x = size;
+    cluster.val.clusterDim.x = 2;
     cluster.val.clusterDim.y = 1;
     cluster.val.clusterDim.z = 1;
     config.gridDim = dim3(grid);
@@ -92,12 +93,10 @@ struct ClusterLaunch {
     config.attrs = &cluster;
     config.numAttrs = 1;
   }
-  ClusterLaunch(const ClusterLaunch&) = delete;
-  ClusterLaunch& operator=(const ClusterLaunch&) = delete;
+  PairLaunch(const PairLaunch&) = delete;
+  PairLaunch& operator=(const PairLaunch&) = delete;
 };
 
-// Lets `kernel` use `bytes` of dynamic shared memory on the current device; the driver call is
-// made once per kernel and device (each kernel has its own instantiation, so its own flags).
 template <auto kKernel>
 void allow_shared_bytes(int bytes) {
   static std::atomic<bool> done[kTrackedDevices];

@@ -12,15 +12,14 @@
 // (grouped_gemm.cuh: same ring, producer and consumers). An expert with no rows in this call
 // gets C unchanged (its carried value, or +0) in the outputs.
 //
-// Clusters (kCluster 2 or 4): with few rows per expert a tile has few k-blocks, and the operands'
-// reads from L2 bound the GEMM (ncu at qwen3-30b-a3b: L2 80 % busy, 8 k-blocks a tile; at
-// sonic-7b dW1 93 %). The CTAs of a cluster take kCluster row tiles of C with the same column
-// tile, in step: the list is over groups of kCluster row tiles, and each k-block's B (the 256
-// columns all read) is loaded once for all, each CTA's producer multicasting 4 / kCluster of its
-// four boxes; each loads its own A. A stage is refilled only once the consumers of every CTA of
-// the cluster have given it back (they arrive on the barriers of all). A group past the last row
-// tile computes the last row tile again without storing it (a ghost), so that every CTA runs the
-// same k-blocks (the launch takes clusters of four only where the row tiles come in fours).
+// Clusters (kCluster 2): with few rows per expert a tile has few k-blocks, and the operands'
+// reads from L2 bound the GEMM (ncu at qwen3-30b-a3b: L2 80 % busy, 8 k-blocks a tile). The two
+// CTAs of a cluster take two row tiles of C with the same column tile, in step: the list is over
+// groups of kCluster row tiles, and each k-block's B (the 256 columns both read) is loaded once
+// for both, each CTA's producer multicasting half of its boxes; each loads its own A. A stage is
+// refilled only once the consumers of both CTAs have given it back (they arrive on the barriers
+// of both). A group past the last row tile (an odd count) computes the last row tile again
+// without storing it (a ghost), so that both CTAs run the same k-blocks.
 //
 // Gathered A (kGatherA, dWd at one rank: WgradProblem::gather): A's rows are read through each
 // table row's route from the token rows, where no table-ordered copy of them exists. The producer
@@ -171,7 +170,7 @@ __device__ inline void store_wgrad_piece(const PackedBf16& packed, std::uint16_t
 
 // kCarryIn: start from C's fp32 values; kF32: some part has an fp32 accumulator (else every
 // part has a bf16 output, and the epilogue is deferred). Template arguments: a run-time choice
-// there makes ptxas serialise the wgmmas. kCluster: CTAs per cluster (1, 2 or 4, the launch's).
+// there makes ptxas serialise the wgmmas. kCluster: CTAs per cluster (1 or 2, the launch's).
 // kGatherA: A's rows through p.gather; kTransposeC: C stored transposed (both above).
 template <int kStages, bool kCarryIn, bool kF32, int kCluster, bool kGatherA = false,
           bool kTransposeC = false>
@@ -181,8 +180,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   using R = Ring<kStages>;
   static_assert(kStages > kLagBlocks, "consumer 0 must get kLagBlocks stages before any release");
   static_assert(kF32 || !kCarryIn, "carrying C in needs its fp32 accumulators");
-  static_assert(kCluster == 1 || kCluster == 2 || kCluster == 4,
-                "B's four boxes are split evenly among the cluster's CTAs");
+  static_assert(kCluster == 1 || kCluster == 2, "B's boxes are split between at most two CTAs");
   constexpr bool kDeferred = !kF32;
   constexpr int kBox = kBlockK * 128;  // bytes of a 64 x 64 box
   extern __shared__ unsigned char smem_raw[];
