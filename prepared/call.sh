@@ -14,14 +14,14 @@
 #                                   so that the tree and the folders fit the call's 64 MiB
 #                                   (none of them is run or listed in TREE)
 #   prepared/call.sh [STEP ...]     on the GPU machine (device `run`, carry the folders the steps
-#                                   use: dw1, dw1ncu, dw1sass, gsass, fwd .whl/mok; sonic .whl/mok
-#                                   and .whl/sonic): the steps named (dw1, dw1ncu, dw1sass, sonic,
-#                                   gsass, fwd below), or dw1; then
+#                                   use: dw1, dw1ncu, gsass, fwd .whl/mok; tstore .whl/mok and
+#                                   .whl/mok-base; sonic .whl/mok and .whl/sonic): the steps named
+#                                   (dw1, dw1ncu, tstore, sonic, gsass, fwd below), or tstore; then
 #   prepared/call.sh summary [DIR]  the bits per case and build, the tests' lines (DIR: default $OUT)
 #
-# Session 53 ran session 52's calls (one-nan.patch merged, g-swiglu-smem-exchange.patch dropped:
-# NOTES.md) and wrote the dw1 step: dW1 with x's rows gathered as B (dw1_mode 3) against its other
-# modes, and the gather-x lane (the forward storing no x) against main's path, in turns.
+# Session 53 wrote the dw1 step (dW1's modes and the gather-x lane, in turns); session 54 ran its
+# clusters and lag steps (the weight gradients in clusters of four, 621ce1a; dw1_mode 3's send two
+# k-blocks late: both in git history, NOTES.md) and wrote tstore (C transposed in whole sectors).
 set -o pipefail
 cd "$(dirname "$0")/.."
 LEAN=/tmp/mok-lean
@@ -82,14 +82,14 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,power.draw --fo
 COMMITTED=benchmarks/results/profiles/2026-12-07_nvidia-h100_bits-digest-dw1.txt
 [ -f $COMMITTED ] && { echo "## committed-dw1"; cat $COMMITTED; } >>"$OUT/bits.txt"
 BACKWARD="tests/bf16/test_bf16_grouped_backward.py tests/bf16/test_moe_backward_call.py"
-step_dw1() {  # dW1's modes (dwd_gather.py --dw1: 0 the stored x's rows, 2 x^T [d_a, d_b] gathering
-  # x, 3 [d_a, d_b]^T x gathering x as B), then the gather-x lane (the forward storing no x, dW1
-  # in mode 3) against main's path in one process, both in turns (NOTES.md, session 53's
-  # prediction); the bits, the backward's tests, the sanitizers over the backward's GEMMs and a
-  # mode-3 backward. A short call: DW1_ROUNDS=1 DW1_SHAPES=sonic-7b DW1_TESTS=90
+step_dw1() {  # dW1's modes (dwd_gather.py --dw1 --modes=DW1_MODES, default 0,1,2: 0 the stored x's
+  # rows, 1 x^T [d_a, d_b] from them, 2 the same gathering x by route), then the gather-x lane
+  # (the forward storing no x, dW1 in mode 2) against main's path in one process, both in turns;
+  # the bits, the backward's tests, the sanitizers over the backward's GEMMs and the lane's
+  # backward. A short call: DW1_ROUNDS=1 DW1_SHAPES=sonic-7b DW1_TESTS=90
   wheels mok; mark dw1; bits mok
   # shellcheck disable=SC2086
-  timeout 150 python3 $P/dwd_gather.py --dw1 --rounds="${DW1_ROUNDS:-2}" ${DW1_SHAPES:-sonic-7b qwen3-30b-a3b} \
+  timeout 150 python3 $P/dwd_gather.py --dw1 --modes="${DW1_MODES:-0,1,2}" --rounds="${DW1_ROUNDS:-2}" ${DW1_SHAPES:-sonic-7b qwen3-30b-a3b} \
     >"$OUT/dw1.txt" 2>&1
   echo "rc=$? dw1 modes" >>"$L"
   mark lane
@@ -127,27 +127,13 @@ step_gsass() {  # ncu on the fused g kernel at sonic-7b, dy gathered (dwd_gather
   tests reference "${GSASS_TESTS:-200}" $BACKWARD
 }
 step_dw1ncu() {  # ncu on the weight gradients at sonic-7b (dwd_gather.py --ncu --dw1: after one
-  # warm-up backward, dWd and dW1 of dw1_mode 0, 1, 2, 3 in turn): what bounds dW1 with x gathered
-  # as B (mode 3: each CTA of a pair gathering half of B and sending it to the other) against mode 0's
-  # multicast pairs (NOTES.md, session 53)
+  # warm-up backward, dWd and dW1 of dw1_mode 0, 1, 2 in turn): what bounds each form of dW1
   wheels mok; mark dw1ncu
-  timeout 200 ncu --clock-control none --kernel-name regex:wgrad_gemm --launch-skip 2 --launch-count 8 \
+  timeout 200 ncu --clock-control none --kernel-name regex:wgrad_gemm --launch-skip 2 --launch-count 6 \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
     --section LaunchStats -f -o /tmp/w python3 $P/dwd_gather.py sonic-7b --ncu --dw1 >"$OUT/ncu-dw1.txt" 2>&1
   echo "rc=$? ncu dw1" >>"$L"
   ncu -i /tmp/w.ncu-rep --print-summary none >>"$OUT/ncu-dw1.txt" 2>&1
-}
-step_dw1sass() {  # ncu's per-instruction stall samples on mode 3's dW1 at sonic-7b (its tenth
-  # weight-gradient launch of dwd_gather.py --ncu --dw1: warm-up, then modes 0-3, dWd and dW1
-  # each): where the gathering kernel waits (NOTES.md, session 53); needs a build with mode 3
-  # (prepared/dw1-gather-b.patch applied)
-  wheels mok; mark dw1sass
-  timeout 200 ncu --clock-control none --kernel-name regex:wgrad_gemm --launch-skip 9 --launch-count 1 \
-    --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section SourceCounters \
-    --import-source no -f -o /tmp/w3 python3 $P/dwd_gather.py sonic-7b --ncu --dw1 >"$OUT/ncu-dw1-mode3.txt" 2>&1
-  echo "rc=$? ncu dw1 mode 3" >>"$L"
-  ncu -i /tmp/w3.ncu-rep --print-summary none >>"$OUT/ncu-dw1-mode3.txt" 2>&1
-  ncu -i /tmp/w3.ncu-rep --page source --csv --print-source sass 2>>"$L" | gzip >"$OUT/sass-dw1-mode3.csv.gz"
 }
 step_sonic() {  # mok (main, .whl/mok: the tree's own build) against SonicMoE and torch-a2a, the
   # bench in turns (tools/gpu-check's sonic stage; its JSON names the commit) on SONIC_SHAPES
@@ -168,7 +154,22 @@ step_fwd() {  # ncu on main's forward megakernel at sonic-7b: its sections and p
   ncu -i /tmp/fwd.ncu-rep --print-summary none >>"$OUT/ncu-forward.txt" 2>&1
   ncu -i /tmp/fwd.ncu-rep --page source --csv --print-source sass 2>>"$L" | gzip >"$OUT/sass-forward.csv.gz"
 }
-for step in "${@:-dw1}"; do
+step_tstore() {  # dW1 with C stored transposed (dw1_mode 1, 2) in whole sectors (.whl/mok, the
+  # tree) against main's half-sector stores (.whl/mok-base), in turns, two rounds: dwd_gather.py
+  # --dw1 --modes=0,1,2 at sonic-7b and qwen3-30b-a3b (NOTES.md, session 54's prediction); then
+  # the bits of both and, under the tree's build, the backward's tests (every dw1_mode bitwise)
+  mark tstore
+  for b in mok-base mok mok-base mok; do
+    wheels $b
+    echo "## $b" >>"$OUT/tstore.txt"
+    timeout 100 python3 $P/dwd_gather.py --dw1 --modes=0,1,2 sonic-7b qwen3-30b-a3b >>"$OUT/tstore.txt" 2>&1
+    echo "rc=$? dwd_gather $b" >>"$L"
+  done
+  wheels mok-base; bits mok-base
+  wheels mok; bits mok
+  tests reference "${TSTORE_TESTS:-150}" $BACKWARD -k "not sanitizer"
+}
+for step in "${@:-tstore}"; do
   for s in $step; do "step_$s"; done
 done
 mark done

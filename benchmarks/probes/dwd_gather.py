@@ -7,7 +7,7 @@ from the token rows, as the forward's megakernel would then not store them; 3: a
 by route as B). --rounds=N: the modes in turns N times (default 1). With --fp32: the weight
 gradients into fp32 accumulators (from +0, no bf16 rounding: fp32 parameters' path) instead of bf16.
 
-    python3 benchmarks/probes/dwd_gather.py [shape ...] [--ncu] [--dw1] [--fp32] [--rounds=N]
+    python3 benchmarks/probes/dwd_gather.py [shape ...] [--ncu] [--dw1] [--modes=0,1,2] [--fp32] [--rounds=N]
 
 Prints, per shape and mode, each kernel's mean time under torch.profiler and the call's time by
 CUDA events back to back. With --ncu: each mode's backward once (after one warm-up call, which
@@ -80,7 +80,9 @@ def main(argv: list[str]) -> None:
     dw1 = "--dw1" in argv
     fp32 = "--fp32" in argv
     rounds = next((int(a.split("=")[1]) for a in argv if a.startswith("--rounds=")), 1)
-    modes, label = ((0, 1, 2, 3), "dw1_mode") if dw1 else ((0, 1), "dwd_gather")
+    modes, label = ((0, 1, 2), "dw1_mode") if dw1 else ((0, 1), "dwd_gather")
+    # --modes: others (3: a build with prepared/dw1-gather-b.patch)
+    modes = next((tuple(int(m) for m in a.split("=")[1].split(",")) for a in argv if a.startswith("--modes=")), modes)
     for shape in resolve_shapes(",".join(names), 1):
         d = problem(shape.tokens, shape.hidden, shape.inner, shape.experts, shape.topk, fp32=fp32)
         M = d["x"].shape[0]
