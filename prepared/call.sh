@@ -154,8 +154,9 @@ step_fwd() {  # ncu on main's forward megakernel at sonic-7b: its sections and p
   ncu -i /tmp/fwd.ncu-rep --print-summary none >>"$OUT/ncu-forward.txt" 2>&1
   ncu -i /tmp/fwd.ncu-rep --page source --csv --print-source sass 2>>"$L" | gzip >"$OUT/sass-forward.csv.gz"
 }
-step_tstore() {  # dW1 with C stored transposed (dw1_mode 1, 2) in whole sectors (.whl/mok, the
-  # tree) against main's half-sector stores (.whl/mok-base), in turns, two rounds: dwd_gather.py
+step_tstore() {  # dW1 with C stored transposed (dw1_mode 1, 2) in whole sectors (.whl/mok: main
+  # with prepared/wgrad-transposed-sectors.patch applied) against main's half-sector stores
+  # (.whl/mok-base), in turns, two rounds: dwd_gather.py
   # --dw1 --modes=0,1,2 at sonic-7b and qwen3-30b-a3b (NOTES.md, session 54's prediction); then
   # the bits of both and, under the tree's build, the backward's tests (every dw1_mode bitwise)
   mark tstore
