@@ -1,11 +1,12 @@
 """dWd gathering dy by route against dWd reading the g GEMM's table-ordered copy of dy, one shape at
 a time, on the same build: the backward's kernels as the layer at one rank runs them (dy given by
 token, each table row's route, bf16 weight gradients from +0), with `dwd_gather` 0 and 1. With
---dw1: dWd as the device's default, and dW1 in its four modes instead (`dw1_mode` 0: [d_a, d_b]^T x
+--dw1: dWd as the device's default, and dW1 in modes 0-2 instead (`dw1_mode` 0: [d_a, d_b]^T x
 from x's table-ordered rows; 1: x^T [d_a, d_b] stored transposed; 2: as 1 with x gathered by route
-from the token rows, as the forward's megakernel would then not store them; 3: as 0 with x gathered
-by route as B). --rounds=N: the modes in turns N times (default 1). With --fp32: the weight
-gradients into fp32 accumulators (from +0, no bf16 rounding: fp32 parameters' path) instead of bf16.
+from the token rows, as the forward's megakernel would then not store them; --modes= for others,
+3 in a build with the measured, not merged, dw1-gather-b.patch). --rounds=N: the modes in turns
+N times (default 1). With --fp32: the weight gradients into fp32 accumulators (from +0, no bf16
+rounding: fp32 parameters' path) instead of bf16.
 
     python3 benchmarks/probes/dwd_gather.py [shape ...] [--ncu] [--dw1] [--modes=0,1,2] [--fp32] [--rounds=N]
 
@@ -81,7 +82,7 @@ def main(argv: list[str]) -> None:
     fp32 = "--fp32" in argv
     rounds = next((int(a.split("=")[1]) for a in argv if a.startswith("--rounds=")), 1)
     modes, label = ((0, 1, 2), "dw1_mode") if dw1 else ((0, 1), "dwd_gather")
-    # --modes: others (3: a build with prepared/dw1-gather-b.patch)
+    # --modes: others (3: a build with dw1-gather-b.patch, in git history at b29b6d9)
     modes = next((tuple(int(m) for m in a.split("=")[1].split(",")) for a in argv if a.startswith("--modes=")), modes)
     for shape in resolve_shapes(",".join(names), 1):
         d = problem(shape.tokens, shape.hidden, shape.inner, shape.experts, shape.topk, fp32=fp32)
