@@ -15,13 +15,16 @@
 #                                   (none of them is run or listed in TREE)
 #   prepared/call.sh [STEP ...]     on the GPU machine (device `run`, carry the folders the steps
 #                                   use: dw1, dw1ncu, gsass, fwd .whl/mok; tstore .whl/mok and
-#                                   .whl/mok-base; sonic .whl/mok and .whl/sonic): the steps named
-#                                   (dw1, dw1ncu, tstore, sonic, gsass, fwd below), or tstore; then
+#                                   .whl/mok-base; routes those and .whl/mok-r; rtests .whl/mok-r;
+#                                   sonic .whl/mok and .whl/sonic): the steps named (dw1, dw1ncu,
+#                                   tstore, routes, rtests, sonic, gsass, fwd below), or tstore; then
 #   prepared/call.sh summary [DIR]  the bits per case and build, the tests' lines (DIR: default $OUT)
 #
 # Session 53 wrote the dw1 step (dW1's modes and the gather-x lane, in turns); session 54 ran its
 # clusters and lag steps (the weight gradients in clusters of four, 621ce1a; dw1_mode 3's send two
-# k-blocks late: both in git history, NOTES.md) and wrote tstore (C transposed in whole sectors).
+# k-blocks late: both in git history, NOTES.md) and wrote tstore (C transposed in whole sectors);
+# session 55 (no device lent) wrote routes and rtests (the gathering producer's routes in shared
+# memory, on top of the sectors).
 set -o pipefail
 cd "$(dirname "$0")/.."
 LEAN=/tmp/mok-lean
@@ -82,6 +85,18 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,power.draw --fo
 COMMITTED=benchmarks/results/profiles/2026-12-07_nvidia-h100_bits-digest-dw1.txt
 [ -f $COMMITTED ] && { echo "## committed-dw1"; cat $COMMITTED; } >>"$OUT/bits.txt"
 BACKWARD="tests/bf16/test_bf16_grouped_backward.py tests/bf16/test_moe_backward_call.py"
+sanitize_lane() {  # memcheck and racecheck over the GEMMs of test_megakernel's SANITIZE layer call
+  # with the gather-x lane on (the forward storing no x, dW1 in mode 2: gathered and transposed)
+  local lane_script
+  lane_script="import mok_torch.backends.native as n; n.GATHER_X_MAX_INNER = 256
+$(python3 -c 'import sys; sys.path[:0] = ["tests/bf16", "tests"]; from test_megakernel import SANITIZE; print(SANITIZE)')"
+  for tool in memcheck racecheck; do
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 120 compute-sanitizer --tool=$tool --kernel-name kns=gemm \
+      python3 -c "$lane_script" full >/tmp/san.txt 2>&1
+    echo "rc=$? sanitizer $tool over the gemms, the lane on" >>"$L"
+    grep -E "ERROR SUMMARY|errors, .* warnings|ran" /tmp/san.txt | tail -3 >>"$L"
+  done
+}
 step_dw1() {  # dW1's modes (dwd_gather.py --dw1 --modes=DW1_MODES, default 0,1,2: 0 the stored x's
   # rows, 1 x^T [d_a, d_b] from them, 2 the same gathering x by route), then the gather-x lane
   # (the forward storing no x, dW1 in mode 2) against main's path in one process, both in turns;
@@ -101,15 +116,7 @@ step_dw1() {  # dW1's modes (dwd_gather.py --dw1 --modes=DW1_MODES, default 0,1,
   tests reference "${DW1_TESTS:-150}" $BACKWARD -k "not sanitizer"
   tests cuda 90 tests/layer/test_determinism.py
   tests reference 130 tests/bf16/test_megakernel.py -k "sanitizer and gemm and (racecheck or memcheck)"
-  local lane_script
-  lane_script="import mok_torch.backends.native as n; n.GATHER_X_MAX_INNER = 256
-$(python3 -c 'import sys; sys.path[:0] = ["tests/bf16", "tests"]; from test_megakernel import SANITIZE; print(SANITIZE)')"
-  for tool in memcheck racecheck; do
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 120 compute-sanitizer --tool=$tool --kernel-name kns=gemm \
-      python3 -c "$lane_script" full >/tmp/san.txt 2>&1
-    echo "rc=$? sanitizer $tool over the gemms, the lane on" >>"$L"
-    grep -E "ERROR SUMMARY|errors, .* warnings|ran" /tmp/san.txt | tail -3 >>"$L"
-  done
+  sanitize_lane
 }
 step_gsass() {  # ncu on the fused g kernel at sonic-7b, dy gathered (dwd_gather 1, an H100's
   # default; the third launch: warm-up, copied, gathered): the sections and each SASS
@@ -169,6 +176,28 @@ step_tstore() {  # dW1 with C stored transposed (dw1_mode 1, 2) in whole sectors
   wheels mok-base; bits mok-base
   wheels mok; bits mok
   tests reference "${TSTORE_TESTS:-150}" $BACKWARD -k "not sanitizer"
+}
+step_routes() {  # the gathering weight gradients' routes in shared memory (.whl/mok-r: main with
+  # prepared/wgrad-transposed-sectors.patch and prepared/wgrad-route-chunks.patch applied) beside
+  # main (.whl/mok-base) and main + the sectors alone (.whl/mok), in turns, two rounds: dWd as the
+  # device's default (gathered on an H100 at I <= 256) and dW1 in modes 0-2 (NOTES.md, session 55's
+  # prediction); then the bits of the three
+  mark routes
+  for b in mok-base mok mok-r mok-base mok mok-r; do
+    wheels $b
+    echo "## $b" >>"$OUT/routes.txt"
+    timeout 100 python3 $P/dwd_gather.py --dw1 --modes=0,1,2 sonic-7b qwen3-30b-a3b >>"$OUT/routes.txt" 2>&1
+    echo "rc=$? dwd_gather $b" >>"$L"
+  done
+  for b in mok-base mok mok-r; do wheels $b; bits $b; done
+}
+step_rtests() {  # under .whl/mok-r: the backward's tests (every dw1_mode and dwd_gather bitwise,
+  # segments past one chunk of routes), the sanitizers over the backward's GEMMs and over a layer
+  # call with the gather-x lane on (dW1 in mode 2)
+  wheels mok-r; mark rtests
+  tests reference "${RTESTS_TESTS:-170}" $BACKWARD -k "not sanitizer"
+  tests reference 130 tests/bf16/test_megakernel.py -k "sanitizer and gemm and (racecheck or memcheck)"
+  sanitize_lane
 }
 for step in "${@:-tstore}"; do
   for s in $step; do "step_$s"; done

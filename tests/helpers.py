@@ -179,5 +179,8 @@ GROUPED_CASES = [
         ("skewed", [1000, 3, 5, 0, 0, 2, 1, 24], 512, 384),
         # K of more k-blocks than the deferred epilogue's pieces (16 and 10 blocks of 64)
         ("long-K", [300, 77, 0, 200], 1024, 640),
+        # segments longer than the gathering weight gradients' chunk of 2,048 routes (2,049 rows:
+        # one row into a second chunk), starting off multiples of 4 rows
+        ("long-segments", [2200, 0, 37, 2049], 128, 64),
     )
 ]

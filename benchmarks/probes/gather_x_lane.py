@@ -1,7 +1,7 @@
 """The gather-x lane against main's path, in one process on one build: a layer call at one rank
 with `GATHER_X_MAX_INNER` 0 (the forward's megakernel stores the routed x rows, dW1 reads them in
 table order) and 256 (the megakernel stores none, dW1 gathers x's rows by route from the layer's
-input: `dw1_mode` 3), in turns.
+input: `dw1_mode` 2), in turns.
 
     python3 benchmarks/probes/gather_x_lane.py [shape ...] [--rounds=N]
 
