@@ -15,16 +15,17 @@
 #                                   (none of them is run or listed in TREE)
 #   prepared/call.sh [STEP ...]     on the GPU machine (device `run`, carry the folders the steps
 #                                   use: dw1, dw1ncu, gsass, fwd .whl/mok; tstore .whl/mok and
-#                                   .whl/mok-base; routes those and .whl/mok-r; rtests .whl/mok-r;
-#                                   sonic .whl/mok and .whl/sonic): the steps named (dw1, dw1ncu,
-#                                   tstore, routes, rtests, sonic, gsass, fwd below), or tstore; then
+#                                   .whl/mok-base; routes those and .whl/mok-r; rlane, rtests
+#                                   .whl/mok-r; sonic .whl/mok and .whl/sonic): the steps named
+#                                   (dw1, dw1ncu, tstore, routes, rlane, rtests, sonic, gsass, fwd
+#                                   below), or tstore; then
 #   prepared/call.sh summary [DIR]  the bits per case and build, the tests' lines (DIR: default $OUT)
 #
 # Session 53 wrote the dw1 step (dW1's modes and the gather-x lane, in turns); session 54 ran its
 # clusters and lag steps (the weight gradients in clusters of four, 621ce1a; dw1_mode 3's send two
 # k-blocks late: both in git history, NOTES.md) and wrote tstore (C transposed in whole sectors);
-# session 55 (no device lent) wrote routes and rtests (the gathering producer's routes in shared
-# memory, on top of the sectors).
+# session 55 (no device lent) wrote routes, rlane and rtests (the gathering producer's routes in
+# shared memory, on top of the sectors, and the gather-x lane on both).
 set -o pipefail
 cd "$(dirname "$0")/.."
 LEAN=/tmp/mok-lean
@@ -190,6 +191,13 @@ step_routes() {  # the gathering weight gradients' routes in shared memory (.whl
     echo "rc=$? dwd_gather $b" >>"$L"
   done
   for b in mok-base mok mok-r; do wheels $b; bits $b; done
+}
+step_rlane() {  # the gather-x lane (the forward storing no x, dW1 in mode 2) against main's path
+  # under .whl/mok-r (both patches), in turns in one process, two rounds: the decision the two
+  # patches are for (NOTES.md, session 55)
+  wheels mok-r; mark rlane
+  timeout 170 python3 $P/gather_x_lane.py --rounds=2 sonic-7b qwen3-30b-a3b >"$OUT/rlane.txt" 2>&1
+  echo "rc=$? rlane" >>"$L"
 }
 step_rtests() {  # under .whl/mok-r: the backward's tests (every dw1_mode and dwd_gather bitwise,
   # segments past one chunk of routes), the sanitizers over the backward's GEMMs and over a layer
