@@ -16,16 +16,17 @@
 #   prepared/call.sh [STEP ...]     on the GPU machine (device `run`, carry the folders the steps
 #                                   use: dw1, dw1ncu, gsass, fwd .whl/mok; tstore .whl/mok and
 #                                   .whl/mok-base; routes those and .whl/mok-r; rlane, rtests
-#                                   .whl/mok-r; sonic .whl/mok and .whl/sonic): the steps named
-#                                   (dw1, dw1ncu, tstore, routes, rlane, rtests, sonic, gsass, fwd
-#                                   below), or tstore; then
+#                                   .whl/mok-r; early .whl/mok-base and .whl/mok-e; sonic .whl/mok
+#                                   and .whl/sonic): the steps named (dw1, dw1ncu, tstore, routes,
+#                                   rlane, rtests, early, sonic, gsass, fwd below), or tstore; then
 #   prepared/call.sh summary [DIR]  the bits per case and build, the tests' lines (DIR: default $OUT)
 #
 # Session 53 wrote the dw1 step (dW1's modes and the gather-x lane, in turns); session 54 ran its
 # clusters and lag steps (the weight gradients in clusters of four, 621ce1a; dw1_mode 3's send two
 # k-blocks late: both in git history, NOTES.md) and wrote tstore (C transposed in whole sectors);
 # session 55 (no device lent) wrote routes, rlane and rtests (the gathering producer's routes in
-# shared memory, on top of the sectors, and the gather-x lane on both).
+# shared memory, on top of the sectors, and the gather-x lane on both) and early (the megakernel's
+# stages given back without a queued group).
 set -o pipefail
 cd "$(dirname "$0")/.."
 LEAN=/tmp/mok-lean
@@ -198,6 +199,21 @@ step_rlane() {  # the gather-x lane (the forward storing no x, dW1 in mode 2) ag
   wheels mok-r; mark rlane
   timeout 170 python3 $P/gather_x_lane.py --rounds=2 sonic-7b qwen3-30b-a3b >"$OUT/rlane.txt" 2>&1
   echo "rc=$? rlane" >>"$L"
+}
+step_early() {  # the megakernel's consumers giving each stage back once its own wgmmas are done
+  # (.whl/mok-e: main with prepared/megakernel-stage-back-early.patch) against main (.whl/mok-base),
+  # in turns, two rounds: megakernel_timers.py at sonic-7b and qwen3-30b-a3b (NOTES.md, session
+  # 55's prediction); then the bits and the megakernel's tests under .whl/mok-e
+  mark early
+  for b in mok-base mok-e mok-base mok-e; do
+    wheels $b
+    echo "## $b" >>"$OUT/early.txt"
+    timeout 90 python3 $P/megakernel_timers.py sonic-7b qwen3-30b-a3b >>"$OUT/early.txt" 2>&1
+    echo "rc=$? timers $b" >>"$L"
+  done
+  wheels mok-base; bits mok-base
+  wheels mok-e; bits mok-e
+  tests reference "${EARLY_TESTS:-200}" tests/bf16/test_megakernel.py
 }
 step_rtests() {  # under .whl/mok-r: the backward's tests (every dw1_mode and dwd_gather bitwise,
   # segments past one chunk of routes), the sanitizers over the backward's GEMMs and over a layer
