@@ -16,17 +16,18 @@
 #   prepared/call.sh [STEP ...]     on the GPU machine (device `run`, carry the folders the steps
 #                                   use: dw1, dw1ncu, gsass, fwd .whl/mok; tstore .whl/mok and
 #                                   .whl/mok-base; routes those and .whl/mok-r; rlane, rtests
-#                                   .whl/mok-r; early .whl/mok-base and .whl/mok-e; sonic .whl/mok
-#                                   and .whl/sonic): the steps named (dw1, dw1ncu, tstore, routes,
-#                                   rlane, rtests, early, sonic, gsass, fwd below), or tstore; then
+#                                   .whl/mok-r; early .whl/mok-base, .whl/mok-e and .whl/mok-eg;
+#                                   etests .whl/mok-eg; sonic .whl/mok and .whl/sonic): the steps
+#                                   named (dw1, dw1ncu, tstore, routes, rlane, rtests, early,
+#                                   etests, sonic, gsass, fwd below), or tstore; then
 #   prepared/call.sh summary [DIR]  the bits per case and build, the tests' lines (DIR: default $OUT)
 #
 # Session 53 wrote the dw1 step (dW1's modes and the gather-x lane, in turns); session 54 ran its
 # clusters and lag steps (the weight gradients in clusters of four, 621ce1a; dw1_mode 3's send two
 # k-blocks late: both in git history, NOTES.md) and wrote tstore (C transposed in whole sectors);
 # session 55 (no device lent) wrote routes, rlane and rtests (the gathering producer's routes in
-# shared memory, on top of the sectors, and the gather-x lane on both) and early (the megakernel's
-# stages given back without a queued group).
+# shared memory, on top of the sectors, and the gather-x lane on both), early and etests (stages
+# given back without a queued group of wgmmas: the megakernel's, then the other GEMMs').
 set -o pipefail
 cd "$(dirname "$0")/.."
 LEAN=/tmp/mok-lean
@@ -200,10 +201,12 @@ step_rlane() {  # the gather-x lane (the forward storing no x, dW1 in mode 2) ag
   timeout 170 python3 $P/gather_x_lane.py --rounds=2 sonic-7b qwen3-30b-a3b >"$OUT/rlane.txt" 2>&1
   echo "rc=$? rlane" >>"$L"
 }
-step_early() {  # the megakernel's consumers giving each stage back once its own wgmmas are done
-  # (.whl/mok-e: main with prepared/megakernel-stage-back-early.patch) against main (.whl/mok-base),
-  # in turns, two rounds: megakernel_timers.py at sonic-7b and qwen3-30b-a3b (NOTES.md, session
-  # 55's prediction); then the bits and the megakernel's tests under .whl/mok-e
+step_early() {  # consumers that give each stage back once its own wgmmas are done, in turns with
+  # main (.whl/mok-base), two rounds: the megakernel's timers under .whl/mok-e (main with
+  # prepared/megakernel-stage-back-early.patch), the backward's kernels (dwd_gather.py --dw1
+  # --modes=0: the g GEMM, dx, dWd, dW1) under .whl/mok-eg (that and
+  # prepared/stage-back-early-gemms.patch: the grouped and weight-gradient GEMMs too); NOTES.md,
+  # session 55's prediction; then the bits of the three
   mark early
   for b in mok-base mok-e mok-base mok-e; do
     wheels $b
@@ -211,9 +214,19 @@ step_early() {  # the megakernel's consumers giving each stage back once its own
     timeout 90 python3 $P/megakernel_timers.py sonic-7b qwen3-30b-a3b >>"$OUT/early.txt" 2>&1
     echo "rc=$? timers $b" >>"$L"
   done
-  wheels mok-base; bits mok-base
-  wheels mok-e; bits mok-e
-  tests reference "${EARLY_TESTS:-200}" tests/bf16/test_megakernel.py
+  for b in mok-base mok-eg mok-base mok-eg; do
+    wheels $b
+    echo "## $b" >>"$OUT/early.txt"
+    timeout 90 python3 $P/dwd_gather.py --dw1 --modes=0 sonic-7b qwen3-30b-a3b >>"$OUT/early.txt" 2>&1
+    echo "rc=$? dwd_gather $b" >>"$L"
+  done
+  for b in mok-base mok-e mok-eg; do wheels $b; bits $b; done
+}
+step_etests() {  # under .whl/mok-eg: the megakernel's tests (bitwise the chain, the sanitizers)
+  # and the grouped GEMMs' and the backward's
+  wheels mok-eg; mark etests
+  tests reference "${ETESTS_MEGAKERNEL:-200}" tests/bf16/test_megakernel.py
+  tests reference "${ETESTS_GEMMS:-250}" tests/bf16/test_bf16_grouped.py $BACKWARD -k "not sanitizer"
 }
 step_rtests() {  # under .whl/mok-r: the backward's tests (every dw1_mode and dwd_gather bitwise,
   # segments past one chunk of routes), the sanitizers over the backward's GEMMs and over a layer
