@@ -16,8 +16,8 @@
 #   prepared/call.sh [STEP ...]     on the GPU machine (device `run`, carry the folders the steps
 #                                   use: dw1, dw1ncu, gsass, fwd .whl/mok; tstore .whl/mok and
 #                                   .whl/mok-base; routes those and .whl/mok-r; rlane, rtests
-#                                   .whl/mok-r; early .whl/mok-base, .whl/mok-e and .whl/mok-eg;
-#                                   etests .whl/mok-eg; sonic .whl/mok and .whl/sonic): the steps
+#                                   .whl/mok-r; early .whl/mok-base, -e, -i, -ei and -eg; etests
+#                                   .whl/mok-ei, -eg; sonic .whl/mok and .whl/sonic): the steps
 #                                   named (dw1, dw1ncu, tstore, routes, rlane, rtests, early,
 #                                   etests, sonic, gsass, fwd below), or tstore; then
 #   prepared/call.sh summary [DIR]  the bits per case and build, the tests' lines (DIR: default $OUT)
@@ -27,7 +27,8 @@
 # k-blocks late: both in git history, NOTES.md) and wrote tstore (C transposed in whole sectors);
 # session 55 (no device lent) wrote routes, rlane and rtests (the gathering producer's routes in
 # shared memory, on top of the sectors, and the gather-x lane on both), early and etests (stages
-# given back without a queued group of wgmmas: the megakernel's, then the other GEMMs').
+# given back without a queued group of wgmmas, the megakernel's and the other GEMMs'; the
+# megakernel's gate/up and down tiles interleaved in the ticket order).
 set -o pipefail
 cd "$(dirname "$0")/.."
 LEAN=/tmp/mok-lean
@@ -201,31 +202,35 @@ step_rlane() {  # the gather-x lane (the forward storing no x, dW1 in mode 2) ag
   timeout 170 python3 $P/gather_x_lane.py --rounds=2 sonic-7b qwen3-30b-a3b >"$OUT/rlane.txt" 2>&1
   echo "rc=$? rlane" >>"$L"
 }
-step_early() {  # consumers that give each stage back once its own wgmmas are done, in turns with
-  # main (.whl/mok-base), two rounds: the megakernel's timers under .whl/mok-e (main with
-  # prepared/megakernel-stage-back-early.patch), the backward's kernels (dwd_gather.py --dw1
-  # --modes=0: the g GEMM, dx, dWd, dW1) under .whl/mok-eg (that and
-  # prepared/stage-back-early-gemms.patch: the grouped and weight-gradient GEMMs too); NOTES.md,
-  # session 55's prediction; then the bits of the three
+step_early() {  # the forward megakernel's two prepared changes and the GEMMs' early release, in
+  # turns with main (.whl/mok-base), two rounds (NOTES.md, session 55's predictions):
+  # megakernel_timers.py at sonic-7b and qwen3-30b-a3b under .whl/mok-e (main with
+  # prepared/megakernel-stage-back-early.patch), .whl/mok-i (main with
+  # prepared/megakernel-interleaved-tasks.patch) and .whl/mok-ei (both); the backward's kernels
+  # (dwd_gather.py --dw1 --modes=0: the g GEMM, dx, dWd, dW1) under .whl/mok-eg (the early patch
+  # and prepared/stage-back-early-gemms.patch); then the bits of all five
   mark early
-  for b in mok-base mok-e mok-base mok-e; do
-    wheels $b
-    echo "## $b" >>"$OUT/early.txt"
-    timeout 90 python3 $P/megakernel_timers.py sonic-7b qwen3-30b-a3b >>"$OUT/early.txt" 2>&1
-    echo "rc=$? timers $b" >>"$L"
+  for round in 1 2; do
+    for b in mok-base mok-e mok-i mok-ei; do
+      wheels $b
+      echo "## $b" >>"$OUT/early.txt"
+      timeout 60 python3 $P/megakernel_timers.py sonic-7b qwen3-30b-a3b >>"$OUT/early.txt" 2>&1
+      echo "rc=$? timers $b $round" >>"$L"
+    done
   done
   for b in mok-base mok-eg mok-base mok-eg; do
     wheels $b
     echo "## $b" >>"$OUT/early.txt"
-    timeout 90 python3 $P/dwd_gather.py --dw1 --modes=0 sonic-7b qwen3-30b-a3b >>"$OUT/early.txt" 2>&1
+    timeout 60 python3 $P/dwd_gather.py --dw1 --modes=0 sonic-7b qwen3-30b-a3b >>"$OUT/early.txt" 2>&1
     echo "rc=$? dwd_gather $b" >>"$L"
   done
-  for b in mok-base mok-e mok-eg; do wheels $b; bits $b; done
+  for b in mok-base mok-e mok-i mok-ei mok-eg; do wheels $b; bits $b; done
 }
-step_etests() {  # under .whl/mok-eg: the megakernel's tests (bitwise the chain, the sanitizers)
-  # and the grouped GEMMs' and the backward's
-  wheels mok-eg; mark etests
+step_etests() {  # the megakernel's tests (bitwise the chain at every grid, the sanitizers) under
+  # .whl/mok-ei (both of its patches), the grouped GEMMs' and the backward's under .whl/mok-eg
+  wheels mok-ei; mark etests
   tests reference "${ETESTS_MEGAKERNEL:-200}" tests/bf16/test_megakernel.py
+  wheels mok-eg
   tests reference "${ETESTS_GEMMS:-250}" tests/bf16/test_bf16_grouped.py $BACKWARD -k "not sanitizer"
 }
 step_rtests() {  # under .whl/mok-r: the backward's tests (every dw1_mode and dwd_gather bitwise,
