@@ -9,6 +9,9 @@
 #                                   (tools/gpu_wheels.py sonic); ~3 min a folder on two cores; a
 #                                   Python 3.12 with scikit-build-core, pybind11, cmake, ninja,
 #                                   setuptools and wheel: $MOK_WHEEL_PYTHON
+#   prepared/call.sh folders        here: the wheel folders of session 55's steps (mok-base: main;
+#                                   mok, mok-r, mok-e, mok-eg, mok-i, mok-ei: main with their
+#                                   patches, below), ~2.5 min each on two cores
 #   prepared/call.sh lean | unlean  here, around a call that carries .whl/sonic: benchmarks/results,
 #                                   NOTES.md and docs/ out of the tree (to /tmp/mok-lean) and back,
 #                                   so that the tree and the folders fit the call's 64 MiB
@@ -36,6 +39,23 @@ if [ "${1:-}" = build ]; then
   py=${MOK_WHEEL_PYTHON:-python3.12}
   python3 tools/gpu_wheels.py build --python "$py" || exit 1
   [ -d .whl/sonic ] || python3 tools/gpu_wheels.py sonic || exit 1
+  exit 0
+fi
+if [ "${1:-}" = folders ]; then  # here: every wheel folder the steps of session 55 carry, from main
+  py=${MOK_WHEEL_PYTHON:-python3.12}
+  folder() {  # folder NAME [PATCH ...]: main's packages with the patches applied, into .whl/NAME
+    local name=$1 args=()
+    shift
+    for patch in "$@"; do args+=(--patch "$patch"); done
+    python3 tools/gpu_wheels.py build --python "$py" --base main "${args[@]}" --out ".whl/$name" || exit 1
+  }
+  folder mok-base
+  folder mok prepared/wgrad-transposed-sectors.patch
+  folder mok-r prepared/wgrad-transposed-sectors.patch prepared/wgrad-route-chunks.patch
+  folder mok-e prepared/megakernel-stage-back-early.patch
+  folder mok-eg prepared/megakernel-stage-back-early.patch prepared/stage-back-early-gemms.patch
+  folder mok-i prepared/megakernel-interleaved-tasks.patch
+  folder mok-ei prepared/megakernel-stage-back-early.patch prepared/megakernel-interleaved-tasks.patch
   exit 0
 fi
 if [ "${1:-}" = lean ]; then
