@@ -109,6 +109,17 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,power.draw --fo
 COMMITTED=benchmarks/results/profiles/2026-12-07_nvidia-h100_bits-digest-dw1.txt
 [ -f $COMMITTED ] && { echo "## committed-dw1"; cat $COMMITTED; } >>"$OUT/bits.txt"
 BACKWARD="tests/bf16/test_bf16_grouped_backward.py tests/bf16/test_moe_backward_call.py"
+in_turns() {  # in_turns FILE SECONDS "BUILD ..." PROBE [ARG ...]: the probe under each build's
+  # wheels in the order given, its output into $OUT/FILE under a "## BUILD" line each
+  local file=$1 seconds=$2 builds=$3 b
+  shift 3
+  for b in $builds; do
+    wheels "$b"
+    echo "## $b" >>"$OUT/$file"
+    timeout "$seconds" python3 "$P/$1" "${@:2}" >>"$OUT/$file" 2>&1
+    echo "rc=$? $1 $b" >>"$L"
+  done
+}
 sanitize_lane() {  # memcheck and racecheck over the GEMMs of test_megakernel's SANITIZE layer call
   # with the gather-x lane on (the forward storing no x, dW1 in mode 2: gathered and transposed)
   local lane_script
@@ -191,12 +202,7 @@ step_tstore() {  # dW1 with C stored transposed (dw1_mode 1, 2) in whole sectors
   # --dw1 --modes=0,1,2 at sonic-7b and qwen3-30b-a3b (NOTES.md, session 54's prediction); then
   # the bits of both and, under the tree's build, the backward's tests (every dw1_mode bitwise)
   mark tstore
-  for b in mok-base mok mok-base mok; do
-    wheels $b
-    echo "## $b" >>"$OUT/tstore.txt"
-    timeout 100 python3 $P/dwd_gather.py --dw1 --modes=0,1,2 sonic-7b qwen3-30b-a3b >>"$OUT/tstore.txt" 2>&1
-    echo "rc=$? dwd_gather $b" >>"$L"
-  done
+  in_turns tstore.txt 100 "mok-base mok mok-base mok" dwd_gather.py --dw1 --modes=0,1,2 sonic-7b qwen3-30b-a3b
   wheels mok-base; bits mok-base
   wheels mok; bits mok
   tests reference "${TSTORE_TESTS:-150}" $BACKWARD -k "not sanitizer"
@@ -207,12 +213,8 @@ step_routes() {  # the gathering weight gradients' routes in shared memory (.whl
   # device's default (gathered on an H100 at I <= 256) and dW1 in modes 0-2 (NOTES.md, session 55's
   # prediction); then the bits of the three
   mark routes
-  for b in mok-base mok mok-r mok-base mok mok-r; do
-    wheels $b
-    echo "## $b" >>"$OUT/routes.txt"
-    timeout 100 python3 $P/dwd_gather.py --dw1 --modes=0,1,2 sonic-7b qwen3-30b-a3b >>"$OUT/routes.txt" 2>&1
-    echo "rc=$? dwd_gather $b" >>"$L"
-  done
+  in_turns routes.txt 100 "mok-base mok mok-r mok-base mok mok-r" \
+    dwd_gather.py --dw1 --modes=0,1,2 sonic-7b qwen3-30b-a3b
   for b in mok-base mok mok-r; do wheels $b; bits $b; done
 }
 step_rlane() {  # the gather-x lane (the forward storing no x, dW1 in mode 2) against main's path
@@ -230,20 +232,9 @@ step_early() {  # the forward megakernel's two prepared changes and the GEMMs' e
   # (dwd_gather.py --dw1 --modes=0: the g GEMM, dx, dWd, dW1) under .whl/mok-eg (the early patch
   # and prepared/stage-back-early-gemms.patch); then the bits of all five
   mark early
-  for round in 1 2; do
-    for b in mok-base mok-e mok-i mok-ei; do
-      wheels $b
-      echo "## $b" >>"$OUT/early.txt"
-      timeout 60 python3 $P/megakernel_timers.py sonic-7b qwen3-30b-a3b >>"$OUT/early.txt" 2>&1
-      echo "rc=$? timers $b $round" >>"$L"
-    done
-  done
-  for b in mok-base mok-eg mok-base mok-eg; do
-    wheels $b
-    echo "## $b" >>"$OUT/early.txt"
-    timeout 60 python3 $P/dwd_gather.py --dw1 --modes=0 sonic-7b qwen3-30b-a3b >>"$OUT/early.txt" 2>&1
-    echo "rc=$? dwd_gather $b" >>"$L"
-  done
+  in_turns early.txt 60 "mok-base mok-e mok-i mok-ei mok-base mok-e mok-i mok-ei" \
+    megakernel_timers.py sonic-7b qwen3-30b-a3b
+  in_turns early.txt 60 "mok-base mok-eg mok-base mok-eg" dwd_gather.py --dw1 --modes=0 sonic-7b qwen3-30b-a3b
   for b in mok-base mok-e mok-i mok-ei mok-eg; do wheels $b; bits $b; done
 }
 step_etests() {  # the megakernel's tests (bitwise the chain at every grid, the sanitizers) under

@@ -20,6 +20,8 @@ def test_every_patch_and_probe_it_names_exists():
     text = CALL.read_text()
     named = set(re.findall(r"prepared/[\w.-]+\.patch", text))
     probes = set(re.findall(r"\$P/([\w.-]+\.py)", text))
+    # in_turns FILE SECONDS "BUILDS" PROBE ...: the probe named without $P/
+    probes |= set(re.findall(r'^\s*in_turns \S+ \d+ "[^"]*" \\?\s*([\w.-]+\.py)', text, re.MULTILINE))
     results = set(re.findall(r"benchmarks/results/[\w./-]+\.txt", text))  # the committed digests
     assert probes and results  # (a call may build main alone: no patch named)
     for path in sorted(named):
